@@ -109,7 +109,7 @@ pub enum AccessError {
     },
     /// The region does not allow this kind of access.
     #[error("the region does not allow {0}")]
-    NotPermitted(&'static str),
+    NotPermitted(String),
 }
 
 impl Error {

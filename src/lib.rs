@@ -3,13 +3,52 @@
 //! An async byte-transfer layer in the spirit of Open MPI's BTLs: a process
 //! opens a [`Fabric`], takes an [`Endpoint`] per peer and awaits `send`, `put`
 //! and `get`. Every operation is a future completed by the transport's own
-//! progress task.
+//! progress task; backpressure is `Poll::Pending`, never `EAGAIN`.
+//!
+//! ```no_run
+//! # async fn demo() -> async_btl::Result<()> {
+//! use async_btl::{Fabric, LocalExchange, FabricBuilder};
+//! let fabric = Fabric::single().await?;
+//! let ep = fabric.endpoint(0)?;
+//! let mut rx = fabric.receiver(7)?;
+//! ep.send(7, &b"hello"[..]).await?;
+//! let msg = rx.recv().await?;
+//! assert_eq!(&msg.data[..], b"hello");
+//! fabric.close().await
+//! # }
+//! ```
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod config;
 pub mod error;
+pub mod exchange;
 
+mod completion;
+mod dispatch;
+mod endpoint;
+mod fabric;
+mod mem;
+mod os;
+mod progress;
+mod region;
+mod ring;
+mod rma;
+mod selflink;
+mod shm;
+pub(crate) mod sm;
+mod stats;
+mod sync;
+mod transport;
+
+pub use config::{Config, ProgressMode};
+pub use dispatch::{Message, Receiver};
+pub use endpoint::{Endpoint, Flush, Get, Put, Send, SendInline};
 pub use error::{AccessError, Error, Result};
+pub use exchange::{AddressExchange, LocalExchange};
+pub use fabric::{Fabric, FabricBuilder};
+pub use region::{MemoryRegion, RemoteKey};
+pub use stats::Stats;
 
 /// A process's index in the job, `0..size`.
 pub type Rank = u32;

@@ -1,0 +1,140 @@
+//! Completion slots: the meeting point between an operation's future and the
+//! progress engine that finishes it.
+//!
+//! A slot is shared (`Arc`) by the future and by whoever owns the in-flight
+//! operation (a transport queue, the RMA table). The engine calls
+//! [`Completion::complete`] exactly once with the result; the future polls
+//! [`Completion::poll`]. Dropping the future only drops its `Arc`: the engine
+//! still completes the slot, nobody is woken, nothing dangles.
+
+use std::task::{Context, Poll, Waker};
+
+use crate::sync::{lock, Arc, Mutex};
+use crate::Result;
+
+enum State {
+    Waiting(Option<Waker>),
+    Done(Result<()>),
+    Taken,
+}
+
+/// A one-shot completion slot.
+pub(crate) struct Completion {
+    state: Mutex<State>,
+}
+
+impl Completion {
+    /// A fresh, pending slot.
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Completion {
+            state: Mutex::new(State::Waiting(None)),
+        })
+    }
+
+    /// Record the result and wake the waiter. Later calls are ignored: the
+    /// first result wins (a peer-loss sweep may race a late ACK).
+    pub(crate) fn complete(&self, result: Result<()>) {
+        let waker = {
+            let mut st = lock(&self.state);
+            match &mut *st {
+                State::Waiting(w) => {
+                    let w = w.take();
+                    *st = State::Done(result);
+                    w
+                }
+                _ => None,
+            }
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// Whether a result has been recorded (taken or not).
+    pub(crate) fn is_done(&self) -> bool {
+        !matches!(*lock(&self.state), State::Waiting(_))
+    }
+
+    /// Poll for the result; registers the task's waker while pending.
+    pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let mut st = lock(&self.state);
+        match &mut *st {
+            State::Waiting(w) => {
+                match w {
+                    Some(old) if old.will_wake(cx.waker()) => {}
+                    _ => *w = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+            State::Done(_) => match std::mem::replace(&mut *st, State::Taken) {
+                State::Done(r) => Poll::Ready(r),
+                _ => unreachable!("state was Done a line above"),
+            },
+            State::Taken => Poll::Ready(Err(crate::Error::Misuse(
+                "operation future polled after it completed".into(),
+            ))),
+        }
+    }
+}
+
+#[cfg(all(test, btl_loom))]
+mod loom_tests {
+    use super::*;
+    use futures::task::noop_waker;
+    use loom::thread;
+
+    #[test]
+    fn complete_races_poll_and_result_is_seen_once() {
+        loom::model(|| {
+            let c = Completion::new();
+            let c2 = c.clone();
+            let t = thread::spawn(move || c2.complete(Ok(())));
+            let w = noop_waker();
+            let mut cx = Context::from_waker(&w);
+            let first = c.poll(&mut cx);
+            t.join().unwrap();
+            let second = c.poll(&mut cx);
+            match (first, second) {
+                (Poll::Pending, Poll::Ready(Ok(()))) => {}
+                (Poll::Ready(Ok(())), Poll::Ready(Err(_))) => {}
+                other => panic!("unexpected sequence: {:?}", (other.0.is_ready(), other.1.is_ready())),
+            }
+        });
+    }
+
+    #[test]
+    fn double_complete_keeps_first() {
+        loom::model(|| {
+            let c = Completion::new();
+            let a = c.clone();
+            let b = c.clone();
+            let ta = thread::spawn(move || a.complete(Ok(())));
+            let tb = thread::spawn(move || b.complete(Err(crate::Error::Closed)));
+            ta.join().unwrap();
+            tb.join().unwrap();
+            let w = noop_waker();
+            let mut cx = Context::from_waker(&w);
+            assert!(c.poll(&mut cx).is_ready());
+        });
+    }
+}
+
+#[cfg(all(test, not(btl_loom)))]
+mod tests {
+    use super::*;
+    use futures::task::noop_waker;
+
+    #[test]
+    fn pending_then_ready_then_misuse() {
+        let c = Completion::new();
+        let w = noop_waker();
+        let mut cx = Context::from_waker(&w);
+        assert!(c.poll(&mut cx).is_pending());
+        assert!(!c.is_done());
+        c.complete(Err(crate::Error::Closed));
+        c.complete(Ok(()));
+        assert!(c.is_done());
+        assert!(matches!(c.poll(&mut cx), Poll::Ready(Err(crate::Error::Closed))));
+        assert!(matches!(c.poll(&mut cx), Poll::Ready(Err(crate::Error::Misuse(_)))));
+    }
+}

@@ -1,0 +1,178 @@
+//! Tunables, with defaults chosen from measurements on the dev machines.
+//! Every field can also be set through a `BTL_*` environment variable (see
+//! [`Config::from_env`]).
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// How a transport's progress task waits for work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressMode {
+    /// Poll without ever sleeping: lowest latency, one core per process busy.
+    /// For benchmarks and dedicated nodes.
+    BusyPoll,
+    /// Poll while traffic flows, then park on a doorbell after
+    /// [`Config::spin`] without work. Near busy-poll latency when hot, ~0% CPU
+    /// when idle. The default.
+    #[default]
+    Adaptive,
+    /// Always park between events: lowest CPU, highest latency.
+    Interrupt,
+}
+
+impl std::str::FromStr for ProgressMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "busy" | "busypoll" | "busy-poll" | "poll" => Ok(ProgressMode::BusyPoll),
+            "adaptive" => Ok(ProgressMode::Adaptive),
+            "interrupt" | "park" => Ok(ProgressMode::Interrupt),
+            other => Err(Error::Config(format!(
+                "unknown progress mode {other:?}: use busy, adaptive or interrupt"
+            ))),
+        }
+    }
+}
+
+/// Settings of a [`Fabric`](crate::Fabric).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Progress policy for every transport. Env: `BTL_PROGRESS`.
+    pub progress: ProgressMode,
+    /// How long an `Adaptive` progress task keeps polling after its last work
+    /// before it parks. Env: `BTL_SPIN_US`.
+    pub spin: Duration,
+    /// How often peers are checked for liveness. Env: `BTL_HEARTBEAT_MS`.
+    pub heartbeat: Duration,
+    /// Shared memory: size of an eager fragment, header included. Env: `BTL_SM_EAGER`.
+    pub sm_eager_size: usize,
+    /// Shared memory: number of eager fragments per process. Env: `BTL_SM_EAGER_COUNT`.
+    pub sm_eager_count: usize,
+    /// Shared memory: size of a max fragment, header included. Env: `BTL_SM_MAX`.
+    pub sm_max_size: usize,
+    /// Shared memory: number of max fragments per process. Env: `BTL_SM_MAX_COUNT`.
+    pub sm_max_count: usize,
+    /// Bytes of received but not yet consumed messages kept per tag before the
+    /// transports stop reading from that sender (backpressure). Env: `BTL_RECV_BUDGET`.
+    pub recv_budget: usize,
+    /// Limit on the address exchange at start-up. Env: `BTL_BOOT_TIMEOUT_MS`.
+    pub boot_timeout: Duration,
+    /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
+    pub close_timeout: Duration,
+    /// Transports allowed, in preference order (`BTL_TRANSPORTS=sm,udp`, like
+    /// `UCX_TLS`). Empty means all.
+    pub transports: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            progress: ProgressMode::Adaptive,
+            spin: Duration::from_micros(200),
+            heartbeat: Duration::from_millis(100),
+            sm_eager_size: 4096,
+            sm_eager_count: 64,
+            sm_max_size: 32 * 1024,
+            sm_max_count: 16,
+            recv_budget: 32 << 20,
+            boot_timeout: Duration::from_secs(30),
+            close_timeout: Duration::from_secs(10),
+            transports: Vec::new(),
+        }
+    }
+}
+
+fn parse<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+    v.trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{name}={v:?} is not a valid number")))
+}
+
+impl Config {
+    /// Defaults overridden by any `BTL_*` variables that are set.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Like [`Config::from_env`], reading variables through `get`.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut c = Config::default();
+        if let Some(v) = get("BTL_PROGRESS") {
+            c.progress = v.parse()?;
+        }
+        let us = |k: &str| -> Result<Option<u64>> { get(k).map(|v| parse(k, &v)).transpose() };
+        if let Some(v) = us("BTL_SPIN_US")? {
+            c.spin = Duration::from_micros(v);
+        }
+        if let Some(v) = us("BTL_HEARTBEAT_MS")? {
+            c.heartbeat = Duration::from_millis(v.max(1));
+        }
+        if let Some(v) = us("BTL_BOOT_TIMEOUT_MS")? {
+            c.boot_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = us("BTL_CLOSE_TIMEOUT_MS")? {
+            c.close_timeout = Duration::from_millis(v);
+        }
+        for (k, f) in [
+            ("BTL_SM_EAGER", &mut c.sm_eager_size),
+            ("BTL_SM_EAGER_COUNT", &mut c.sm_eager_count),
+            ("BTL_SM_MAX", &mut c.sm_max_size),
+            ("BTL_SM_MAX_COUNT", &mut c.sm_max_count),
+            ("BTL_RECV_BUDGET", &mut c.recv_budget),
+        ] {
+            if let Some(v) = get(k) {
+                *f = parse(k, &v)?;
+            }
+        }
+        if let Some(v) = get("BTL_TRANSPORTS") {
+            c.transports = v
+                .split(',')
+                .map(|s| s.trim().to_ascii_lowercase())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check that the settings make sense together.
+    pub fn validate(&self) -> Result<()> {
+        let frag = crate::sm::FRAG_HEADER;
+        if self.sm_eager_size < frag + 8 || self.sm_eager_size % 8 != 0 {
+            return Err(Error::Config(format!(
+                "sm eager fragment size {} must be a multiple of 8 and at least {}",
+                self.sm_eager_size,
+                frag + 8
+            )));
+        }
+        if self.sm_max_size < self.sm_eager_size || self.sm_max_size % 8 != 0 {
+            return Err(Error::Config(format!(
+                "sm max fragment size {} must be a multiple of 8 and at least the eager size {}",
+                self.sm_max_size, self.sm_eager_size
+            )));
+        }
+        if self.sm_eager_count == 0 || self.sm_max_count == 0 {
+            return Err(Error::Config(
+                "sm fragment counts must be at least 1".into(),
+            ));
+        }
+        if self.sm_max_size > u32::MAX as usize / 2 {
+            return Err(Error::Config("sm max fragment size is too large".into()));
+        }
+        for t in &self.transports {
+            if !crate::transport::KNOWN.contains(&t.as_str()) {
+                return Err(Error::Config(format!(
+                    "BTL_TRANSPORTS names unknown transport {t:?}; known: {:?}",
+                    crate::transport::KNOWN
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether transport `name` may be used.
+    pub fn allows(&self, name: &str) -> bool {
+        self.transports.is_empty() || self.transports.iter().any(|t| t == name)
+    }
+}

@@ -1,0 +1,214 @@
+//! Tag dispatch: every transport hands complete user messages here; each tag
+//! has one bounded queue and at most one [`Receiver`] stream.
+//!
+//! Bounded: a tag whose queue holds more than the receive budget refuses
+//! more (`has_room` is false), the transports stop reading from that sender,
+//! the sender's fragments or window run out, and the sender's futures wait.
+//! Popping from a full queue wakes the progress tasks.
+
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use futures::Stream;
+use tokio::sync::Notify;
+
+use crate::sync::lock;
+use crate::{Error, Rank, Result, Tag};
+
+/// A received message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The sender's rank.
+    pub src: Rank,
+    /// The tag it was sent on.
+    pub tag: Tag,
+    /// The payload.
+    pub data: Bytes,
+}
+
+#[derive(Default)]
+struct TagQueue {
+    items: VecDeque<Result<Message>>,
+    bytes: usize,
+    waker: Option<Waker>,
+    taken: bool,
+}
+
+/// Per-fabric tag dispatcher.
+pub(crate) struct Dispatcher {
+    tags: Mutex<HashMap<Tag, TagQueue>>,
+    budget: usize,
+    /// Signalled when a full queue drains, so progress tasks resume reading.
+    pub(crate) space: Arc<Notify>,
+    /// Set by a receiver poll that found nothing: try progress inline.
+    progress_hook: Mutex<Option<Arc<dyn Fn() -> usize + Send + Sync>>>,
+}
+
+impl Dispatcher {
+    pub(crate) fn new(budget: usize) -> Arc<Self> {
+        Arc::new(Dispatcher {
+            tags: Mutex::new(HashMap::new()),
+            budget: budget.max(1),
+            space: Arc::new(Notify::new()),
+            progress_hook: Mutex::new(None),
+        })
+    }
+
+    /// Install the function receivers call to make progress inline.
+    pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn() -> usize + Send + Sync>) {
+        *lock(&self.progress_hook) = Some(f);
+    }
+
+    /// Whether a message of `len` bytes for `tag` may be accepted now. An
+    /// empty queue always has room, so any single message gets through.
+    pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
+        let tags = lock(&self.tags);
+        match tags.get(&tag) {
+            None => true,
+            Some(q) => q.bytes == 0 || q.bytes + len <= self.budget,
+        }
+    }
+
+    /// Queue a complete message and wake its receiver.
+    pub(crate) fn deliver(&self, msg: Message) {
+        let w = {
+            let mut tags = lock(&self.tags);
+            let q = tags.entry(msg.tag).or_default();
+            q.bytes += msg.data.len();
+            q.items.push_back(Ok(msg));
+            q.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    /// Tell every open receiver that `rank` is gone.
+    pub(crate) fn peer_lost(&self, rank: Rank, reason: &str) {
+        let mut wake = Vec::new();
+        {
+            let mut tags = lock(&self.tags);
+            for q in tags.values_mut().filter(|q| q.taken) {
+                q.items.push_back(Err(Error::PeerLost {
+                    rank,
+                    reason: reason.to_string(),
+                }));
+                wake.extend(q.waker.take());
+            }
+        }
+        wake.into_iter().for_each(Waker::wake);
+    }
+
+    /// Wake every receiver so it sees the fabric closed.
+    pub(crate) fn close(&self) {
+        let wakers: Vec<_> = lock(&self.tags).values_mut().filter_map(|q| q.waker.take()).collect();
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Open the receiver for `tag`; one at a time per tag.
+    pub(crate) fn take(self: &Arc<Self>, tag: Tag, closed: Arc<std::sync::atomic::AtomicBool>) -> Result<Receiver> {
+        let mut tags = lock(&self.tags);
+        let q = tags.entry(tag).or_default();
+        if q.taken {
+            return Err(Error::Misuse(format!(
+                "tag {tag} already has a receiver: keep one Receiver per tag (clone the messages, or use more tags)"
+            )));
+        }
+        q.taken = true;
+        Ok(Receiver {
+            disp: self.clone(),
+            tag,
+            closed,
+        })
+    }
+
+    fn poll_pop(&self, tag: Tag, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+        let mut tags = lock(&self.tags);
+        let Some(q) = tags.get_mut(&tag) else {
+            return Poll::Ready(None);
+        };
+        match q.items.pop_front() {
+            Some(item) => {
+                let was_full = q.bytes >= self.budget;
+                if let Ok(m) = &item {
+                    q.bytes -= m.data.len();
+                }
+                if was_full {
+                    self.space.notify_waiters();
+                    self.space.notify_one();
+                }
+                Poll::Ready(Some(item))
+            }
+            None => {
+                q.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+
+    fn release(&self, tag: Tag) {
+        if let Some(q) = lock(&self.tags).get_mut(&tag) {
+            q.taken = false;
+            q.waker = None;
+        }
+    }
+}
+
+/// The stream of messages arriving on one tag, from every peer. Items are
+/// `Err(PeerLost)` once for each peer that dies while the receiver is open.
+///
+/// # Cancel safety
+/// Dropping a pending `next()` loses nothing: messages stay queued. Dropping
+/// the `Receiver` keeps queued messages for the next receiver of the tag.
+#[must_use = "a receiver does nothing unless polled"]
+pub struct Receiver {
+    disp: Arc<Dispatcher>,
+    tag: Tag,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Receiver {
+    /// The tag this receiver serves.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// Wait for the next message (shorthand for `StreamExt::next`, with the
+    /// end of the stream as [`Error::Closed`]).
+    pub async fn recv(&mut self) -> Result<Message> {
+        futures::StreamExt::next(self).await.unwrap_or(Err(Error::Closed))
+    }
+}
+
+impl Stream for Receiver {
+    type Item = Result<Message>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
+            return Poll::Ready(x);
+        }
+        // Nothing queued: run progress inline once (cheap when idle), which
+        // saves a cross-thread wake-up when the message is already there.
+        let hook = lock(&self.disp.progress_hook).clone();
+        if let Some(h) = hook {
+            if h() > 0 {
+                if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
+                    return Poll::Ready(x);
+                }
+            }
+        }
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.disp.release(self.tag);
+    }
+}

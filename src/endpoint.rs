@@ -1,0 +1,328 @@
+//! [`Endpoint`] and its operation futures.
+
+use std::future::Future;
+use std::ops::Range;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+
+use crate::completion::Completion;
+use crate::fabric::Core;
+use crate::region::{MemoryRegion, RemoteKey};
+use crate::stats::Counters;
+use crate::transport::{Kind, Link};
+use crate::{AccessError, Error, Rank, Result, Tag};
+
+/// The way to one peer: cheap to clone, `Send + Sync`.
+#[derive(Clone)]
+pub struct Endpoint {
+    link: Arc<dyn Link>,
+    core: Arc<Core>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("peer", &self.link.peer())
+            .field("transport", &self.link.transport())
+            .finish()
+    }
+}
+
+impl Endpoint {
+    pub(crate) fn new(link: Arc<dyn Link>, core: Arc<Core>) -> Self {
+        Endpoint { link, core }
+    }
+
+    /// The peer's rank.
+    pub fn peer(&self) -> Rank {
+        self.link.peer()
+    }
+
+    /// The transport carrying this endpoint ("sm", "self", ...).
+    pub fn transport(&self) -> &'static str {
+        self.link.transport()
+    }
+
+    /// Send `data` on `tag`. Resolves at local completion: the message is in
+    /// the peer's FIFO (shared memory) and cannot be lost by this process.
+    /// Messages on one tag from one sender arrive in send order.
+    pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> Send {
+        Counters::bump(&self.core.counters.sends);
+        Send {
+            state: SendState::Start {
+                link: self.link.clone(),
+                tag,
+                data: data.into(),
+            },
+        }
+    }
+
+    /// Send a borrowed slice: when a fragment is free and nothing is queued
+    /// ahead, the bytes are copied straight into shared memory with no
+    /// allocation (the inline path for small messages); otherwise they are
+    /// copied once into an owned buffer and queued.
+    pub fn send_inline<'a>(&self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
+        Counters::bump(&self.core.counters.sends);
+        SendInline {
+            link: self.link.clone(),
+            tag,
+            data,
+            queued: None,
+        }
+    }
+
+    fn check_key(&self, key: &RemoteKey, offset: u64, len: usize) -> Result<()> {
+        if key.owner() != self.peer() {
+            return Err(AccessError::WrongOwner {
+                owner: key.owner(),
+                endpoint: self.peer(),
+            }
+            .into());
+        }
+        Ok(key.check(offset, len)?)
+    }
+
+    fn local_range(region: &MemoryRegion, range: &Range<usize>) -> Result<()> {
+        if range.start > range.end || range.end > region.len() {
+            return Err(Error::Misuse(format!(
+                "local range {range:?} is outside the {}-byte region",
+                region.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Write `local[range]` into the peer's region `remote` at `offset`.
+    /// Resolves at remote completion: the bytes are in the target's memory.
+    /// The target checks the key and the bounds; a refused put leaves its
+    /// memory untouched and fails with [`Error::Access`].
+    pub fn put(&self, local: &MemoryRegion, range: Range<usize>, remote: &RemoteKey, offset: u64) -> Put {
+        Put(self.rma(local, range, remote, offset, true))
+    }
+
+    /// Read from the peer's region `remote` at `offset` into `local[range]`.
+    /// Resolves when the data is in `local`.
+    pub fn get(&self, local: &MemoryRegion, range: Range<usize>, remote: &RemoteKey, offset: u64) -> Get {
+        Get(self.rma(local, range, remote, offset, false))
+    }
+
+    fn rma(&self, local: &MemoryRegion, range: Range<usize>, key: &RemoteKey, offset: u64, put: bool) -> OpState {
+        let len = range.end.saturating_sub(range.start);
+        let r = Self::local_range(local, &range).and_then(|_| self.check_key(key, offset, len));
+        if let Err(e) = r {
+            return OpState::Ready(Some(Err(e)));
+        }
+        let c = &self.core.counters;
+        if let Some(m) = self.link.map_remote(key) {
+            let r = m.and_then(|m| {
+                m.check_live()?;
+                let (lraw, rraw) = (local.inner.raw(), m.data());
+                if put {
+                    Counters::bump(&c.direct_puts);
+                    rraw.copy_from(offset, &lraw, range.start as u64, len)?;
+                } else {
+                    Counters::bump(&c.direct_gets);
+                    lraw.copy_from(range.start as u64, &rraw, offset, len)?;
+                }
+                Ok(())
+            });
+            return OpState::Ready(Some(r));
+        }
+        let done = if put {
+            Counters::bump(&c.emulated_puts);
+            let mut buf = vec![0u8; len];
+            if let Err(e) = local.read(range.start, &mut buf) {
+                return OpState::Ready(Some(Err(e)));
+            }
+            self.core.rma.start_put(&self.link, &key.id, offset, &buf)
+        } else {
+            Counters::bump(&c.emulated_gets);
+            self.core.rma.start_get(
+                &self.link,
+                &key.id,
+                offset,
+                local.inner.clone(),
+                range.start as u64,
+                len,
+            )
+        };
+        OpState::Wait(done)
+    }
+
+    /// Resolves once every send queued to this peer has been handed over and
+    /// every put/get to it has completed.
+    pub fn flush(&self) -> Flush {
+        Flush {
+            link: self.link.clone(),
+            core: self.core.clone(),
+            tick: None,
+        }
+    }
+}
+
+enum SendState {
+    Start { link: Arc<dyn Link>, tag: Tag, data: Bytes },
+    Wait(Arc<Completion>),
+    Done,
+}
+
+/// Future of [`Endpoint::send`].
+///
+/// # Cancel safety
+/// Dropped before its first poll, nothing is sent. Once polled, the message
+/// is owned by the transport (the `Bytes` is kept, never freed early) and is
+/// delivered even if the future is dropped.
+#[must_use = "futures do nothing unless polled"]
+pub struct Send {
+    state: SendState,
+}
+
+impl Future for Send {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        loop {
+            match std::mem::replace(&mut self.state, SendState::Done) {
+                SendState::Start { link, tag, data } => match link.submit(Kind::User, tag, data) {
+                    Ok(None) => return Poll::Ready(Ok(())),
+                    Ok(Some(c)) => self.state = SendState::Wait(c),
+                    Err(e) => return Poll::Ready(Err(e)),
+                },
+                SendState::Wait(c) => {
+                    let p = c.poll(cx);
+                    if p.is_pending() {
+                        self.state = SendState::Wait(c);
+                    }
+                    return p;
+                }
+                SendState::Done => {
+                    return Poll::Ready(Err(Error::Misuse("send future polled after completion".into())))
+                }
+            }
+        }
+    }
+}
+
+/// Future of [`Endpoint::send_inline`].
+///
+/// # Cancel safety
+/// Dropped before it first returns `Pending`, either nothing or the whole
+/// message was sent (never part). After a `Pending`, the bytes were copied
+/// and queued; they are delivered even if the future is dropped.
+#[must_use = "futures do nothing unless polled"]
+pub struct SendInline<'a> {
+    link: Arc<dyn Link>,
+    tag: Tag,
+    data: &'a [u8],
+    queued: Option<Arc<Completion>>,
+}
+
+impl Future for SendInline<'_> {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if let Some(c) = &self.queued {
+            return c.poll(cx);
+        }
+        match self.link.try_send(Kind::User, self.tag, self.data) {
+            Ok(true) => return Poll::Ready(Ok(())),
+            Ok(false) => {}
+            Err(e) => return Poll::Ready(Err(e)),
+        }
+        match self.link.submit(Kind::User, self.tag, Bytes::copy_from_slice(self.data)) {
+            Ok(None) => Poll::Ready(Ok(())),
+            Ok(Some(c)) => {
+                let p = c.poll(cx);
+                self.queued = Some(c);
+                p
+            }
+            Err(e) => Poll::Ready(Err(e)),
+        }
+    }
+}
+
+enum OpState {
+    Ready(Option<Result<()>>),
+    Wait(Arc<Completion>),
+}
+
+impl OpState {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        match self {
+            OpState::Ready(r) => Poll::Ready(
+                r.take()
+                    .unwrap_or_else(|| Err(Error::Misuse("operation polled after completion".into()))),
+            ),
+            OpState::Wait(c) => c.poll(cx),
+        }
+    }
+}
+
+/// Future of [`Endpoint::put`].
+///
+/// # Cancel safety
+/// The put is started when the future is created (validation, and on shared
+/// memory the copy itself). Dropping the future does not stop an emulated
+/// put in flight: the data was already copied out of the local region, so
+/// the region may be dropped or reused at once.
+#[must_use = "futures do nothing unless polled"]
+pub struct Put(OpState);
+
+impl Future for Put {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.0.poll(cx)
+    }
+}
+
+/// Future of [`Endpoint::get`].
+///
+/// # Cancel safety
+/// The get is started when the future is created. Dropping the future does
+/// not stop it: the operation keeps the local region alive until the data
+/// lands or the peer is lost, so no freed memory is ever written.
+#[must_use = "futures do nothing unless polled"]
+pub struct Get(OpState);
+
+impl Future for Get {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.0.poll(cx)
+    }
+}
+
+/// Future of [`Endpoint::flush`].
+///
+/// # Cancel safety
+/// Waiting only; dropping it changes nothing.
+#[must_use = "futures do nothing unless polled"]
+pub struct Flush {
+    link: Arc<dyn Link>,
+    core: Arc<Core>,
+    tick: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Future for Flush {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        loop {
+            let peer = self.link.peer();
+            if !self.link.has_queued() && self.core.rma.outstanding(peer) == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if self.core.is_closed() {
+                return Poll::Ready(Err(Error::Closed));
+            }
+            // Re-check on a short timer: completions of many kinds feed this,
+            // and flush is rare enough that a 100 µs poll costs nothing.
+            let tick = self
+                .tick
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(std::time::Duration::from_micros(100))));
+            match tick.as_mut().poll(cx) {
+                Poll::Ready(()) => self.tick = None,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}

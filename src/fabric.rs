@@ -1,0 +1,458 @@
+//! [`Fabric`]: one per process; owns the transports, their progress tasks,
+//! the tag dispatcher, the region table and the RMA bookkeeping.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::dispatch::{Dispatcher, Message, Receiver};
+use crate::endpoint::Endpoint;
+use crate::exchange::AddressExchange;
+use crate::region::{MemoryRegion, RegionTable};
+use crate::rma::Rma;
+use crate::selflink::SelfLink;
+use crate::sm::{SmAddr, SmTransport};
+use crate::stats::{Counters, Stats};
+use crate::sync::lock;
+use crate::transport::{Kind, Link, Transport};
+use crate::{Error, Rank, Result, Tag};
+
+/// A 64-bit FNV-1a hash, used to derive non-secret tags from the job key.
+fn fnv(seed: u64, data: &[u8]) -> u64 {
+    data.iter()
+        .fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The tag written into segments and region files to tell jobs apart.
+pub(crate) fn job_tag(key: &[u8; 32]) -> [u64; 2] {
+    [fnv(1, key), fnv(2, key)]
+}
+
+/// State shared by the fabric, its endpoints and its transports.
+pub(crate) struct Core {
+    pub(crate) rank: Rank,
+    pub(crate) size: u32,
+    pub(crate) config: Config,
+    pub(crate) job_tag: [u64; 2],
+    pub(crate) dispatcher: Arc<Dispatcher>,
+    pub(crate) rma: Rma,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) closed: Arc<AtomicBool>,
+    pub(crate) closing: Arc<Notify>,
+    links: RwLock<Vec<Option<Arc<dyn Link>>>>,
+    sync: Mutex<SyncState>,
+    sync_notify: Notify,
+}
+
+#[derive(Default)]
+struct SyncState {
+    barrier: HashMap<u64, HashSet<Rank>>,
+    byes: HashSet<Rank>,
+    lost: HashMap<Rank, String>,
+}
+
+impl Core {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn link(&self, rank: Rank) -> Option<Arc<dyn Link>> {
+        self.links
+            .read()
+            .ok()
+            .and_then(|l| l.get(rank as usize).cloned().flatten())
+    }
+
+    /// A complete message arrived from `src`.
+    pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
+        match kind {
+            Kind::User => {
+                Counters::bump(&self.counters.recvs);
+                self.dispatcher.deliver(Message { src, tag, data });
+            }
+            Kind::PutReq | Kind::PutAck | Kind::GetReq | Kind::GetResp => {
+                self.rma.handle(link, src, kind, tag, data)
+            }
+            Kind::Barrier => {
+                lock(&self.sync).barrier.entry(tag).or_default().insert(src);
+                self.sync_notify.notify_waiters();
+            }
+            Kind::Bye => {
+                lock(&self.sync).byes.insert(src);
+                self.sync_notify.notify_waiters();
+            }
+        }
+    }
+
+    /// A peer is gone: fail everything pending on it.
+    pub(crate) fn on_peer_lost(&self, rank: Rank, reason: &str) {
+        Counters::bump(&self.counters.peers_lost);
+        lock(&self.sync).lost.insert(rank, reason.to_string());
+        self.rma.peer_lost(rank, reason);
+        self.dispatcher.peer_lost(rank, reason);
+        self.sync_notify.notify_waiters();
+    }
+
+    /// Wait until `done(state)` holds, failing if a peer in `need` is lost.
+    async fn wait_sync(
+        &self,
+        what: &str,
+        timeout: Option<Duration>,
+        mut done: impl FnMut(&SyncState) -> bool,
+        need: impl Fn(Rank) -> bool,
+    ) -> Result<()> {
+        let fut = async {
+            loop {
+                let n = self.sync_notify.notified();
+                tokio::pin!(n);
+                n.as_mut().enable();
+                {
+                    let s = lock(&self.sync);
+                    if done(&s) {
+                        return Ok(());
+                    }
+                    if let Some((r, why)) = s.lost.iter().find(|(r, _)| need(**r)) {
+                        return Err(Error::PeerLost {
+                            rank: *r,
+                            reason: why.clone(),
+                        });
+                    }
+                }
+                n.await;
+            }
+        };
+        match timeout {
+            None => fut.await,
+            Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| Error::Timeout {
+                what: what.to_string(),
+                after: t,
+            })?,
+        }
+    }
+}
+
+/// What each rank publishes in the address exchange.
+#[derive(Debug, Serialize, Deserialize)]
+struct PeerAddr {
+    rank: Rank,
+    node: String,
+    sm: Option<SmAddr>,
+}
+
+/// Settings for building a [`Fabric`] by hand (no launcher).
+#[derive(Clone)]
+pub struct FabricBuilder {
+    rank: Rank,
+    size: u32,
+    local_rank: Option<u32>,
+    local_size: Option<u32>,
+    job_key: [u8; 32],
+    config: Config,
+}
+
+impl FabricBuilder {
+    /// This process is `rank` of `size`.
+    pub fn new(rank: Rank, size: u32) -> Self {
+        FabricBuilder {
+            rank,
+            size,
+            local_rank: None,
+            local_size: None,
+            job_key: [0; 32],
+            config: Config::default(),
+        }
+    }
+    /// Rank and number of ranks on this node (default: all ranks are local).
+    pub fn local(mut self, local_rank: u32, local_size: u32) -> Self {
+        self.local_rank = Some(local_rank);
+        self.local_size = Some(local_size);
+        self
+    }
+    /// The job key (all ranks must agree; keep it secret).
+    pub fn job_key(mut self, key: [u8; 32]) -> Self {
+        self.job_key = key;
+        self
+    }
+    /// Settings.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Build the fabric, exchanging addresses through `exchange`. Must be
+    /// called inside a tokio runtime (progress tasks are spawned on it).
+    pub async fn build(self, exchange: &dyn AddressExchange) -> Result<Fabric> {
+        Fabric::open(self, exchange).await
+    }
+}
+
+/// One per process: hands out [`Endpoint`]s and [`Receiver`]s, registers
+/// memory, and owns the progress tasks.
+pub struct Fabric {
+    core: Arc<Core>,
+    transports: Vec<Arc<dyn Transport>>,
+    drivers: Vec<JoinHandle<()>>,
+    sm: Option<Arc<SmTransport>>,
+    epoch: AtomicU64,
+}
+
+impl std::fmt::Debug for Fabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fabric")
+            .field("rank", &self.core.rank)
+            .field("size", &self.core.size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Fabric {
+    async fn open(b: FabricBuilder, exchange: &dyn AddressExchange) -> Result<Fabric> {
+        b.config.validate()?;
+        if b.size == 0 || b.rank >= b.size {
+            return Err(Error::Config(format!("rank {} is not below size {}", b.rank, b.size)));
+        }
+        let local_size = b.local_size.unwrap_or(b.size);
+        let local_rank = b.local_rank.unwrap_or(b.rank);
+        let counters = Arc::new(Counters::default());
+        let regions = Arc::new(RegionTable::default());
+        let closed = Arc::new(AtomicBool::new(false));
+        let core = Arc::new(Core {
+            rank: b.rank,
+            size: b.size,
+            job_tag: job_tag(&b.job_key),
+            dispatcher: Dispatcher::new(b.config.recv_budget),
+            rma: Rma::new(regions, counters.clone()),
+            counters,
+            closed,
+            closing: Arc::new(Notify::new()),
+            links: RwLock::new(Vec::new()),
+            sync: Mutex::new(SyncState::default()),
+            sync_notify: Notify::new(),
+            config: b.config,
+        });
+        let sm = if core.config.allows("sm") && local_size > 1 {
+            Some(SmTransport::new(core.clone(), local_rank, local_size)?)
+        } else {
+            None
+        };
+        let me = PeerAddr {
+            rank: b.rank,
+            node: crate::os::node_id(),
+            sm: sm.as_ref().map(|s| s.address()),
+        };
+        let blob = postcard::to_allocvec(&me).map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
+        let all = exchange.all_gather(b.rank, blob).await?;
+        if all.len() != b.size as usize {
+            return Err(Error::Bootstrap(format!(
+                "the exchange returned {} addresses for {} ranks",
+                all.len(),
+                b.size
+            )));
+        }
+        let mut links: Vec<Option<Arc<dyn Link>>> = (0..b.size).map(|_| None).collect();
+        let mut sm_peers = Vec::new();
+        let mut unreachable = Vec::new();
+        for (r, raw) in all.iter().enumerate() {
+            let r = r as Rank;
+            if r == b.rank {
+                continue;
+            }
+            let a: PeerAddr = postcard::from_bytes(raw)
+                .map_err(|e| Error::Bootstrap(format!("rank {r} published an unreadable address: {e}")))?;
+            if a.rank != r {
+                return Err(Error::Bootstrap(format!("rank {r} published an address claiming rank {}", a.rank)));
+            }
+            match (&sm, a.sm) {
+                (Some(s), Some(sa)) if s.reaches(&sa) => sm_peers.push((r, sa)),
+                _ => unreachable.push(r),
+            }
+        }
+        if !unreachable.is_empty() {
+            return Err(Error::Config(format!(
+                "ranks {unreachable:?} cannot be reached with the allowed transports {:?} (sm needs the same node; udp is not built into this version yet)",
+                if core.config.transports.is_empty() { vec!["sm".to_string()] } else { core.config.transports.clone() }
+            )));
+        }
+        let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
+        if let Some(s) = &sm {
+            for (r, l) in s.connect(&sm_peers)? {
+                links[r as usize] = Some(l);
+            }
+            transports.push(s.clone());
+        }
+        let selfl = SelfLink::new(&core);
+        links[b.rank as usize] = Some(selfl.clone());
+        transports.push(selfl);
+        *core.links.write().map_err(|_| Error::Misuse("poisoned link table".into()))? = links;
+
+        let hook_ts = transports.clone();
+        core.dispatcher
+            .set_progress_hook(Arc::new(move || hook_ts.iter().map(|t| t.progress()).sum()));
+        let drivers = transports
+            .iter()
+            .map(|t| tokio::spawn(crate::progress::drive(t.clone(), core.clone())))
+            .collect();
+        Ok(Fabric {
+            core,
+            transports,
+            drivers,
+            sm,
+            epoch: AtomicU64::new(0),
+        })
+    }
+
+    /// A fabric for a process that is the whole job (rank 0 of 1).
+    pub async fn single() -> Result<Fabric> {
+        FabricBuilder::new(0, 1)
+            .build(&crate::exchange::LocalExchange::new(1))
+            .await
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> Rank {
+        self.core.rank
+    }
+
+    /// Number of ranks in the job.
+    pub fn size(&self) -> u32 {
+        self.core.size
+    }
+
+    /// The endpoint for `peer` (cheap to clone; keep it).
+    pub fn endpoint(&self, peer: Rank) -> Result<Endpoint> {
+        if self.core.is_closed() {
+            return Err(Error::Closed);
+        }
+        let link = self.core.link(peer).ok_or_else(|| {
+            Error::Misuse(format!("rank {peer} is not in this job of {} ranks", self.core.size))
+        })?;
+        Ok(Endpoint::new(link, self.core.clone()))
+    }
+
+    /// The stream of messages on `tag`, from every peer. One receiver per tag
+    /// at a time.
+    pub fn receiver(&self, tag: Tag) -> Result<Receiver> {
+        self.core.dispatcher.take(tag, self.core.closed.clone())
+    }
+
+    /// Register a buffer: peers can put into / get from it with its key.
+    pub fn register(&self, buffer: Vec<u8>) -> MemoryRegion {
+        self.core.rma.regions.register(self.core.rank, buffer)
+    }
+
+    /// Allocate a zeroed region in shared memory: same-node peers map it, so
+    /// put/get to it are a single copy.
+    pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion> {
+        self.core
+            .rma
+            .regions
+            .alloc_shared(self.core.rank, len, self.core.job_tag)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> Stats {
+        self.core.counters.snapshot()
+    }
+
+    /// Which transport reaches `peer` ("self", "sm", ...).
+    pub fn transport_for(&self, peer: Rank) -> Option<&'static str> {
+        self.core.link(peer).map(|l| l.transport())
+    }
+
+    /// Wait until every rank has called `barrier` as many times as we have.
+    /// Fails with `PeerLost` if a rank dies meanwhile.
+    pub async fn barrier(&self) -> Result<()> {
+        let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
+        let me = self.core.rank;
+        let mut sends = Vec::new();
+        for r in (0..self.core.size).filter(|r| *r != me) {
+            let link = self.core.link(r).ok_or(Error::Closed)?;
+            if let Some(c) = link.submit(Kind::Barrier, epoch, Bytes::new())? {
+                sends.push(c);
+            }
+        }
+        for c in sends {
+            std::future::poll_fn(|cx| c.poll(cx)).await?;
+        }
+        let need = self.core.size as usize - 1;
+        self.core
+            .wait_sync(
+                "a barrier",
+                None,
+                |s| s.barrier.get(&epoch).map_or(0, HashSet::len) >= need,
+                |_| true,
+            )
+            .await?;
+        lock(&self.core.sync).barrier.remove(&epoch);
+        Ok(())
+    }
+
+    /// Close in order: wait until our sends are consumed, say goodbye to
+    /// every peer and wait for theirs (up to `close_timeout`), then stop the
+    /// progress tasks and remove our shared-memory names. Peers that died are
+    /// skipped. Errors name what did not drain.
+    pub async fn close(mut self) -> Result<()> {
+        let t = self.core.config.close_timeout;
+        let deadline = tokio::time::Instant::now() + t;
+        while !self.transports.iter().all(|t| t.drained()) {
+            if tokio::time::Instant::now() >= deadline {
+                let r = Err(Error::Timeout {
+                    what: "peers to consume our last messages at close".into(),
+                    after: t,
+                });
+                self.shutdown();
+                return r;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let me = self.core.rank;
+        for r in (0..self.core.size).filter(|r| *r != me) {
+            if let Some(l) = self.core.link(r) {
+                let _ = l.submit(Kind::Bye, 0, Bytes::new());
+            }
+        }
+        let size = self.core.size;
+        let res = self
+            .core
+            .wait_sync(
+                "goodbyes from every peer at close",
+                Some(t.saturating_sub(deadline.elapsed().min(t))),
+                |s| (0..size).filter(|r| *r != me).all(|r| s.byes.contains(&r) || s.lost.contains_key(&r)),
+                |_| false,
+            )
+            .await;
+        self.shutdown();
+        res
+    }
+
+    fn shutdown(&mut self) {
+        if self.core.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.core.closing.notify_waiters();
+        self.core.dispatcher.close();
+        for t in &self.transports {
+            t.shutdown();
+        }
+        for d in self.drivers.drain(..) {
+            d.abort();
+        }
+        if let Ok(mut l) = self.core.links.write() {
+            l.clear();
+        }
+        self.sm = None;
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

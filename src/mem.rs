@@ -1,0 +1,188 @@
+//! Raw byte ranges that other processes may write concurrently (shared
+//! mappings, registered buffers). We never hand out Rust references into such
+//! memory — only copies in and out — so no `&[u8]` can observe a concurrent
+//! write. This is one of the three places `unsafe` lives (with `shm` and `os`).
+
+use std::ptr::NonNull;
+
+use crate::AccessError;
+
+/// A pointer and a length, valid for as long as its owner keeps the memory.
+///
+/// Every `RawBuf` is stored next to the owner of its memory (a mapping or a
+/// boxed slice) inside the same struct, and dropped no later than that owner.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a RawBuf is a plain address range; all access goes through the
+// bounds-checked copy methods below, which are sound from any thread (the
+// memory is treated as shared, racy bytes, like any shared-memory segment).
+unsafe impl Send for RawBuf {}
+// SAFETY: as above; no method hands out references into the range.
+unsafe impl Sync for RawBuf {}
+
+fn check(off: u64, n: usize, len: usize) -> Result<usize, AccessError> {
+    let end = off.checked_add(n as u64).filter(|e| *e <= len as u64);
+    match end {
+        Some(_) => Ok(off as usize),
+        None => Err(AccessError::OutOfBounds {
+            offset: off,
+            end: off.saturating_add(n as u64),
+            len: len as u64,
+        }),
+    }
+}
+
+impl RawBuf {
+    /// Wrap `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes for as long as this
+    /// `RawBuf` (and every copy of it) is used, and must not be accessed
+    /// through Rust references while it is.
+    pub(crate) unsafe fn new(ptr: *mut u8, len: usize) -> RawBuf {
+        RawBuf {
+            ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()),
+            len,
+        }
+    }
+
+    /// Length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A sub-range, checked.
+    pub(crate) fn slice(&self, off: u64, n: usize) -> Result<RawBuf, AccessError> {
+        let o = check(off, n, self.len)?;
+        // SAFETY: o + n <= len, so the sub-range lies inside ours and lives
+        // exactly as long (same owner).
+        Ok(unsafe { RawBuf::new(self.ptr.as_ptr().add(o), n) })
+    }
+
+    /// Copy `src` into the range at `off`.
+    pub(crate) fn write(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
+        let o = check(off, src.len(), self.len)?;
+        // SAFETY: bounds checked above; the range is valid per `new`'s
+        // contract; `src` is a Rust slice and so cannot alias this range (no
+        // references into it exist); ptr::copy tolerates overlap anyway.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(o), src.len()) };
+        Ok(())
+    }
+
+    /// Copy from the range at `off` into `dst`.
+    pub(crate) fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), AccessError> {
+        let o = check(off, dst.len(), self.len)?;
+        // SAFETY: bounds checked; valid per `new`'s contract; `dst` is a
+        // unique Rust slice, so not inside this range.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Append `n` bytes from offset `off` to `dst`.
+    pub(crate) fn read_into(
+        &self,
+        off: u64,
+        n: usize,
+        dst: &mut bytes::BytesMut,
+    ) -> Result<(), AccessError> {
+        let o = check(off, n, self.len)?;
+        dst.reserve(n);
+        let spare = dst.spare_capacity_mut();
+        // SAFETY: bounds checked; `spare` has at least n bytes after reserve;
+        // copying initialises them, so set_len below is sound.
+        unsafe {
+            std::ptr::copy(self.ptr.as_ptr().add(o), spare.as_mut_ptr().cast::<u8>(), n);
+            dst.set_len(dst.len() + n);
+        }
+        Ok(())
+    }
+
+    /// Copy `n` bytes from `src` at `src_off` to this range at `off`.
+    pub(crate) fn copy_from(
+        &self,
+        off: u64,
+        src: &RawBuf,
+        src_off: u64,
+        n: usize,
+    ) -> Result<(), AccessError> {
+        let d = check(off, n, self.len)?;
+        let s = check(src_off, n, src.len)?;
+        // SAFETY: both ranges checked and valid per `new`; ptr::copy handles
+        // the case where both name the same memory.
+        unsafe { std::ptr::copy(src.ptr.as_ptr().add(s), self.ptr.as_ptr().add(d), n) };
+        Ok(())
+    }
+
+    /// Fill the range with zeros.
+    pub(crate) fn zero(&self) {
+        // SAFETY: the whole range is valid per `new`.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
+    }
+
+    /// The `AtomicU32` at `off` (must be 4-aligned and in range).
+    pub(crate) fn atomic_u32(&self, off: usize) -> Option<&crate::sync::AtomicU32> {
+        if off % 4 != 0 || off.checked_add(4)? > self.len || (self.ptr.as_ptr() as usize) % 4 != 0 {
+            return None;
+        }
+        // SAFETY: in range and aligned (checked); the memory stays valid while
+        // `self`'s owner lives, which outlives the returned borrow of `self`;
+        // every process touches these four bytes only atomically.
+        Some(unsafe { &*(self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU32) })
+    }
+
+    /// `n` `AtomicU64`s at `off` (must be 8-aligned and in range).
+    pub(crate) fn atomics_u64(&self, off: usize, n: usize) -> Option<&[crate::sync::AtomicU64]> {
+        let end = off.checked_add(n.checked_mul(8)?)?;
+        if off % 8 != 0 || end > self.len || (self.ptr.as_ptr() as usize) % 8 != 0 {
+            return None;
+        }
+        // SAFETY: in range and aligned (checked); valid while the owner of
+        // `self` lives, which outlives the borrow; these words are accessed
+        // only atomically by every process (ring indices and slots).
+        Some(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU64, n)
+        })
+    }
+}
+
+/// Heap memory owned by a registered region.
+pub(crate) struct HeapBuf {
+    raw: RawBuf,
+    cap: usize,
+}
+
+impl HeapBuf {
+    /// Take ownership of `v`'s allocation.
+    pub(crate) fn from_vec(v: Vec<u8>) -> HeapBuf {
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+        // SAFETY: the Vec's buffer is valid for `len` bytes and is now owned
+        // by this HeapBuf (ManuallyDrop), freed only in Drop below.
+        let raw = unsafe { RawBuf::new(ptr, len) };
+        HeapBuf { raw, cap }
+    }
+
+    /// The memory.
+    pub(crate) fn raw(&self) -> RawBuf {
+        self.raw
+    }
+
+    /// Give the buffer back as a Vec.
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: ptr/len/cap came from a Vec<u8> in from_vec and were never
+        // freed (ManuallyDrop stops Drop from running).
+        unsafe { Vec::from_raw_parts(me.raw.ptr.as_ptr(), me.raw.len, me.cap) }
+    }
+}
+
+impl Drop for HeapBuf {
+    fn drop(&mut self) {
+        // SAFETY: as in into_vec: the parts came from a Vec and are freed once.
+        drop(unsafe { Vec::from_raw_parts(self.raw.ptr.as_ptr(), self.raw.len, self.cap) });
+    }
+}

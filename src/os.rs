@@ -1,0 +1,117 @@
+//! Thin, checked wrappers over the few libc calls we need: process liveness
+//! (pidfd), doorbell sockets, identity of this node.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use crate::{Error, Result};
+
+/// This process's id.
+pub(crate) fn pid() -> u32 {
+    std::process::id()
+}
+
+/// This process's effective uid.
+pub(crate) fn uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether a process with this pid exists (zombies count as existing).
+pub(crate) fn pid_exists(pid: u32) -> bool {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 performs only the permission/existence check.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// A handle that becomes readable when a process exits (Linux pidfd), with a
+/// `kill(pid, 0)` fallback on kernels without pidfd.
+pub(crate) struct ProcWatch {
+    pid: u32,
+    fd: Option<OwnedFd>,
+}
+
+impl ProcWatch {
+    /// Start watching `pid`.
+    pub(crate) fn new(pid: u32) -> ProcWatch {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
+        // no memory is passed.
+        let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long) };
+        let fd = if r >= 0 {
+            // SAFETY: r is a fresh fd we own exclusively.
+            Some(unsafe { OwnedFd::from_raw_fd(r as i32) })
+        } else {
+            None
+        };
+        ProcWatch { pid, fd }
+    }
+
+    /// Whether the process has exited (a zombie counts as exited).
+    pub(crate) fn exited(&self) -> bool {
+        match &self.fd {
+            Some(fd) => {
+                let mut p = libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, timeout 0: never blocks.
+                let r = unsafe { libc::poll(&mut p, 1, 0) };
+                r > 0 && (p.revents & (libc::POLLIN | libc::POLLHUP)) != 0
+            }
+            None => !pid_exists(self.pid),
+        }
+    }
+}
+
+/// An identifier of this machine's running kernel: peers with the same node
+/// id can share memory. Hostname plus boot id (so two containers with the
+/// same hostname on different hosts differ).
+pub(crate) fn node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}/{}", host.trim(), boot.trim())
+}
+
+/// Fill a buffer with OS randomness.
+pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    rand::fill(&mut b[..]);
+    b
+}
+
+/// Lower-case hex.
+pub(crate) fn hex(b: &[u8]) -> String {
+    use std::fmt::Write;
+    b.iter().fold(String::with_capacity(b.len() * 2), |mut s, x| {
+        let _ = write!(s, "{x:02x}");
+        s
+    })
+}
+
+/// Whether CMA (process_vm_readv) may read this process from a sibling: the
+/// Yama ptrace scope must be 0 (or we are root).
+pub(crate) fn cma_status() -> std::result::Result<(), String> {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    if uid() == 0 || scope == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "kernel.yama.ptrace_scope={scope} forbids process_vm_readv between sibling processes"
+        ))
+    }
+}
+
+/// Convert an errno-style return into a Result.
+pub(crate) fn check(r: libc::c_int, what: &str) -> Result<libc::c_int> {
+    if r < 0 {
+        Err(Error::last_os(what))
+    } else {
+        Ok(r)
+    }
+}

@@ -1,0 +1,62 @@
+//! The one progress policy every transport runs under: poll while work
+//! flows, then (Adaptive) park on the transport's doorbell after a spin
+//! budget; BusyPoll never parks; Interrupt parks at once.
+//!
+//! No lost wake-ups: before parking the driver *arms* the transport (peers
+//! will ring) and polls once more; anything that arrived between the last
+//! poll and the arming is seen by that second poll.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::config::ProgressMode;
+use crate::fabric::Core;
+use crate::transport::Transport;
+
+/// Drive `t` until the fabric closes.
+pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
+    let cfg = core.config.clone();
+    let mut last_work = Instant::now();
+    let mut last_check = Instant::now();
+    let mut streak = 0u32;
+    loop {
+        if core.is_closed() {
+            break;
+        }
+        let work = t.progress();
+        let now = Instant::now();
+        if now.duration_since(last_check) >= cfg.heartbeat {
+            t.check_peers();
+            last_check = now;
+        }
+        if work > 0 {
+            last_work = now;
+            streak += 1;
+            if streak % 32 == 0 {
+                tokio::task::yield_now().await;
+            }
+            continue;
+        }
+        let hot = match cfg.progress {
+            ProgressMode::BusyPoll => true,
+            ProgressMode::Adaptive => now.duration_since(last_work) < cfg.spin,
+            ProgressMode::Interrupt => false,
+        };
+        if hot {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        if !t.arm() {
+            continue;
+        }
+        let space = core.dispatcher.space.clone();
+        let closing = core.closing.clone();
+        tokio::select! {
+            _ = t.wait(cfg.heartbeat) => {}
+            _ = space.notified() => {}
+            _ = closing.notified() => {}
+        }
+        t.disarm();
+        last_work = Instant::now();
+    }
+}

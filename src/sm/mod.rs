@@ -1,0 +1,331 @@
+//! `sm`: shared memory between processes on one node — the heir of Open MPI's
+//! `btl_sm` (and of the host-memory half of `btl_smcuda`).
+//!
+//! Kept from the seed: one segment per process under `/dev/shm`, per-pair
+//! FIFOs of fragment *offsets* (never pointers) initialised by the receiver,
+//! eager and max fragments from per-sender pools that the receiver returns,
+//! messages larger than a fragment pipelined through several.
+//!
+//! Changed: the FIFOs are SPSC rings (one per sender→receiver pair, plus one
+//! per receiver→sender pair for returns) instead of lock-protected MPSC
+//! queues, so no lock is shared between processes; a full pool makes the
+//! send future wait (`Poll::Pending`) instead of returning
+//! `OUT_OF_RESOURCE`; the receiver parks on a doorbell that senders ring only
+//! when it armed it; every offset and header read from a peer is validated;
+//! a dead peer (pidfd) fails everything pending on it and its files are
+//! removed; regions made by `alloc_region` are mapped by peers so put/get are
+//! one copy (UCX's rkey_ptr idea).
+//!
+//! Module map: [`segment`] (layout, header checks), [`frag`] (fragment
+//! header), [`doorbell`], [`tx`] (send side, the [`Link`] impl), [`rx`]
+//! (receive side, reassembly, dispatch).
+
+pub(crate) mod doorbell;
+pub(crate) mod frag;
+pub(crate) mod rx;
+pub(crate) mod segment;
+pub(crate) mod tx;
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixDatagram as StdDatagram;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+pub(crate) use frag::FRAG_HEADER;
+
+use crate::fabric::Core;
+use crate::os::ProcWatch;
+use crate::region::{KeyId, MappedRegion, RemoteKey};
+use crate::sync::{fence, lock, Ordering};
+use crate::transport::{Link, Transport};
+use crate::{Error, Rank, Result};
+use doorbell::{Bell, Doorbell};
+use segment::{Expect, Params, Segment};
+
+/// What a process publishes about its `sm` transport.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct SmAddr {
+    pub(crate) node: String,
+    pub(crate) pid: u32,
+    pub(crate) local_rank: u32,
+    pub(crate) local_size: u32,
+    pub(crate) segment: String,
+    pub(crate) bell: Vec<u8>,
+}
+
+/// One same-node peer.
+pub(crate) struct SmPeer {
+    pub(crate) rank: Rank,
+    pub(crate) local: u32,
+    pub(crate) seg: Segment,
+    bell: Bell,
+    watch: ProcWatch,
+    pub(crate) lost: AtomicBool,
+}
+
+impl SmPeer {
+    fn is_lost(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// The `sm` transport of one process.
+pub(crate) struct SmTransport {
+    pub(crate) core: Arc<Core>,
+    pub(crate) seg: Segment,
+    local_rank: u32,
+    bell: Doorbell,
+    ringer: StdDatagram,
+    /// Peers by local rank, set once at connect.
+    pub(crate) peers: OnceLock<Vec<Option<Arc<SmPeer>>>>,
+    pub(crate) tx: Mutex<tx::TxState>,
+    pub(crate) rx: Mutex<rx::RxState>,
+    /// Peers' shared regions we mapped, by key id.
+    maps: Mutex<HashMap<KeyId, MappedRegion>>,
+}
+
+impl SmTransport {
+    /// Create our segment and doorbell. Removes leftovers of crashed jobs first.
+    pub(crate) fn new(core: Arc<Core>, local_rank: u32, local_size: u32) -> Result<Arc<SmTransport>> {
+        let removed = crate::shm::remove_stale();
+        if removed > 0 {
+            tracing::info!("removed {removed} shared-memory files left by dead processes");
+            core.counters
+                .stale_segments_removed
+                .fetch_add(removed as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        if local_rank >= local_size {
+            return Err(Error::Config(format!(
+                "local rank {local_rank} is not below local size {local_size}"
+            )));
+        }
+        let c = &core.config;
+        let as_u32 = |v: usize, what: &str| {
+            u32::try_from(v).map_err(|_| Error::Config(format!("{what} {v} is too large")))
+        };
+        let params = Params {
+            local_size,
+            eager_size: as_u32(c.sm_eager_size, "sm eager size")?,
+            eager_count: as_u32(c.sm_eager_count, "sm eager count")?,
+            max_size: as_u32(c.sm_max_size, "sm max size")?,
+            max_count: as_u32(c.sm_max_count, "sm max count")?,
+        };
+        let id = crate::os::random_bytes::<16>();
+        let seg = Segment::create(&id, params, core.job_tag, local_rank)?;
+        let n = local_size as usize;
+        let tx = tx::TxState::new(&seg.layout, n);
+        let rx = rx::RxState::new(n);
+        Ok(Arc::new(SmTransport {
+            core,
+            seg,
+            local_rank,
+            bell: Doorbell::new()?,
+            ringer: doorbell::ringer()?,
+            peers: OnceLock::new(),
+            tx: Mutex::new(tx),
+            rx: Mutex::new(rx),
+            maps: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// Our address for the exchange.
+    pub(crate) fn address(&self) -> SmAddr {
+        SmAddr {
+            node: crate::os::node_id(),
+            pid: crate::os::pid(),
+            local_rank: self.local_rank,
+            local_size: self.seg.layout.p.local_size,
+            segment: self.seg.file_name(),
+            bell: self.bell.name().to_vec(),
+        }
+    }
+
+    /// Whether a peer with this address can be reached through shared memory.
+    pub(crate) fn reaches(&self, a: &SmAddr) -> bool {
+        a.node == crate::os::node_id()
+            && a.local_size == self.seg.layout.p.local_size
+            && a.local_rank < a.local_size
+            && a.local_rank != self.local_rank
+    }
+
+    /// Attach every reachable peer's segment; returns a link per peer rank.
+    pub(crate) fn connect(self: &Arc<Self>, peers: &[(Rank, SmAddr)]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let n = self.seg.layout.p.local_size as usize;
+        let mut by_local: Vec<Option<Arc<SmPeer>>> = (0..n).map(|_| None).collect();
+        let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
+        for (rank, a) in peers {
+            let slot = &mut by_local[a.local_rank as usize];
+            if slot.is_some() {
+                return Err(Error::Config(format!(
+                    "two ranks claim local rank {} on this node: check the launcher's local rank variables",
+                    a.local_rank
+                )));
+            }
+            let path = crate::shm::shm_dir().join(&a.segment);
+            if !a.segment.starts_with(crate::shm::PREFIX) || a.segment.contains('/') {
+                return Err(Error::PeerMisbehaved {
+                    rank: *rank,
+                    what: format!("segment name {:?} is not ours", a.segment),
+                });
+            }
+            let exp = Expect {
+                job_tag: self.core.job_tag,
+                pid: a.pid,
+                local_rank: a.local_rank,
+                local_size: a.local_size,
+            };
+            let seg = Segment::attach(&path, &exp)?;
+            let peer = Arc::new(SmPeer {
+                rank: *rank,
+                local: a.local_rank,
+                seg,
+                bell: Bell::new(&a.bell)?,
+                watch: ProcWatch::new(a.pid),
+                lost: AtomicBool::new(false),
+            });
+            *slot = Some(peer.clone());
+            links.push((
+                *rank,
+                Arc::new(tx::SmLink {
+                    t: self.clone(),
+                    peer,
+                }),
+            ));
+        }
+        self.peers
+            .set(by_local)
+            .map_err(|_| Error::Misuse("sm transport connected twice".into()))?;
+        Ok(links)
+    }
+
+    pub(crate) fn peer_list(&self) -> &[Option<Arc<SmPeer>>] {
+        self.peers.get().map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// After making data visible to `peer`, ring its doorbell if it sleeps.
+    pub(crate) fn notify(&self, peer: &SmPeer) {
+        // SeqCst fence: our ring stores (Release) are ordered before the load
+        // of `armed`; pairs with the fence in `arm`, so either we see the flag
+        // or the sleeper sees our data (no lost wake-up).
+        fence(Ordering::SeqCst);
+        let armed = peer.seg.armed();
+        if armed.load(Ordering::Relaxed) != 0 && armed.swap(0, Ordering::AcqRel) != 0 {
+            peer.bell.ring(&self.ringer);
+        }
+    }
+
+    /// Declare a peer lost: fail its queue, reclaim its fragments, tell the core.
+    pub(crate) fn lose(&self, peer: &SmPeer, reason: &str, crashed: bool) {
+        if peer.lost.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(peer = peer.rank, "shared-memory peer lost: {reason}");
+        lock(&self.tx).peer_lost(peer, reason);
+        lock(&self.rx).peer_lost(peer.local);
+        if crashed {
+            peer.seg.unlink();
+            crate::shm::remove_of_pid(peer.seg.pid);
+        }
+        self.core.on_peer_lost(peer.rank, reason);
+    }
+
+    /// Map (or reuse a mapping of) a peer's shared region.
+    pub(crate) fn map_cached(&self, key: &RemoteKey) -> Result<MappedRegion> {
+        if let Some(m) = lock(&self.maps).get(&key.id) {
+            if m.check_live().is_ok() {
+                return Ok(m.clone());
+            }
+        }
+        let m = MappedRegion::open(key, self.core.job_tag);
+        let mut maps = lock(&self.maps);
+        maps.retain(|_, m| m.check_live().is_ok());
+        if let Ok(m) = &m {
+            maps.insert(key.id, m.clone());
+        }
+        m
+    }
+
+    /// Path of our segment (tests).
+    #[allow(dead_code)]
+    pub(crate) fn segment_path(&self) -> PathBuf {
+        crate::shm::shm_dir().join(self.seg.file_name())
+    }
+}
+
+#[async_trait]
+impl Transport for SmTransport {
+    fn name(&self) -> &'static str {
+        "sm"
+    }
+
+    fn progress(&self) -> usize {
+        let mut work = 0;
+        if let Ok(mut rx) = self.rx.try_lock() {
+            work += rx.progress(self);
+            let bad = std::mem::take(&mut rx.misbehaved);
+            drop(rx);
+            for (local, why) in bad {
+                if let Some(Some(p)) = self.peer_list().get(local as usize) {
+                    self.lose(p, &why, false);
+                }
+            }
+        }
+        if let Ok(mut tx) = self.tx.try_lock() {
+            work += tx.progress(self);
+        }
+        work
+    }
+
+    fn arm(&self) -> bool {
+        self.seg.armed().store(1, Ordering::SeqCst);
+        // Pairs with the fence in `notify`.
+        fence(Ordering::SeqCst);
+        let rx_idle = lock(&self.rx).looks_idle(self);
+        let tx_idle = lock(&self.tx).looks_idle(self);
+        if rx_idle && tx_idle {
+            true
+        } else {
+            self.disarm();
+            false
+        }
+    }
+
+    fn disarm(&self) {
+        self.seg.armed().store(0, Ordering::Relaxed);
+    }
+
+    async fn wait(&self, timeout: Duration) {
+        self.bell.wait(timeout).await;
+    }
+
+    fn check_peers(&self) {
+        for p in self.peer_list().iter().flatten() {
+            if p.is_lost() {
+                continue;
+            }
+            if p.watch.exited() {
+                let graceful = p.seg.state().load(Ordering::Acquire) == segment::STATE_CLOSED;
+                let reason = if graceful {
+                    "the peer closed its fabric and exited"
+                } else {
+                    "the peer process died"
+                };
+                self.lose(p, reason, !graceful);
+            }
+        }
+    }
+
+    fn drained(&self) -> bool {
+        lock(&self.tx).drained()
+    }
+
+    fn shutdown(&self) {
+        self.seg.state().store(segment::STATE_CLOSED, Ordering::Release);
+        self.seg.unlink();
+    }
+}

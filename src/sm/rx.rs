@@ -1,0 +1,180 @@
+//! Receive side of `sm`: drain each sender's ring, validate every offset and
+//! header, reassemble, hand complete messages to the core, return fragments.
+
+use bytes::{Bytes, BytesMut};
+
+use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::{SmPeer, SmTransport};
+use crate::ring::{ConsumerState, ProducerState};
+use crate::stats::Counters;
+use crate::transport::Kind;
+
+/// Fragments taken from one sender per progress call, so one busy sender
+/// cannot starve the others.
+const BATCH: usize = 64;
+
+/// Largest message we agree to reassemble (1 TiB guard against a lying
+/// header; real limits are memory).
+const MAX_MESSAGE: u64 = 1 << 40;
+
+struct Partial {
+    kind: Kind,
+    tag: u64,
+    total: usize,
+    buf: BytesMut,
+}
+
+/// Process-local receive state (behind the transport's `rx` mutex).
+pub(crate) struct RxState {
+    cons: Vec<ConsumerState>,
+    ret: Vec<ProducerState>,
+    partial: Vec<Option<Partial>>,
+    /// The sender's next message waits for room in its tag's queue.
+    blocked: Vec<bool>,
+    /// Peers (local ranks) caught misbehaving, to be cut off once the rx
+    /// lock is released.
+    pub(crate) misbehaved: Vec<(u32, String)>,
+}
+
+enum Step {
+    Took,
+    Empty,
+    Blocked,
+    Bad(&'static str),
+}
+
+impl RxState {
+    pub(crate) fn new(n: usize) -> RxState {
+        RxState {
+            cons: vec![ConsumerState::default(); n],
+            ret: vec![ProducerState::default(); n],
+            partial: (0..n).map(|_| None).collect(),
+            blocked: vec![false; n],
+            misbehaved: Vec::new(),
+        }
+    }
+
+    pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
+        let mut work = 0;
+        for p in t.peer_list().iter().flatten() {
+            if p.is_lost() {
+                continue;
+            }
+            let mut returned = 0;
+            for _ in 0..BATCH {
+                match self.step(t, p) {
+                    Step::Took => returned += 1,
+                    Step::Empty | Step::Blocked => break,
+                    Step::Bad(what) => {
+                        Counters::bump(&t.core.counters.bad_frames);
+                        tracing::warn!(peer = p.rank, "bad shared-memory fragment: {what}");
+                        self.misbehaved
+                            .push((p.local, format!("it sent a bad fragment ({what})")));
+                        break;
+                    }
+                }
+            }
+            if returned > 0 {
+                t.notify(p);
+                work += returned;
+            }
+        }
+        work
+    }
+
+    fn step(&mut self, t: &SmTransport, p: &SmPeer) -> Step {
+        let l = p.local as usize;
+        let ring = t.seg.inbound(p.local);
+        let off = match ring.peek(&mut self.cons[l]) {
+            Ok(Some(off)) => off,
+            Ok(None) => return Step::Empty,
+            Err(_) => return Step::Bad("corrupt ring indices"),
+        };
+        let Some(i) = p.seg.layout.frag_index(off) else {
+            return Step::Bad("offset is not a fragment of its pool");
+        };
+        let (_, size) = p.seg.layout.frag(i);
+        let raw = p.seg.raw();
+        let mut hb = [0u8; FRAG_HEADER];
+        if raw.read(off, &mut hb).is_err() {
+            return Step::Bad("fragment outside its segment");
+        }
+        let h = match FragHeader::decode(&hb, size - FRAG_HEADER) {
+            Ok(h) => h,
+            Err(_) => return Step::Bad("malformed fragment header"),
+        };
+        let payload = off + FRAG_HEADER as u64;
+        match &mut self.partial[l] {
+            None => {
+                if h.flags & FIRST == 0 {
+                    return Step::Bad("continuation without a first fragment");
+                }
+                if h.total > MAX_MESSAGE {
+                    return Step::Bad("message length beyond any limit");
+                }
+                if h.kind == Kind::User && !t.core.dispatcher.has_room(h.tag, h.total as usize) {
+                    self.blocked[l] = true;
+                    return Step::Blocked;
+                }
+                self.blocked[l] = false;
+                let total = h.total as usize;
+                let mut buf = BytesMut::with_capacity(total.min(64 << 20));
+                if raw.read_into(payload, h.len as usize, &mut buf).is_err() {
+                    return Step::Bad("payload outside its segment");
+                }
+                self.partial[l] = Some(Partial {
+                    kind: h.kind,
+                    tag: h.tag,
+                    total,
+                    buf,
+                });
+            }
+            Some(part) => {
+                if h.flags & FIRST != 0 || h.kind != part.kind || h.tag != part.tag {
+                    return Step::Bad("fragment does not continue the current message");
+                }
+                if part.buf.len() + h.len as usize > part.total {
+                    return Step::Bad("fragments exceed the message length");
+                }
+                if raw.read_into(payload, h.len as usize, &mut part.buf).is_err() {
+                    return Step::Bad("payload outside its segment");
+                }
+            }
+        }
+        ring.advance(&mut self.cons[l]);
+        // Give the fragment back; the return ring holds every fragment of the
+        // sender's pool, so an honest sender never sees it full.
+        let back = p.seg.returns(t.seg.local_rank);
+        if !matches!(back.push(&mut self.ret[l], off), Ok(true)) {
+            return Step::Bad("its return ring is full or corrupt");
+        }
+        if h.flags & LAST != 0 {
+            let Some(part) = self.partial[l].take() else {
+                return Step::Bad("internal: no partial message");
+            };
+            if part.buf.len() != part.total {
+                return Step::Bad("message shorter than announced");
+            }
+            let data: Bytes = part.buf.freeze();
+            if let Some(link) = t.core.link(p.rank) {
+                t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
+            }
+        }
+        Step::Took
+    }
+
+    /// Nothing waiting in any inbound ring (that we could take).
+    pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
+        t.peer_list().iter().flatten().all(|p| {
+            let l = p.local as usize;
+            p.is_lost()
+                || self.blocked[l]
+                || t.seg.inbound(p.local).looks_empty(&self.cons[l])
+        })
+    }
+
+    pub(crate) fn peer_lost(&mut self, local: u32) {
+        self.partial[local as usize] = None;
+        self.blocked[local as usize] = false;
+    }
+}

@@ -1,0 +1,67 @@
+//! Counters of things that went wrong or that users want to see.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters of one fabric (shared by its transports).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) bad_frames: AtomicU64,
+    pub(crate) access_refused: AtomicU64,
+    pub(crate) peers_lost: AtomicU64,
+    pub(crate) sends: AtomicU64,
+    pub(crate) recvs: AtomicU64,
+    pub(crate) direct_puts: AtomicU64,
+    pub(crate) direct_gets: AtomicU64,
+    pub(crate) emulated_puts: AtomicU64,
+    pub(crate) emulated_gets: AtomicU64,
+    pub(crate) stale_segments_removed: AtomicU64,
+}
+
+impl Counters {
+    /// Add one (statistics only: Relaxed, pairs with nothing).
+    pub(crate) fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> Stats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Stats {
+            bad_frames: g(&self.bad_frames),
+            access_refused: g(&self.access_refused),
+            peers_lost: g(&self.peers_lost),
+            sends: g(&self.sends),
+            recvs: g(&self.recvs),
+            direct_puts: g(&self.direct_puts),
+            direct_gets: g(&self.direct_gets),
+            emulated_puts: g(&self.emulated_puts),
+            emulated_gets: g(&self.emulated_gets),
+            stale_segments_removed: g(&self.stale_segments_removed),
+        }
+    }
+}
+
+/// A snapshot of a fabric's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Malformed frames or fragments received and dropped.
+    pub bad_frames: u64,
+    /// Remote accesses refused here (unknown key, out of range).
+    pub access_refused: u64,
+    /// Peers declared lost.
+    pub peers_lost: u64,
+    /// Messages sent.
+    pub sends: u64,
+    /// Messages received and queued for a tag.
+    pub recvs: u64,
+    /// put operations done by direct copy into a mapped region.
+    pub direct_puts: u64,
+    /// get operations done by direct copy from a mapped region.
+    pub direct_gets: u64,
+    /// put operations emulated on messages.
+    pub emulated_puts: u64,
+    /// get operations emulated on messages.
+    pub emulated_gets: u64,
+    /// Shared-memory files of crashed jobs removed at start-up.
+    pub stale_segments_removed: u64,
+}

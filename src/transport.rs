@@ -1,0 +1,122 @@
+//! The one internal interface every transport implements.
+//!
+//! A transport moves *messages* — `(kind, tag, bytes)` — reliably and in order
+//! between a pair of ranks, and may offer direct load/store access to a
+//! peer's shared region. Everything above that (tag dispatch, emulated
+//! put/get, barriers, completion bookkeeping) lives once in the core:
+//! [`crate::dispatch`], [`crate::rma`], [`crate::fabric`].
+//!
+//! `sm` implements it today; `udp` (emulated put/get on messages), `smcuda`
+//! (GPU regions through IPC handles: `map_remote` returns a device mapping)
+//! and `rdma` (verbs keys: a `put`/`get` entry point that posts RDMA
+//! write/read) plug in by the same trait: the optional one-sided entry points
+//! default to "not offered" and the core falls back to messages.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::completion::Completion;
+use crate::region::{MappedRegion, RemoteKey};
+use crate::{Rank, Result};
+
+/// Names of the transports this build knows.
+pub(crate) const KNOWN: &[&str] = &["self", "sm", "udp", "smcuda", "rdma"];
+
+/// What a message is for. Travels in every transport's frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    /// A user message for the tag's receiver.
+    User = 0,
+    /// Emulated put: key, offset and data for the target to check and write.
+    PutReq = 1,
+    /// Target's answer to a put.
+    PutAck = 2,
+    /// Emulated get: key, offset and length.
+    GetReq = 3,
+    /// Target's answer to a get: status and data.
+    GetResp = 4,
+    /// Barrier arrival; the tag carries the epoch.
+    Barrier = 5,
+    /// Orderly goodbye at close.
+    Bye = 6,
+}
+
+impl Kind {
+    /// Decode a kind byte.
+    pub(crate) fn from_u8(b: u8) -> Option<Kind> {
+        Some(match b {
+            0 => Kind::User,
+            1 => Kind::PutReq,
+            2 => Kind::PutAck,
+            3 => Kind::GetReq,
+            4 => Kind::GetResp,
+            5 => Kind::Barrier,
+            6 => Kind::Bye,
+            _ => return None,
+        })
+    }
+}
+
+/// One connection to one peer over one transport.
+pub(crate) trait Link: Send + Sync {
+    /// The peer's rank.
+    fn peer(&self) -> Rank;
+
+    /// The transport's name, for reports.
+    fn transport(&self) -> &'static str;
+
+    /// Send a message from a borrowed slice if that is possible right now
+    /// without queueing: nothing is queued ahead of it and resources are free.
+    /// `Ok(false)`: nothing was sent; queue it with [`Link::submit`].
+    fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool>;
+
+    /// Send a message, pushing what fits now. `Ok(None)`: it is sent (local
+    /// completion). `Ok(Some(c))`: the rest is queued in order and `c`
+    /// completes when the last byte is handed over, or with the error that
+    /// stopped it. Never blocks.
+    fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>>;
+
+    /// Direct load/store access to the peer's region behind `key`, when this
+    /// transport can map it (shared memory). `None`: not offered, use messages.
+    fn map_remote(&self, _key: &RemoteKey) -> Option<Result<MappedRegion>> {
+        None
+    }
+
+    /// Whether anything is still queued towards the peer.
+    fn has_queued(&self) -> bool;
+}
+
+/// A transport instance in one process.
+#[async_trait]
+pub(crate) trait Transport: Send + Sync {
+    /// The transport's name.
+    fn name(&self) -> &'static str;
+
+    /// Make progress without blocking: receive, dispatch, push queued data.
+    /// Returns the amount of work done (0 = nothing to do).
+    fn progress(&self) -> usize;
+
+    /// Prepare to park: ask peers to ring our doorbell. `false` when work
+    /// arrived meanwhile (do not park).
+    fn arm(&self) -> bool;
+
+    /// Undo [`Transport::arm`] after waking.
+    fn disarm(&self);
+
+    /// Wait until a peer rings or `timeout` passes.
+    async fn wait(&self, timeout: Duration);
+
+    /// Check peers' liveness; fail everything pending on dead ones.
+    fn check_peers(&self);
+
+    /// Whether every peer has consumed what we sent (fragments returned,
+    /// messages acknowledged).
+    fn drained(&self) -> bool;
+
+    /// Release OS resources (unlink names); called once at close.
+    fn shutdown(&self);
+}

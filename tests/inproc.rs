@@ -1,0 +1,92 @@
+//! Two or more fabrics in one process (ranks as tasks), talking through real
+//! shared memory. Multi-process behaviour is in `tests/multiproc.rs`.
+
+use std::time::Duration;
+
+use async_btl::{Config, Error, Fabric, FabricBuilder, LocalExchange};
+use bytes::Bytes;
+
+async fn job(n: u32, config: Config) -> Vec<Fabric> {
+    let ex = LocalExchange::new(n);
+    let key = [7u8; 32];
+    let futs = (0..n).map(|r| {
+        let ex = ex.clone();
+        let c = config.clone();
+        async move { FabricBuilder::new(r, n).job_key(key).config(c).build(&ex).await }
+    });
+    futures::future::try_join_all(futs).await.expect("fabrics open")
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<_>>().into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_recv_all_sizes_over_sm() {
+    let f = job(2, Config::default()).await;
+    assert_eq!(f[0].transport_for(1), Some("sm"));
+    let ep = f[0].endpoint(1).unwrap();
+    let mut rx = f[1].receiver(5).unwrap();
+    let sizes = [0usize, 1, 4071, 4072, 4073, 65536, 1 << 20, 16 << 20];
+    let sender = tokio::spawn(async move {
+        for (i, s) in sizes.iter().enumerate() {
+            ep.send(5, pattern(*s, i as u8)).await.unwrap();
+        }
+    });
+    for (i, s) in sizes.iter().enumerate() {
+        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.unwrap().unwrap();
+        assert_eq!(m.src, 0);
+        assert_eq!(m.data.len(), *s, "size #{i}");
+        assert_eq!(m.data, pattern(*s, i as u8), "content of size {s}");
+    }
+    sender.await.unwrap();
+    let (a, b) = (f.into_iter().next().unwrap(), ());
+    let _ = (a, b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_get_shared_and_registered_regions() {
+    let f = job(2, Config::default()).await;
+    let ep = f[0].endpoint(1).unwrap();
+    for shared in [true, false] {
+        let target = if shared { f[1].alloc_region(8192).unwrap() } else { f[1].register(vec![0u8; 8192]) };
+        let key = target.remote_key();
+        let src = f[0].register(pattern(4096, 9).to_vec());
+        ep.put(&src, 100..1100, &key, 3000).await.unwrap();
+        let mut got = vec![0u8; 1000];
+        target.read(3000, &mut got).unwrap();
+        assert_eq!(&got[..], &pattern(4096, 9)[100..1100]);
+        let dst = f[0].register(vec![0u8; 2000]);
+        ep.get(&dst, 500..1500, &key, 3000).await.unwrap();
+        assert_eq!(&dst.to_vec()[500..1500], &pattern(4096, 9)[100..1100]);
+        // Out of range: refused, target untouched.
+        let before = target.to_vec();
+        let e = ep.put(&src, 0..4096, &key, 8000).await.unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        // Forged key: same length, other id.
+        let mut forged = key.to_bytes();
+        let n = forged.len();
+        forged[n - 3] ^= 0xff;
+        if let Ok(fk) = async_btl::RemoteKey::from_bytes(&forged) {
+            let e = ep.put(&src, 0..10, &fk, 0).await.unwrap_err();
+            assert!(matches!(e, Error::Access(_)), "{e}");
+        }
+        assert_eq!(target.to_vec(), before);
+    }
+    let s = f[0].stats();
+    assert!(s.direct_puts >= 1 && s.emulated_puts >= 1, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn self_path_and_barrier_and_close() {
+    let f = job(3, Config::default()).await;
+    let ep = f[2].endpoint(2).unwrap();
+    assert_eq!(ep.transport(), "self");
+    let mut rx = f[2].receiver(1).unwrap();
+    ep.send_inline(1, b"me").await.unwrap();
+    assert_eq!(&rx.recv().await.unwrap().data[..], b"me");
+    let bars = f.iter().map(|x| x.barrier());
+    futures::future::try_join_all(bars).await.unwrap();
+    let closes = f.into_iter().map(|x| x.close());
+    futures::future::try_join_all(closes).await.unwrap();
+}
