@@ -7,6 +7,7 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod bootstrap;
 pub mod error;
 
 pub use error::{AccessError, Error, Result};
