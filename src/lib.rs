@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod bootstrap;
 pub mod config;
 pub mod error;
 pub mod exchange;
