@@ -97,7 +97,10 @@ mod loom_tests {
             match (first, second) {
                 (Poll::Pending, Poll::Ready(Ok(()))) => {}
                 (Poll::Ready(Ok(())), Poll::Ready(Err(_))) => {}
-                other => panic!("unexpected sequence: {:?}", (other.0.is_ready(), other.1.is_ready())),
+                other => panic!(
+                    "unexpected sequence: {:?}",
+                    (other.0.is_ready(), other.1.is_ready())
+                ),
             }
         });
     }
@@ -134,7 +137,13 @@ mod tests {
         c.complete(Err(crate::Error::Closed));
         c.complete(Ok(()));
         assert!(c.is_done());
-        assert!(matches!(c.poll(&mut cx), Poll::Ready(Err(crate::Error::Closed))));
-        assert!(matches!(c.poll(&mut cx), Poll::Ready(Err(crate::Error::Misuse(_)))));
+        assert!(matches!(
+            c.poll(&mut cx),
+            Poll::Ready(Err(crate::Error::Closed))
+        ));
+        assert!(matches!(
+            c.poll(&mut cx),
+            Poll::Ready(Err(crate::Error::Misuse(_)))
+        ));
     }
 }

@@ -104,12 +104,19 @@ impl Dispatcher {
 
     /// Wake every receiver so it sees the fabric closed.
     pub(crate) fn close(&self) {
-        let wakers: Vec<_> = lock(&self.tags).values_mut().filter_map(|q| q.waker.take()).collect();
+        let wakers: Vec<_> = lock(&self.tags)
+            .values_mut()
+            .filter_map(|q| q.waker.take())
+            .collect();
         wakers.into_iter().for_each(Waker::wake);
     }
 
     /// Open the receiver for `tag`; one at a time per tag.
-    pub(crate) fn take(self: &Arc<Self>, tag: Tag, closed: Arc<std::sync::atomic::AtomicBool>) -> Result<Receiver> {
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        tag: Tag,
+        closed: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<Receiver> {
         let mut tags = lock(&self.tags);
         let q = tags.entry(tag).or_default();
         if q.taken {
@@ -179,7 +186,9 @@ impl Receiver {
     /// Wait for the next message (shorthand for `StreamExt::next`, with the
     /// end of the stream as [`Error::Closed`]).
     pub async fn recv(&mut self) -> Result<Message> {
-        futures::StreamExt::next(self).await.unwrap_or(Err(Error::Closed))
+        futures::StreamExt::next(self)
+            .await
+            .unwrap_or(Err(Error::Closed))
     }
 }
 

@@ -99,17 +99,36 @@ impl Endpoint {
     /// Resolves at remote completion: the bytes are in the target's memory.
     /// The target checks the key and the bounds; a refused put leaves its
     /// memory untouched and fails with [`Error::Access`].
-    pub fn put(&self, local: &MemoryRegion, range: Range<usize>, remote: &RemoteKey, offset: u64) -> Put {
+    pub fn put(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        remote: &RemoteKey,
+        offset: u64,
+    ) -> Put {
         Put(self.rma(local, range, remote, offset, true))
     }
 
     /// Read from the peer's region `remote` at `offset` into `local[range]`.
     /// Resolves when the data is in `local`.
-    pub fn get(&self, local: &MemoryRegion, range: Range<usize>, remote: &RemoteKey, offset: u64) -> Get {
+    pub fn get(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        remote: &RemoteKey,
+        offset: u64,
+    ) -> Get {
         Get(self.rma(local, range, remote, offset, false))
     }
 
-    fn rma(&self, local: &MemoryRegion, range: Range<usize>, key: &RemoteKey, offset: u64, put: bool) -> OpState {
+    fn rma(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        key: &RemoteKey,
+        offset: u64,
+        put: bool,
+    ) -> OpState {
         let len = range.end.saturating_sub(range.start);
         let r = Self::local_range(local, &range).and_then(|_| self.check_key(key, offset, len));
         if let Err(e) = r {
@@ -164,7 +183,11 @@ impl Endpoint {
 }
 
 enum SendState {
-    Start { link: Arc<dyn Link>, tag: Tag, data: Bytes },
+    Start {
+        link: Arc<dyn Link>,
+        tag: Tag,
+        data: Bytes,
+    },
     Wait(Arc<Completion>),
     Done,
 }
@@ -198,7 +221,9 @@ impl Future for Send {
                     return p;
                 }
                 SendState::Done => {
-                    return Poll::Ready(Err(Error::Misuse("send future polled after completion".into())))
+                    return Poll::Ready(Err(Error::Misuse(
+                        "send future polled after completion".into(),
+                    )))
                 }
             }
         }
@@ -230,7 +255,10 @@ impl Future for SendInline<'_> {
             Ok(false) => {}
             Err(e) => return Poll::Ready(Err(e)),
         }
-        match self.link.submit(Kind::User, self.tag, Bytes::copy_from_slice(self.data)) {
+        match self
+            .link
+            .submit(Kind::User, self.tag, Bytes::copy_from_slice(self.data))
+        {
             Ok(None) => Poll::Ready(Ok(())),
             Ok(Some(c)) => {
                 let p = c.poll(cx);
@@ -250,10 +278,11 @@ enum OpState {
 impl OpState {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         match self {
-            OpState::Ready(r) => Poll::Ready(
-                r.take()
-                    .unwrap_or_else(|| Err(Error::Misuse("operation polled after completion".into()))),
-            ),
+            OpState::Ready(r) => {
+                Poll::Ready(r.take().unwrap_or_else(|| {
+                    Err(Error::Misuse("operation polled after completion".into()))
+                }))
+            }
             OpState::Wait(c) => c.poll(cx),
         }
     }
@@ -316,9 +345,9 @@ impl Future for Flush {
             }
             // Re-check on a short timer: completions of many kinds feed this,
             // and flush is rare enough that a 100 µs poll costs nothing.
-            let tick = self
-                .tick
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep(std::time::Duration::from_micros(100))));
+            let tick = self.tick.get_or_insert_with(|| {
+                Box::pin(tokio::time::sleep(std::time::Duration::from_micros(100)))
+            });
             match tick.as_mut().poll(cx) {
                 Poll::Ready(()) => self.tick = None,
                 Poll::Pending => return Poll::Pending,

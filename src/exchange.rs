@@ -70,7 +70,36 @@ impl AddressExchange for LocalExchange {
         tokio::time::timeout(self.timeout, wait).await.map_err(|_| {
             let s = lock(slots);
             let missing: Vec<usize> = (0..s.len()).filter(|i| s[*i].is_none()).collect();
-            Error::Bootstrap(format!("ranks {missing:?} did not join within {:?}", self.timeout))
+            Error::Bootstrap(format!(
+                "ranks {missing:?} did not join within {:?}",
+                self.timeout
+            ))
         })
+    }
+}
+
+/// The launcher's rendezvous (see [`crate::bootstrap`]) as an exchange.
+pub struct JobExchange {
+    job: crate::bootstrap::JobInfo,
+    timeout: Duration,
+}
+
+impl JobExchange {
+    /// Exchange through `job`'s rendezvous, giving up after `timeout`.
+    pub fn new(job: crate::bootstrap::JobInfo, timeout: Duration) -> Self {
+        JobExchange { job, timeout }
+    }
+}
+
+#[async_trait]
+impl AddressExchange for JobExchange {
+    async fn all_gather(&self, rank: Rank, mine: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        if rank != self.job.rank {
+            return Err(Error::Misuse(format!(
+                "rank {rank} used the exchange of rank {}",
+                self.job.rank
+            )));
+        }
+        crate::bootstrap::all_gather(&self.job, mine, self.timeout).await
     }
 }

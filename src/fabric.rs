@@ -26,8 +26,9 @@ use crate::{Error, Rank, Result, Tag};
 
 /// A 64-bit FNV-1a hash, used to derive non-secret tags from the job key.
 fn fnv(seed: u64, data: &[u8]) -> u64 {
-    data.iter()
-        .fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+    data.iter().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// The tag written into segments and region files to tell jobs apart.
@@ -130,10 +131,12 @@ impl Core {
         };
         match timeout {
             None => fut.await,
-            Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| Error::Timeout {
-                what: what.to_string(),
-                after: t,
-            })?,
+            Some(t) => tokio::time::timeout(t, fut)
+                .await
+                .map_err(|_| Error::Timeout {
+                    what: what.to_string(),
+                    after: t,
+                })?,
         }
     }
 }
@@ -216,7 +219,10 @@ impl Fabric {
     async fn open(b: FabricBuilder, exchange: &dyn AddressExchange) -> Result<Fabric> {
         b.config.validate()?;
         if b.size == 0 || b.rank >= b.size {
-            return Err(Error::Config(format!("rank {} is not below size {}", b.rank, b.size)));
+            return Err(Error::Config(format!(
+                "rank {} is not below size {}",
+                b.rank, b.size
+            )));
         }
         let local_size = b.local_size.unwrap_or(b.size);
         let local_rank = b.local_rank.unwrap_or(b.rank);
@@ -247,7 +253,8 @@ impl Fabric {
             node: crate::os::node_id(),
             sm: sm.as_ref().map(|s| s.address()),
         };
-        let blob = postcard::to_allocvec(&me).map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
+        let blob = postcard::to_allocvec(&me)
+            .map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
         let all = exchange.all_gather(b.rank, blob).await?;
         if all.len() != b.size as usize {
             return Err(Error::Bootstrap(format!(
@@ -264,10 +271,14 @@ impl Fabric {
             if r == b.rank {
                 continue;
             }
-            let a: PeerAddr = postcard::from_bytes(raw)
-                .map_err(|e| Error::Bootstrap(format!("rank {r} published an unreadable address: {e}")))?;
+            let a: PeerAddr = postcard::from_bytes(raw).map_err(|e| {
+                Error::Bootstrap(format!("rank {r} published an unreadable address: {e}"))
+            })?;
             if a.rank != r {
-                return Err(Error::Bootstrap(format!("rank {r} published an address claiming rank {}", a.rank)));
+                return Err(Error::Bootstrap(format!(
+                    "rank {r} published an address claiming rank {}",
+                    a.rank
+                )));
             }
             match (&sm, a.sm) {
                 (Some(s), Some(sa)) if s.reaches(&sa) => sm_peers.push((r, sa)),
@@ -290,7 +301,10 @@ impl Fabric {
         let selfl = SelfLink::new(&core);
         links[b.rank as usize] = Some(selfl.clone());
         transports.push(selfl);
-        *core.links.write().map_err(|_| Error::Misuse("poisoned link table".into()))? = links;
+        *core
+            .links
+            .write()
+            .map_err(|_| Error::Misuse("poisoned link table".into()))? = links;
 
         let hook_ts = transports.clone();
         core.dispatcher
@@ -306,6 +320,35 @@ impl Fabric {
             sm,
             epoch: AtomicU64::new(0),
         })
+    }
+
+    /// Open the fabric of a job started by a launcher: `btl-run`, Open MPI's
+    /// `mpirun`, Slurm's `srun`, PMI, or torchrun-style variables (see
+    /// [`crate::bootstrap`]). Settings come from `BTL_*` variables
+    /// ([`Config::from_env`]). Started by no launcher, the process is a job
+    /// of one. Must be called inside a tokio runtime.
+    pub async fn from_env() -> Result<Fabric> {
+        let config = Config::from_env()?;
+        match crate::bootstrap::JobInfo::from_env()? {
+            None => {
+                FabricBuilder::new(0, 1)
+                    .config(config)
+                    .build(&crate::exchange::LocalExchange::new(1))
+                    .await
+            }
+            Some(job) => Self::from_job(job, config).await,
+        }
+    }
+
+    /// Open the fabric for an explicit job description.
+    pub async fn from_job(job: crate::bootstrap::JobInfo, config: Config) -> Result<Fabric> {
+        let timeout = config.boot_timeout;
+        FabricBuilder::new(job.rank, job.size)
+            .local(job.local_rank, job.local_size)
+            .job_key(*job.job_key.as_bytes())
+            .config(config)
+            .build(&crate::exchange::JobExchange::new(job, timeout))
+            .await
     }
 
     /// A fabric for a process that is the whole job (rank 0 of 1).
@@ -331,7 +374,10 @@ impl Fabric {
             return Err(Error::Closed);
         }
         let link = self.core.link(peer).ok_or_else(|| {
-            Error::Misuse(format!("rank {peer} is not in this job of {} ranks", self.core.size))
+            Error::Misuse(format!(
+                "rank {peer} is not in this job of {} ranks",
+                self.core.size
+            ))
         })?;
         Ok(Endpoint::new(link, self.core.clone()))
     }
@@ -424,7 +470,11 @@ impl Fabric {
             .wait_sync(
                 "goodbyes from every peer at close",
                 Some(t.saturating_sub(deadline.elapsed().min(t))),
-                |s| (0..size).filter(|r| *r != me).all(|r| s.byes.contains(&r) || s.lost.contains_key(&r)),
+                |s| {
+                    (0..size)
+                        .filter(|r| *r != me)
+                        .all(|r| s.byes.contains(&r) || s.lost.contains_key(&r))
+                },
                 |_| false,
             )
             .await;

@@ -46,7 +46,7 @@ pub use config::{Config, ProgressMode};
 pub use dispatch::{Message, Receiver};
 pub use endpoint::{Endpoint, Flush, Get, Put, Send, SendInline};
 pub use error::{AccessError, Error, Result};
-pub use exchange::{AddressExchange, LocalExchange};
+pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use fabric::{Fabric, FabricBuilder};
 pub use region::{MemoryRegion, RemoteKey};
 pub use stats::Stats;

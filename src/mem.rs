@@ -144,7 +144,10 @@ impl RawBuf {
         // `self` lives, which outlives the borrow; these words are accessed
         // only atomically by every process (ring indices and slots).
         Some(unsafe {
-            std::slice::from_raw_parts(self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU64, n)
+            std::slice::from_raw_parts(
+                self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU64,
+                n,
+            )
         })
     }
 }

@@ -38,7 +38,8 @@ impl ProcWatch {
     pub(crate) fn new(pid: u32) -> ProcWatch {
         // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1;
         // no memory is passed.
-        let r = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long) };
+        let r =
+            unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, 0 as libc::c_long) };
         let fd = if r >= 0 {
             // SAFETY: r is a fresh fd we own exclusively.
             Some(unsafe { OwnedFd::from_raw_fd(r as i32) })
@@ -85,10 +86,11 @@ pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
 /// Lower-case hex.
 pub(crate) fn hex(b: &[u8]) -> String {
     use std::fmt::Write;
-    b.iter().fold(String::with_capacity(b.len() * 2), |mut s, x| {
-        let _ = write!(s, "{x:02x}");
-        s
-    })
+    b.iter()
+        .fold(String::with_capacity(b.len() * 2), |mut s, x| {
+            let _ = write!(s, "{x:02x}");
+            s
+        })
 }
 
 /// Whether CMA (process_vm_readv) may read this process from a sibling: the

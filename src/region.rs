@@ -270,7 +270,9 @@ pub(crate) struct MappedRegion {
 impl MappedRegion {
     /// Map the shared region behind `key`; checks magic, job and owner.
     pub(crate) fn open(key: &RemoteKey, job_tag: [u64; 2]) -> Result<MappedRegion> {
-        let pid = key.shm_pid.ok_or(AccessError::NotPermitted("direct mapping".into()))?;
+        let pid = key
+            .shm_pid
+            .ok_or(AccessError::NotPermitted("direct mapping".into()))?;
         let path = crate::shm::shm_dir().join(crate::shm::name_for(pid, &key.id));
         let file = match ShmFile::open(&path, REGION_DATA_OFFSET) {
             Ok(f) => f,

@@ -90,7 +90,9 @@ impl Ring<'_> {
             }
         }
         let mask = self.cap() - 1;
-        Ok(Some(self.slots[(st.head & mask) as usize].load(Ordering::Relaxed)))
+        Ok(Some(
+            self.slots[(st.head & mask) as usize].load(Ordering::Relaxed),
+        ))
     }
 
     /// Remove the value `peek` returned.

@@ -168,7 +168,11 @@ impl Rma {
     pub(crate) fn peer_lost(&self, peer: Rank, reason: &str) {
         let lost: Vec<Op> = {
             let mut ops = lock(&self.ops);
-            let ids: Vec<u64> = ops.iter().filter(|(_, o)| o.peer == peer).map(|(k, _)| *k).collect();
+            let ids: Vec<u64> = ops
+                .iter()
+                .filter(|(_, o)| o.peer == peer)
+                .map(|(k, _)| *k)
+                .collect();
             ids.into_iter().filter_map(|k| ops.remove(&k)).collect()
         };
         for op in lost {
@@ -199,7 +203,11 @@ impl Rma {
                 };
                 let len = u64::from_le_bytes(rest.try_into().unwrap_or_default());
                 let r = usize::try_from(len)
-                    .map_err(|_| AccessError::OutOfBounds { offset: off, end: u64::MAX, len: 0 })
+                    .map_err(|_| AccessError::OutOfBounds {
+                        offset: off,
+                        end: u64::MAX,
+                        len: 0,
+                    })
                     .and_then(|len| self.target(&key, off, len).map(|reg| (reg, len)));
                 let resp = match r {
                     Ok((reg, len)) => {
@@ -219,17 +227,21 @@ impl Rma {
     }
 
     fn target(&self, key: &KeyId, off: u64, len: usize) -> Result<Arc<RegionInner>, AccessError> {
-        let r = self.regions.get(key).ok_or(AccessError::UnknownKey).and_then(|reg| {
-            let n = reg.raw().len() as u64;
-            match off.checked_add(len as u64) {
-                Some(end) if end <= n => Ok(reg),
-                _ => Err(AccessError::OutOfBounds {
-                    offset: off,
-                    end: off.saturating_add(len as u64),
-                    len: n,
-                }),
-            }
-        });
+        let r = self
+            .regions
+            .get(key)
+            .ok_or(AccessError::UnknownKey)
+            .and_then(|reg| {
+                let n = reg.raw().len() as u64;
+                match off.checked_add(len as u64) {
+                    Some(end) if end <= n => Ok(reg),
+                    _ => Err(AccessError::OutOfBounds {
+                        offset: off,
+                        end: off.saturating_add(len as u64),
+                        len: n,
+                    }),
+                }
+            });
         if r.is_err() {
             Counters::bump(&self.counters.access_refused);
         }

@@ -12,13 +12,24 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
     let futs = (0..n).map(|r| {
         let ex = ex.clone();
         let c = config.clone();
-        async move { FabricBuilder::new(r, n).job_key(key).config(c).build(&ex).await }
+        async move {
+            FabricBuilder::new(r, n)
+                .job_key(key)
+                .config(c)
+                .build(&ex)
+                .await
+        }
     });
-    futures::future::try_join_all(futs).await.expect("fabrics open")
+    futures::future::try_join_all(futs)
+        .await
+        .expect("fabrics open")
 }
 
 fn pattern(len: usize, seed: u8) -> Bytes {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<_>>().into()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect::<Vec<_>>()
+        .into()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -34,7 +45,10 @@ async fn send_recv_all_sizes_over_sm() {
         }
     });
     for (i, s) in sizes.iter().enumerate() {
-        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.unwrap().unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(m.src, 0);
         assert_eq!(m.data.len(), *s, "size #{i}");
         assert_eq!(m.data, pattern(*s, i as u8), "content of size {s}");
@@ -49,7 +63,11 @@ async fn put_get_shared_and_registered_regions() {
     let f = job(2, Config::default()).await;
     let ep = f[0].endpoint(1).unwrap();
     for shared in [true, false] {
-        let target = if shared { f[1].alloc_region(8192).unwrap() } else { f[1].register(vec![0u8; 8192]) };
+        let target = if shared {
+            f[1].alloc_region(8192).unwrap()
+        } else {
+            f[1].register(vec![0u8; 8192])
+        };
         let key = target.remote_key();
         let src = f[0].register(pattern(4096, 9).to_vec());
         ep.put(&src, 100..1100, &key, 3000).await.unwrap();

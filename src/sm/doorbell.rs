@@ -24,8 +24,10 @@ impl Doorbell {
     /// Bind a fresh doorbell. Needs a tokio runtime.
     pub(crate) fn new() -> Result<Doorbell> {
         let name = format!("abtl-bell-{}", os::hex(&os::random_bytes::<16>())).into_bytes();
-        let addr = SocketAddr::from_abstract_name(&name).map_err(|e| Error::os("doorbell name", e))?;
-        let std = StdDatagram::bind_addr(&addr).map_err(|e| Error::os("binding doorbell socket", e))?;
+        let addr =
+            SocketAddr::from_abstract_name(&name).map_err(|e| Error::os("doorbell name", e))?;
+        let std =
+            StdDatagram::bind_addr(&addr).map_err(|e| Error::os("binding doorbell socket", e))?;
         std.set_nonblocking(true)
             .map_err(|e| Error::os("doorbell socket non-blocking", e))?;
         let sock = UnixDatagram::from_std(std).map_err(|e| Error::os("registering doorbell", e))?;
@@ -53,7 +55,8 @@ pub(crate) struct Bell {
 impl Bell {
     /// Address a peer's doorbell by its published name.
     pub(crate) fn new(name: &[u8]) -> Result<Bell> {
-        let addr = SocketAddr::from_abstract_name(name).map_err(|e| Error::os("peer doorbell name", e))?;
+        let addr =
+            SocketAddr::from_abstract_name(name).map_err(|e| Error::os("peer doorbell name", e))?;
         Ok(Bell { addr })
     }
 

@@ -112,7 +112,13 @@ mod tests {
 
     #[test]
     fn rejects_lies() {
-        let h = FragHeader { kind: Kind::User, flags: FIRST | LAST, len: 10, tag: 1, total: 10 };
+        let h = FragHeader {
+            kind: Kind::User,
+            flags: FIRST | LAST,
+            len: 10,
+            tag: 1,
+            total: 10,
+        };
         let mut b = h.encode();
         assert_eq!(FragHeader::decode(&b, 8), Err(FragError::TooLong));
         b[16] = 11;

@@ -91,7 +91,11 @@ pub(crate) struct SmTransport {
 
 impl SmTransport {
     /// Create our segment and doorbell. Removes leftovers of crashed jobs first.
-    pub(crate) fn new(core: Arc<Core>, local_rank: u32, local_size: u32) -> Result<Arc<SmTransport>> {
+    pub(crate) fn new(
+        core: Arc<Core>,
+        local_rank: u32,
+        local_size: u32,
+    ) -> Result<Arc<SmTransport>> {
         let removed = crate::shm::remove_stale();
         if removed > 0 {
             tracing::info!("removed {removed} shared-memory files left by dead processes");
@@ -154,7 +158,10 @@ impl SmTransport {
     }
 
     /// Attach every reachable peer's segment; returns a link per peer rank.
-    pub(crate) fn connect(self: &Arc<Self>, peers: &[(Rank, SmAddr)]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+    pub(crate) fn connect(
+        self: &Arc<Self>,
+        peers: &[(Rank, SmAddr)],
+    ) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
         let n = self.seg.layout.p.local_size as usize;
         let mut by_local: Vec<Option<Arc<SmPeer>>> = (0..n).map(|_| None).collect();
         let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
@@ -325,7 +332,9 @@ impl Transport for SmTransport {
     }
 
     fn shutdown(&self) {
-        self.seg.state().store(segment::STATE_CLOSED, Ordering::Release);
+        self.seg
+            .state()
+            .store(segment::STATE_CLOSED, Ordering::Release);
         self.seg.unlink();
     }
 }

@@ -136,7 +136,10 @@ impl RxState {
                 if part.buf.len() + h.len as usize > part.total {
                     return Step::Bad("fragments exceed the message length");
                 }
-                if raw.read_into(payload, h.len as usize, &mut part.buf).is_err() {
+                if raw
+                    .read_into(payload, h.len as usize, &mut part.buf)
+                    .is_err()
+                {
                     return Step::Bad("payload outside its segment");
                 }
             }
@@ -167,9 +170,7 @@ impl RxState {
     pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
         t.peer_list().iter().flatten().all(|p| {
             let l = p.local as usize;
-            p.is_lost()
-                || self.blocked[l]
-                || t.seg.inbound(p.local).looks_empty(&self.cons[l])
+            p.is_lost() || self.blocked[l] || t.seg.inbound(p.local).looks_empty(&self.cons[l])
         })
     }
 

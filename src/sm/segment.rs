@@ -109,7 +109,10 @@ impl Layout {
             ((self.pool_off + i * es) as u64, es)
         } else {
             let base = self.pool_off + ec * es;
-            ((base + (i - ec) * self.p.max_size as usize) as u64, self.p.max_size as usize)
+            (
+                (base + (i - ec) * self.p.max_size as usize) as u64,
+                self.p.max_size as usize,
+            )
         }
     }
 
@@ -137,7 +140,13 @@ pub(crate) struct Segment {
     pub(crate) local_rank: u32,
 }
 
-fn encode(params: &Params, job_tag: [u64; 2], total: usize, pid: u32, local_rank: u32) -> [u8; PARAMS_LEN] {
+fn encode(
+    params: &Params,
+    job_tag: [u64; 2],
+    total: usize,
+    pid: u32,
+    local_rank: u32,
+) -> [u8; PARAMS_LEN] {
     let mut h = [0u8; PARAMS_LEN];
     let mut w = |o: usize, b: &[u8]| h[o..o + b.len()].copy_from_slice(b);
     w(0, &MAGIC.to_le_bytes());
@@ -243,20 +252,28 @@ pub(crate) fn validate(h: &Header, file_len: usize, exp: &Expect) -> Result<Layo
 
 impl Segment {
     /// Create our own segment and initialise every ring (receiver-initialised).
-    pub(crate) fn create(id: &[u8; 16], params: Params, job_tag: [u64; 2], local_rank: u32) -> Result<Segment> {
-        let layout = Layout::new(params)
-            .ok_or_else(|| Error::Config(format!("shared-memory sizes make no sense: {params:?}")))?;
+    pub(crate) fn create(
+        id: &[u8; 16],
+        params: Params,
+        job_tag: [u64; 2],
+        local_rank: u32,
+    ) -> Result<Segment> {
+        let layout = Layout::new(params).ok_or_else(|| {
+            Error::Config(format!("shared-memory sizes make no sense: {params:?}"))
+        })?;
         let file = ShmFile::create(id, layout.total)?;
         let pid = crate::os::pid();
         // A fresh file is zero-filled by the kernel: rings start empty.
-        file.raw().write(0, &encode(&params, job_tag, layout.total, pid, local_rank))?;
+        file.raw()
+            .write(0, &encode(&params, job_tag, layout.total, pid, local_rank))?;
         let seg = Segment {
             file,
             layout,
             pid,
             local_rank,
         };
-        seg.state().store(STATE_READY, crate::sync::Ordering::Release);
+        seg.state()
+            .store(STATE_READY, crate::sync::Ordering::Release);
         Ok(seg)
     }
 

@@ -85,7 +85,10 @@ impl TxState {
                             }
                             _ => {
                                 Counters::bump(&t.core.counters.bad_frames);
-                                tracing::warn!(peer = p.rank, "peer returned a fragment it did not hold");
+                                tracing::warn!(
+                                    peer = p.rank,
+                                    "peer returned a fragment it did not hold"
+                                );
                             }
                         }
                     }
@@ -192,7 +195,14 @@ impl TxState {
 
     /// Send a borrowed message only if it fits in one fragment that is free
     /// now and nothing is queued ahead of it (the inline path).
-    fn try_send(&mut self, t: &SmTransport, peer: &SmPeer, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
+    fn try_send(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        data: &[u8],
+    ) -> Result<bool> {
         let max_payload = self.layout.p.max_size as usize - FRAG_HEADER;
         if data.len() > max_payload || !self.queues[peer.local as usize].is_empty() {
             return Ok(false);
@@ -205,7 +215,14 @@ impl TxState {
         }
     }
 
-    fn submit(&mut self, t: &SmTransport, peer: &SmPeer, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
+    fn submit(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+    ) -> Result<Option<Arc<Completion>>> {
         let (mut sent, mut started) = (0, false);
         if self.queues[peer.local as usize].is_empty() {
             if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut sent, &mut started)? {
@@ -230,7 +247,15 @@ impl TxState {
         for p in t.peer_list().iter().flatten() {
             let q = p.local as usize;
             while let Some(mut head) = self.queues[q].pop_front() {
-                let r = self.push(t, p, head.kind, head.tag, &head.data, &mut head.sent, &mut head.started);
+                let r = self.push(
+                    t,
+                    p,
+                    head.kind,
+                    head.tag,
+                    &head.data,
+                    &mut head.sent,
+                    &mut head.started,
+                );
                 match r {
                     Ok(Pushed::Done) => {
                         work += 1;
@@ -252,10 +277,11 @@ impl TxState {
 
     /// Nothing to do: no returns waiting (queues wait on returns).
     pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
-        t.peer_list()
-            .iter()
-            .flatten()
-            .all(|p| t.seg.returns(p.local).looks_empty(&self.ret[p.local as usize]))
+        t.peer_list().iter().flatten().all(|p| {
+            t.seg
+                .returns(p.local)
+                .looks_empty(&self.ret[p.local as usize])
+        })
     }
 
     /// Every fragment is home and nothing is queued.
@@ -323,7 +349,10 @@ impl Link for SmLink {
         lock(&self.t.tx).submit(&self.t, &self.peer, kind, tag, data)
     }
 
-    fn map_remote(&self, key: &crate::region::RemoteKey) -> Option<Result<crate::region::MappedRegion>> {
+    fn map_remote(
+        &self,
+        key: &crate::region::RemoteKey,
+    ) -> Option<Result<crate::region::MappedRegion>> {
         key.shm_pid?;
         Some(self.t.map_cached(key))
     }

@@ -1,0 +1,134 @@
+//! Test support: run scenarios as real processes. The test binary re-executes
+//! itself: the child runs only the `rank_main` test, which reads the scenario
+//! from `BTL_TEST_SCENARIO` and the job from the `BTL_*` launcher variables.
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A job of `n` ranks running `scenario`, rendezvous through a private dir.
+pub struct Job {
+    pub children: Vec<Child>,
+    dir: std::path::PathBuf,
+}
+
+pub fn spawn_job(n: u32, scenario: &str, env: &[(&str, &str)]) -> Job {
+    let dir = std::env::temp_dir().join(format!("abtl-test-{}-{}", std::process::id(), rand_hex()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = rand_hex() + &rand_hex();
+    let exe = std::env::current_exe().unwrap();
+    let children = (0..n)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args(["rank_main", "--exact", "--nocapture", "--test-threads=1"])
+                .env("BTL_TEST_SCENARIO", scenario)
+                .env("BTL_RANK", r.to_string())
+                .env("BTL_SIZE", n.to_string())
+                .env("BTL_LOCAL_RANK", r.to_string())
+                .env("BTL_LOCAL_SIZE", n.to_string())
+                .env("BTL_JOB_KEY", &key)
+                .env("BTL_JOB_ID", format!("test-{scenario}"))
+                .env("BTL_RENDEZVOUS", format!("dir:{}", dir.display()))
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            c.spawn().expect("spawn rank")
+        })
+        .collect();
+    Job { children, dir }
+}
+
+fn rand_hex() -> String {
+    let mut b = [0u8; 16];
+    rand::fill(&mut b[..]);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Job {
+    /// Wait for every rank (watchdog: `limit`), returning outputs in rank order.
+    pub fn wait(mut self, limit: Duration) -> Vec<Output> {
+        let start = Instant::now();
+        loop {
+            let done = self
+                .children
+                .iter_mut()
+                .all(|c| matches!(c.try_wait(), Ok(Some(_))));
+            if done || start.elapsed() > limit {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let timed_out = start.elapsed() > limit;
+        for c in &mut self.children {
+            let _ = c.kill();
+        }
+        let outs: Vec<Output> = std::mem::take(&mut self.children)
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if timed_out {
+            dump(&outs);
+            panic!("job did not finish within {limit:?} (watchdog)");
+        }
+        outs
+    }
+}
+
+pub fn dump(outs: &[Output]) {
+    for (r, o) in outs.iter().enumerate() {
+        eprintln!(
+            "--- rank {r}: {:?}\n{}\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+/// Assert every rank exited 0.
+pub fn assert_ok(outs: &[Output]) {
+    if outs.iter().any(|o| !o.status.success()) {
+        dump(outs);
+        panic!("a rank failed");
+    }
+}
+
+/// Lines a rank printed that start with `key=`.
+pub fn value(out: &Output, key: &str) -> Option<String> {
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        l.split_once(&format!("{key}="))
+            .map(|(_, v)| v.trim().to_string())
+    })
+}
+
+/// Our abtl files in /dev/shm.
+pub fn shm_files_of(pids: &[u32]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| pids.iter().any(|p| n.starts_with(&format!("abtl.{p}."))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Resident set size of this process in KiB.
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+pub fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}

@@ -1,0 +1,383 @@
+//! The `sm` transport between real processes: each test starts ranks as
+//! child processes (this binary, re-executed) with launcher variables.
+
+mod common;
+
+use std::time::Duration;
+
+use async_btl::{Error, Fabric, RemoteKey};
+use bytes::Bytes;
+use common::*;
+use futures::StreamExt;
+
+fn pattern(len: usize, seed: u64) -> Bytes {
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed) >> 7) as u8)
+        .collect::<Vec<_>>()
+        .into()
+}
+
+/// The child side: runs the scenario named in BTL_TEST_SCENARIO.
+#[test]
+fn rank_main() {
+    let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
+        return; // the parent test process: nothing to do here
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let f = Fabric::from_env().await.expect("fabric from launcher env");
+        match scenario.as_str() {
+            "sizes" => sizes(f).await,
+            "order" => order(f).await,
+            "alltoall" => alltoall(f).await,
+            "putget" => putget(f).await,
+            "stall" => stall(f).await,
+            "kill" => kill(f).await,
+            other => panic!("unknown scenario {other}"),
+        }
+    });
+}
+
+const SIZES: [usize; 8] = [0, 1, 4071, 4072, 4073, 65536, 1 << 20, 16 << 20];
+
+async fn sizes(f: Fabric) {
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        assert_eq!(ep.transport(), "sm");
+        for (i, s) in SIZES.iter().enumerate() {
+            ep.send(3, pattern(*s, i as u64)).await.unwrap();
+        }
+        // Small ones through the allocation-free inline path too.
+        for s in [0usize, 1, 100, 4072] {
+            ep.send_inline(4, &pattern(s, 99)).await.unwrap();
+        }
+    } else {
+        let mut rx = f.receiver(3).unwrap();
+        for (i, s) in SIZES.iter().enumerate() {
+            let m = rx.recv().await.unwrap();
+            assert_eq!((m.src, m.data.len()), (0, *s));
+            assert!(
+                m.data == pattern(*s, i as u64),
+                "content mismatch at size {s}"
+            );
+        }
+        let mut rx4 = f.receiver(4).unwrap();
+        for s in [0usize, 1, 100, 4072] {
+            assert_eq!(rx4.recv().await.unwrap().data, pattern(s, 99));
+        }
+    }
+    f.close().await.unwrap();
+}
+
+async fn order(f: Fabric) {
+    const N: u64 = 100_000;
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..N {
+            // Alternate tags: order must hold per tag.
+            ep.send_inline(10 + i % 2, &i.to_le_bytes()).await.unwrap();
+        }
+    } else {
+        let (mut a, mut b) = (f.receiver(10).unwrap(), f.receiver(11).unwrap());
+        let (mut na, mut nb) = (0u64, 1u64);
+        while na < N || nb < N {
+            tokio::select! {
+                m = a.next(), if na < N => {
+                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
+                    assert_eq!(v, na, "tag 10 out of order");
+                    na += 2;
+                }
+                m = b.next(), if nb < N => {
+                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
+                    assert_eq!(v, nb, "tag 11 out of order");
+                    nb += 2;
+                }
+            }
+        }
+    }
+    f.close().await.unwrap();
+}
+
+async fn alltoall(f: Fabric) {
+    const K: u64 = 2000;
+    let (me, n) = (f.rank(), f.size());
+    let mut rx = f.receiver(1).unwrap();
+    let eps: Vec<_> = (0..n).map(|r| f.endpoint(r).unwrap()).collect();
+    let send = async {
+        for i in 0..K {
+            for ep in &eps {
+                let len = (i as usize * 37) % 9000;
+                ep.send(1, pattern(len, (u64::from(me) << 32) | i))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let recv = async {
+        let mut next = vec![0u64; n as usize];
+        for _ in 0..K * u64::from(n) {
+            let m = rx.recv().await.unwrap();
+            let i = next[m.src as usize];
+            let len = (i as usize * 37) % 9000;
+            assert_eq!(
+                m.data,
+                pattern(len, (u64::from(m.src) << 32) | i),
+                "from {}",
+                m.src
+            );
+            next[m.src as usize] += 1;
+        }
+        assert!(next.iter().all(|c| *c == K));
+    };
+    futures::join!(send, recv);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn putget(f: Fabric) {
+    if f.rank() == 1 {
+        let shared = f.alloc_region(1 << 20).unwrap();
+        let heap = f.register(vec![0u8; 1 << 16]);
+        let ep = f.endpoint(0).unwrap();
+        let mut keys = shared.remote_key().to_bytes();
+        keys.extend(heap.remote_key().to_bytes());
+        ep.send(1, keys).await.unwrap();
+        f.barrier().await.unwrap(); // rank 0 is done
+        let mut got = vec![0u8; 5000];
+        shared.read(12345, &mut got).unwrap();
+        assert_eq!(got, pattern(5000, 1), "put into the shared region");
+        heap.read(777, &mut got[..3000]).unwrap();
+        assert_eq!(
+            &got[..3000],
+            &pattern(3000, 2)[..],
+            "put into the registered region"
+        );
+        // The refused puts left the rest untouched.
+        assert!(shared.to_vec()[(1 << 20) - 64..].iter().all(|b| *b == 0));
+        assert!(heap.to_vec()[(1 << 16) - 64..].iter().all(|b| *b == 0));
+        println!("refused={}", f.stats().access_refused);
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let m = rx.recv().await.unwrap();
+        let shared: RemoteKey = postcard::take_from_bytes(&m.data).map(|(k, _)| k).unwrap();
+        let used = shared.to_bytes().len();
+        let heap = RemoteKey::from_bytes(&m.data[used..]).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        let src = f.register(pattern(5000, 1).to_vec());
+        ep.put(&src, 0..5000, &shared, 12345).await.unwrap();
+        let back = f.register(vec![0u8; 5000]);
+        ep.get(&back, 0..5000, &shared, 12345).await.unwrap();
+        assert_eq!(back.to_vec(), pattern(5000, 1).to_vec());
+        let src2 = f.register(pattern(3000, 2).to_vec());
+        ep.put(&src2, 0..3000, &heap, 777).await.unwrap();
+        ep.get(&back, 0..3000, &heap, 777).await.unwrap();
+        assert_eq!(&back.to_vec()[..3000], &pattern(3000, 2)[..]);
+        ep.flush().await.unwrap();
+        // Out of range (initiator check) and past the end.
+        for (k, off) in [(&shared, (1u64 << 20) - 10), (&heap, (1u64 << 16) - 10)] {
+            let e = ep.put(&src, 0..64, k, off).await.unwrap_err();
+            assert!(matches!(e, Error::Access(_)), "{e}");
+        }
+        // A forged key claiming a huge length: the target refuses it.
+        let mut big = heap.to_bytes();
+        // postcard varint of owner(1 byte) + 16 id bytes, then len varint.
+        big.truncate(17);
+        big.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
+        let forged = RemoteKey::from_bytes(&big).unwrap();
+        let e = ep
+            .put(&src, 0..64, &forged, (1 << 16) - 32)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "forged length: {e}");
+        // A forged id: unknown at the target.
+        let mut bad = heap.to_bytes();
+        bad[5] ^= 0x55;
+        let forged = RemoteKey::from_bytes(&bad).unwrap();
+        let e = ep.get(&back, 0..64, &forged, 0).await.unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "forged id: {e}");
+        let s = f.stats();
+        println!(
+            "\ndirect_puts={}\nemulated_puts={}",
+            s.direct_puts, s.emulated_puts
+        );
+        f.barrier().await.unwrap();
+    }
+    f.close().await.unwrap();
+}
+
+async fn stall(f: Fabric) {
+    const MSGS: usize = 200;
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        let msg = pattern(1 << 20, 5);
+        let before = rss_kib();
+        let mut peak = before;
+        for i in 0..MSGS {
+            ep.send(1, msg.clone()).await.unwrap();
+            if i % 10 == 0 {
+                peak = peak.max(rss_kib());
+            }
+        }
+        println!("rss_before_kib={before}");
+        println!("rss_peak_kib={peak}");
+    } else {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut rx = f.receiver(1).unwrap();
+        for _ in 0..MSGS {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(1 << 20, 5));
+        }
+    }
+    f.close().await.unwrap();
+}
+
+async fn kill(f: Fabric) {
+    if f.rank() == 1 {
+        // Open the tag so messages queue here but never consume them, then
+        // wait to be killed.
+        let _rx = f.receiver(1).unwrap();
+        let region = f.register(vec![0u8; 4096]);
+        f.endpoint(0)
+            .unwrap()
+            .send(2, region.remote_key().to_bytes())
+            .await
+            .unwrap();
+        println!("ready");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return;
+    }
+    let mut keys = f.receiver(2).unwrap();
+    let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
+    let ep = f.endpoint(1).unwrap();
+    let mut rx = f.receiver(3).unwrap();
+    // Fill rank 1's queue (its tag budget) until sends block.
+    let big = pattern(1 << 20, 1);
+    let sends: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(ep.send(1, big.clone())))
+        .collect();
+    // Let everything that can complete do so; the rest is stuck behind the
+    // full queue at rank 1.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (done, pending): (Vec<_>, Vec<_>) = sends.into_iter().partition(|s| s.is_finished());
+    for d in done {
+        d.await.unwrap().unwrap();
+    }
+    assert!(!pending.is_empty(), "sends never blocked");
+    let local = f.register(vec![0u8; 64]);
+    let get = tokio::spawn(ep.get(&local, 0..64, &key, 0));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !get.is_finished(),
+        "the get should wait behind the blocked queue"
+    );
+    println!("blocked={}", pending.len());
+    println!("armed_ms={}", now_ms());
+    // The parent kills rank 1 now. Every pending future must fail.
+    for p in pending {
+        let e = p.await.unwrap().unwrap_err();
+        assert!(e.is_peer_lost(), "send: {e}");
+    }
+    let e = get.await.unwrap().unwrap_err();
+    assert!(e.is_peer_lost(), "get: {e}");
+    let e = rx.recv().await.unwrap_err();
+    assert!(e.is_peer_lost(), "receiver: {e}");
+    println!("failed_ms={}", now_ms());
+    assert!(ep.send(1, Bytes::new()).await.unwrap_err().is_peer_lost());
+    drop(f);
+}
+
+#[test]
+fn send_recv_sizes_between_processes() {
+    assert_ok(&spawn_job(2, "sizes", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn per_tag_order_over_100k_messages() {
+    assert_ok(&spawn_job(2, "order", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn four_processes_all_to_all() {
+    assert_ok(&spawn_job(4, "alltoall", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn put_get_with_bounds_and_forged_keys() {
+    let outs = spawn_job(2, "putget", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
+    assert!(refused >= 2, "target counted {refused} refusals");
+    assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("1"));
+}
+
+#[test]
+fn stalled_receiver_slows_sender_with_flat_memory() {
+    let outs = spawn_job(2, "stall", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let before: u64 = value(&outs[0], "rss_before_kib").unwrap().parse().unwrap();
+    let peak: u64 = value(&outs[0], "rss_peak_kib").unwrap().parse().unwrap();
+    // 200 MiB were sent while the receiver slept; the sender may hold only a
+    // few fragments' worth more than at the start.
+    assert!(
+        peak < before + 16 * 1024,
+        "sender RSS grew from {before} KiB to {peak} KiB"
+    );
+}
+
+#[test]
+fn killed_peer_fails_every_pending_future_within_a_second() {
+    let mut job = spawn_job(2, "kill", &[("BTL_RECV_BUDGET", "4194304")]);
+    // Wait for rank 0 to report that its futures are pending.
+    let start = std::time::Instant::now();
+    let mut out0 = String::new();
+    {
+        use std::io::{BufRead, BufReader};
+        let stdout = job.children[0].stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        while let Some(Ok(l)) = lines.next() {
+            out0.push_str(&l);
+            out0.push('\n');
+            if l.contains("armed_ms=") {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "rank 0 never blocked"
+            );
+        }
+        let victim = job.children[1].id();
+        std::thread::sleep(Duration::from_millis(100));
+        let killed_at = now_ms();
+        job.children[1].kill().unwrap();
+        let _ = job.children[1].wait();
+        for l in lines.map_while(Result::ok) {
+            out0.push_str(&l);
+            out0.push('\n');
+        }
+        let outs = job.wait(Duration::from_secs(30));
+        if !outs[0].status.success() {
+            eprintln!("{out0}");
+            dump(&outs);
+            panic!("rank 0 failed");
+        }
+        let failed: u128 = out0
+            .lines()
+            .find_map(|l| l.split_once("failed_ms=").map(|x| x.1))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            failed - killed_at < 1000,
+            "peer loss took {} ms",
+            failed - killed_at
+        );
+        assert!(
+            shm_files_of(&[victim]).is_empty(),
+            "files of the killed rank remain"
+        );
+    }
+}
