@@ -50,11 +50,6 @@ impl Completion {
         }
     }
 
-    /// Whether a result has been recorded (taken or not).
-    pub(crate) fn is_done(&self) -> bool {
-        !matches!(*lock(&self.state), State::Waiting(_))
-    }
-
     /// Poll for the result; registers the task's waker while pending.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let mut st = lock(&self.state);
@@ -133,10 +128,8 @@ mod tests {
         let w = noop_waker();
         let mut cx = Context::from_waker(&w);
         assert!(c.poll(&mut cx).is_pending());
-        assert!(!c.is_done());
         c.complete(Err(crate::Error::Closed));
         c.complete(Ok(()));
-        assert!(c.is_done());
         assert!(matches!(
             c.poll(&mut cx),
             Poll::Ready(Err(crate::Error::Closed))

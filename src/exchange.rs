@@ -22,12 +22,14 @@ pub trait AddressExchange: Send + Sync {
     async fn all_gather(&self, rank: Rank, mine: Vec<u8>) -> Result<Vec<Vec<u8>>>;
 }
 
+type Slots = Vec<Option<Vec<u8>>>;
+
 /// An exchange between ranks that live in one process (threads or tasks),
 /// e.g. for tests or for a single-process program that wants several
 /// fabrics. Clone it into every rank.
 #[derive(Clone)]
 pub struct LocalExchange {
-    inner: Arc<(Mutex<Vec<Option<Vec<u8>>>>, Notify)>,
+    inner: Arc<(Mutex<Slots>, Notify)>,
     timeout: Duration,
 }
 

@@ -407,6 +407,11 @@ impl Fabric {
         self.core.counters.snapshot()
     }
 
+    /// The transports this process runs, by name.
+    pub fn transports(&self) -> Vec<&'static str> {
+        self.transports.iter().map(|t| t.name()).collect()
+    }
+
     /// Which transport reaches `peer` ("self", "sm", ...).
     pub fn transport_for(&self, peer: Rank) -> Option<&'static str> {
         self.core.link(peer).map(|l| l.transport())

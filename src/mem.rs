@@ -117,12 +117,6 @@ impl RawBuf {
         Ok(())
     }
 
-    /// Fill the range with zeros.
-    pub(crate) fn zero(&self) {
-        // SAFETY: the whole range is valid per `new`.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr(), 0, self.len) };
-    }
-
     /// The `AtomicU32` at `off` (must be 4-aligned and in range).
     pub(crate) fn atomic_u32(&self, off: usize) -> Option<&crate::sync::AtomicU32> {
         if off % 4 != 0 || off.checked_add(4)? > self.len || (self.ptr.as_ptr() as usize) % 4 != 0 {

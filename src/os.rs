@@ -3,8 +3,6 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use crate::{Error, Result};
-
 /// This process's id.
 pub(crate) fn pid() -> u32 {
     std::process::id()
@@ -93,6 +91,7 @@ pub(crate) fn hex(b: &[u8]) -> String {
         })
 }
 
+#[allow(dead_code)] // used by btl-info once it lands
 /// Whether CMA (process_vm_readv) may read this process from a sibling: the
 /// Yama ptrace scope must be 0 (or we are root).
 pub(crate) fn cma_status() -> std::result::Result<(), String> {
@@ -106,14 +105,5 @@ pub(crate) fn cma_status() -> std::result::Result<(), String> {
         Err(format!(
             "kernel.yama.ptrace_scope={scope} forbids process_vm_readv between sibling processes"
         ))
-    }
-}
-
-/// Convert an errno-style return into a Result.
-pub(crate) fn check(r: libc::c_int, what: &str) -> Result<libc::c_int> {
-    if r < 0 {
-        Err(Error::last_os(what))
-    } else {
-        Ok(r)
     }
 }

@@ -88,7 +88,6 @@ enum Backing {
 
 pub(crate) struct RegionInner {
     pub(crate) id: KeyId,
-    pub(crate) owner: Rank,
     raw: RawBuf,
     backing: Option<Backing>,
     table: Weak<RegionTable>,
@@ -212,7 +211,6 @@ impl RegionTable {
         };
         let inner = RegionInner {
             id,
-            owner,
             raw: heap.raw(),
             backing: Some(Backing::Heap(heap)),
             table: Arc::downgrade(self),
@@ -246,7 +244,6 @@ impl RegionTable {
         };
         let inner = RegionInner {
             id,
-            owner,
             raw,
             backing: Some(Backing::Shm(file)),
             table: Arc::downgrade(self),

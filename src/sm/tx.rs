@@ -26,8 +26,7 @@ struct Queued {
     kind: Kind,
     tag: u64,
     data: Bytes,
-    sent: usize,
-    started: bool,
+    at: Cursor,
     done: Arc<Completion>,
 }
 
@@ -43,6 +42,13 @@ pub(crate) struct TxState {
     /// Our consumer state on each return ring in our segment.
     ret: Vec<ConsumerState>,
     queues: Vec<VecDeque<Queued>>,
+}
+
+/// How far a message has been pushed.
+#[derive(Default)]
+struct Cursor {
+    sent: usize,
+    started: bool,
 }
 
 enum Pushed {
@@ -136,27 +142,26 @@ impl TxState {
         kind: Kind,
         tag: u64,
         data: &[u8],
-        sent: &mut usize,
-        started: &mut bool,
+        at: &mut Cursor,
     ) -> Result<Pushed> {
         let total = data.len();
         let ring = peer.seg.inbound(t.local_rank());
         let mut pushed = false;
         let r = loop {
-            if *started && *sent == total {
+            if at.started && at.sent == total {
                 break Ok(Pushed::Done);
             }
-            let rem = total - *sent;
+            let rem = total - at.sent;
             let Some(i) = self.alloc(t, rem <= self.eager_payload()) else {
                 break Ok(Pushed::Blocked);
             };
             let (off, size) = self.layout.frag(i);
             let n = rem.min(size - FRAG_HEADER);
             let mut flags = 0;
-            if !*started {
+            if !at.started {
                 flags |= FIRST;
             }
-            if *sent + n == total {
+            if at.sent + n == total {
                 flags |= LAST;
             }
             let h = FragHeader {
@@ -168,7 +173,7 @@ impl TxState {
             };
             let raw = t.seg.raw();
             raw.write(off, &h.encode())
-                .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[*sent..*sent + n]))
+                .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
             match ring.push(&mut self.prod[peer.local as usize], off) {
                 Ok(true) => {}
@@ -184,8 +189,8 @@ impl TxState {
             }
             self.dest[i] = peer.local;
             pushed = true;
-            *sent += n;
-            *started = true;
+            at.sent += n;
+            at.started = true;
         };
         if pushed {
             t.notify(peer);
@@ -207,8 +212,7 @@ impl TxState {
         if data.len() > max_payload || !self.queues[peer.local as usize].is_empty() {
             return Ok(false);
         }
-        let (mut sent, mut started) = (0, false);
-        match self.push(t, peer, kind, tag, data, &mut sent, &mut started)? {
+        match self.push(t, peer, kind, tag, data, &mut Cursor::default())? {
             Pushed::Done => Ok(true),
             // One fragment or none: Blocked means nothing was pushed.
             Pushed::Blocked => Ok(false),
@@ -223,9 +227,9 @@ impl TxState {
         tag: u64,
         data: Bytes,
     ) -> Result<Option<Arc<Completion>>> {
-        let (mut sent, mut started) = (0, false);
+        let mut at = Cursor::default();
         if self.queues[peer.local as usize].is_empty() {
-            if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut sent, &mut started)? {
+            if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut at)? {
                 return Ok(None);
             }
         }
@@ -234,8 +238,7 @@ impl TxState {
             kind,
             tag,
             data,
-            sent,
-            started,
+            at,
             done: done.clone(),
         });
         Ok(Some(done))
@@ -247,15 +250,7 @@ impl TxState {
         for p in t.peer_list().iter().flatten() {
             let q = p.local as usize;
             while let Some(mut head) = self.queues[q].pop_front() {
-                let r = self.push(
-                    t,
-                    p,
-                    head.kind,
-                    head.tag,
-                    &head.data,
-                    &mut head.sent,
-                    &mut head.started,
-                );
+                let r = self.push(t, p, head.kind, head.tag, &head.data, &mut head.at);
                 match r {
                     Ok(Pushed::Done) => {
                         work += 1;
