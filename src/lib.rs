@@ -9,6 +9,7 @@
 
 pub mod bootstrap;
 pub mod error;
+pub mod launch;
 
 pub use error::{AccessError, Error, Result};
 
