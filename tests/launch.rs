@@ -282,6 +282,38 @@ fn an_unlaunched_program_launches_itself() {
     check_gathered(&out, 2);
 }
 
+#[test]
+fn all_gather_under_open_mpi_mpirun() {
+    // A real third-party launcher; skipped where openmpi-bin is absent.
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipped: mpirun not found (apt-get install openmpi-bin)");
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let out = Command::new("timeout")
+        .args([
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+            "3",
+        ])
+        .args(["-x", "BTL_TEST_MODE=gather", "-x", "RUST_LOG=error"])
+        .arg(exe)
+        .args(helper_args())
+        .stdin(Stdio::null())
+        .output()
+        .expect("mpirun starts");
+    assert!(out.status.success(), "{out:?}");
+    let got: BTreeSet<String> = lines(&out.stdout)
+        .into_iter()
+        .filter(|l| l.contains("gathered"))
+        .collect();
+    let want: BTreeSet<String> = (0..3).map(|r| format!("gathered {r}: r0,r1,r2")).collect();
+    assert_eq!(got, want);
+}
+
 /// Not a test by itself: does nothing unless `BTL_TEST_MODE` is set by one
 /// of the tests above, which run it as a rank.
 #[test]
