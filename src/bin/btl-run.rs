@@ -7,21 +7,23 @@ use std::time::Duration;
 use async_btl::launch::LocalJob;
 use clap::Parser;
 
-/// Start N ranks of PROGRAM on this node as one async-btl job.
-///
-/// Each rank gets BTL_RANK, BTL_SIZE, BTL_LOCAL_RANK, BTL_LOCAL_SIZE,
-/// BTL_RENDEZVOUS (a rendezvous server that btl-run hosts on 127.0.0.1),
-/// BTL_RENDEZVOUS_HOST=launcher, a random BTL_JOB_KEY and a BTL_JOB_ID.
-/// Every line a rank writes is prefixed with "[rank] " (stdout to stdout,
-/// stderr to stderr). Ranks read stdin from /dev/null.
-///
-/// When a rank fails, the others get SIGTERM, then SIGKILL after the grace
-/// period, and btl-run exits with the first failure's code (128 + signal
-/// number for a rank killed by a signal). Ctrl-C and SIGTERM are forwarded
-/// to the ranks; a second one kills them. If btl-run itself is killed, the
-/// ranks die with it.
+const LONG_ABOUT: &str = "Start N ranks of PROGRAM on this node as one async-btl job.
+
+Each rank gets BTL_RANK, BTL_SIZE, BTL_LOCAL_RANK, BTL_LOCAL_SIZE,
+BTL_RENDEZVOUS (a rendezvous server that btl-run hosts on 127.0.0.1),
+BTL_RENDEZVOUS_HOST=launcher, a random BTL_JOB_KEY and a BTL_JOB_ID.
+Every line a rank writes is prefixed with \"[rank] \" (stdout to stdout,
+stderr to stderr). Ranks read stdin from /dev/null.
+
+When a rank fails, the others get SIGTERM, then SIGKILL after the grace
+period, and btl-run exits with the first failure's code (128 + signal
+number for a rank killed by a signal). Ctrl-C and SIGTERM are forwarded
+to the ranks; a second one kills them. If btl-run itself is killed, the
+ranks die with it.";
+
+/// Command-line arguments of btl-run.
 #[derive(Debug, Parser)]
-#[command(name = "btl-run", version, verbatim_doc_comment, after_help = EXAMPLES)]
+#[command(name = "btl-run", version, about = "Start N ranks of PROGRAM on this node as one async-btl job.", long_about = LONG_ABOUT, after_help = EXAMPLES)]
 struct Args {
     /// Number of ranks to start.
     #[arg(short = 'n', long = "np", value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
@@ -35,7 +37,7 @@ struct Args {
     #[arg(long, value_name = "SECS", value_parser = seconds, default_value = "3")]
     grace: Duration,
 
-    /// Forward output as it is, without the "[rank] " prefix.
+    /// Forward output as it is, without the rank prefix.
     #[arg(long)]
     no_prefix: bool,
 
