@@ -93,7 +93,7 @@ async fn four_ranks_over_tcp_served_by_a_launcher() {
     for r in run_ranks(&[3, 1, 0, 2], 4, &spec, &key, 3, T).await {
         r.expect("gathered");
     }
-    assert_eq!(stats.rounds_completed(), 3);
+    assert_eq!(stats.rounds_finished(), 3);
     assert_eq!(stats.refused(), 0);
     serving.abort();
 }

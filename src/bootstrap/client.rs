@@ -116,7 +116,16 @@ async fn exchange(
                 wire::write_frame(&mut stream, &ToServer::Query)
                     .await
                     .map_err(|e| lost(FrameError::Io(e)))?;
-                tokio::time::timeout(QUERY_GRACE, wire::read_frame(&mut stream, wire::MAX_FRAME))
+                let answer = async {
+                    loop {
+                        match wire::read_frame(&mut stream, wire::MAX_FRAME).await? {
+                            // The round just ended: its outcome follows.
+                            ToClient::Missing { ranks } if ranks.is_empty() => continue,
+                            other => return Ok(other),
+                        }
+                    }
+                };
+                tokio::time::timeout(QUERY_GRACE, answer)
                     .await
                     .map_err(|_| Error::Timeout {
                         what: format!("waiting for the other ranks at the rendezvous {addr}"),

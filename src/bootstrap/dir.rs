@@ -61,6 +61,7 @@ pub(super) async fn gather(
     let mut blobs: Vec<Option<Vec<u8>>> = vec![None; job.size as usize];
     let mut pause = Duration::from_millis(2);
     loop {
+        // Small files on a local or shared file system: read inline.
         for rank in 0..job.size {
             if blobs[rank as usize].is_none() {
                 blobs[rank as usize] = read_entry(job, dir, round, rank)?;

@@ -281,8 +281,9 @@ impl JobInfoBuilder {
 /// Exchange one blob per rank; every rank gets all `size` blobs, indexed by
 /// rank. Returns only when every rank has joined, so it doubles as a barrier.
 ///
-/// Call it the same number of times on every rank: the rounds are matched by
-/// count. With a TCP rendezvous served by rank 0, rank 0 binds the address
+/// Call it the same number of times on every rank, one call at a time: the
+/// rounds are matched by count. A job of one rank returns at once without
+/// touching the rendezvous. With a TCP rendezvous served by rank 0, rank 0 binds the address
 /// and serves this round in a spawned task (it must run inside a tokio
 /// runtime with the `net` and `time` drivers).
 ///

@@ -49,8 +49,8 @@ impl ServerStats {
         self.0.refused.load(Ordering::Relaxed)
     }
 
-    /// Rounds completed so far.
-    pub fn rounds_completed(&self) -> u32 {
+    /// Rounds finished so far, completed or failed by the timeout.
+    pub fn rounds_finished(&self) -> u32 {
         self.0.lock().number - self.0.first_round
     }
 }
