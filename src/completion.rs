@@ -9,7 +9,9 @@
 
 use std::task::{Context, Poll, Waker};
 
-use crate::sync::{lock, Arc, Mutex};
+use std::sync::Arc;
+
+use crate::sync::{lock_model as lock, ModelMutex as Mutex};
 use crate::Result;
 
 enum State {

@@ -109,6 +109,24 @@ impl Ring<'_> {
     }
 }
 
+/// The sleeper's half of the doorbell protocol: announce "asleep, ring me",
+/// then re-check the rings before actually sleeping.
+pub(crate) fn arm(flag: &crate::sync::AtomicU32) {
+    flag.store(1, Ordering::SeqCst);
+    // Pairs with the fence in `should_ring`: either the sleeper's re-check
+    // sees the producer's data, or the producer sees this flag.
+    crate::sync::fence(Ordering::SeqCst);
+}
+
+/// The producer's half: after publishing data, whether the sleeper must be
+/// woken. Clears the flag so exactly one producer rings per arming.
+pub(crate) fn should_ring(flag: &crate::sync::AtomicU32) -> bool {
+    // Orders our earlier Release store of the ring's tail before the load of
+    // the flag (pairs with the fence in `arm`).
+    crate::sync::fence(Ordering::SeqCst);
+    flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
+}
+
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
@@ -180,8 +198,8 @@ mod tests {
 mod loom_tests {
     use super::testing::OwnedRing;
     use super::*;
-    use loom::sync::Arc;
     use loom::thread;
+    use std::sync::Arc;
 
     #[test]
     fn spsc_delivers_in_order_without_loss() {
@@ -214,6 +232,25 @@ mod loom_tests {
                 }
             }
             t.join().unwrap();
+        });
+    }
+
+    #[test]
+    fn doorbell_protocol_loses_no_wake_up() {
+        loom::model(|| {
+            let o = Arc::new(OwnedRing::new(2));
+            let flag = Arc::new(crate::sync::AtomicU32::new(0));
+            let (po, pf) = (o.clone(), flag.clone());
+            let producer = thread::spawn(move || {
+                let mut p = ProducerState::default();
+                assert!(po.ring().push(&mut p, 7).unwrap());
+                should_ring(&pf)
+            });
+            arm(&flag);
+            let mut c = ConsumerState::default();
+            let saw = o.ring().peek(&mut c).unwrap().is_some();
+            let rang = producer.join().unwrap();
+            assert!(saw || rang, "the sleeper missed the data and nobody rang");
         });
     }
 }

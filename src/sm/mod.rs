@@ -41,7 +41,7 @@ pub(crate) use frag::FRAG_HEADER;
 use crate::fabric::Core;
 use crate::os::ProcWatch;
 use crate::region::{KeyId, MappedRegion, RemoteKey};
-use crate::sync::{fence, lock, Ordering};
+use crate::sync::{lock, Ordering};
 use crate::transport::{Link, Transport};
 use crate::{Error, Rank, Result};
 use doorbell::{Bell, Doorbell};
@@ -216,12 +216,8 @@ impl SmTransport {
 
     /// After making data visible to `peer`, ring its doorbell if it sleeps.
     pub(crate) fn notify(&self, peer: &SmPeer) {
-        // SeqCst fence: our ring stores (Release) are ordered before the load
-        // of `armed`; pairs with the fence in `arm`, so either we see the flag
-        // or the sleeper sees our data (no lost wake-up).
-        fence(Ordering::SeqCst);
-        let armed = peer.seg.armed();
-        if armed.load(Ordering::Relaxed) != 0 && armed.swap(0, Ordering::AcqRel) != 0 {
+        // The protocol (and its loom model) lives in crate::ring.
+        if crate::ring::should_ring(peer.seg.armed()) {
             peer.bell.ring(&self.ringer);
         }
     }
@@ -289,9 +285,7 @@ impl Transport for SmTransport {
     }
 
     fn arm(&self) -> bool {
-        self.seg.armed().store(1, Ordering::SeqCst);
-        // Pairs with the fence in `notify`.
-        fence(Ordering::SeqCst);
+        crate::ring::arm(self.seg.armed());
         let rx_idle = lock(&self.rx).looks_idle(self);
         let tx_idle = lock(&self.tx).looks_idle(self);
         if rx_idle && tx_idle {

@@ -70,7 +70,7 @@ impl Layout {
             || p.eager_size % 8 != 0
             || p.max_size % 8 != 0
             || p.local_size > 4096
-            || p.eager_count + p.max_count > 1 << 20
+            || u64::from(p.eager_count) + u64::from(p.max_count) > 1 << 20
         {
             return None;
         }
@@ -378,6 +378,62 @@ mod tests {
         assert_eq!(l.frag_index(0), None);
         assert_eq!(l.frag_index(l.total as u64), None);
         assert_eq!(l.frag_index(u64::MAX), None);
+    }
+
+    #[test]
+    fn corrupted_or_foreign_segments_are_refused_with_clear_errors() {
+        let id = crate::os::random_bytes::<16>();
+        let seg = Segment::create(&id, params(), [1, 2], 0).unwrap();
+        let path = crate::shm::shm_dir().join(seg.file_name());
+        let exp = |tag| Expect {
+            job_tag: tag,
+            pid: seg.pid,
+            local_rank: 0,
+            local_size: 3,
+        };
+        assert!(Segment::attach(&path, &exp([1, 2])).is_ok());
+        let e = Segment::attach(&path, &exp([9, 9]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("another job"), "{e}");
+        let e = Segment::attach(
+            &path,
+            &Expect {
+                local_rank: 1,
+                ..exp([1, 2])
+            },
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("local rank"), "{e}");
+        // Corrupt the magic, then the sizes.
+        seg.raw().write(0, b"NOTOURS!").unwrap();
+        let e = Segment::attach(&path, &exp([1, 2]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("bad magic"), "{e}");
+        seg.raw().write(0, &MAGIC.to_le_bytes()).unwrap();
+        seg.raw().write(56, &u32::MAX.to_le_bytes()).unwrap();
+        let e = Segment::attach(&path, &exp([1, 2]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("impossible sizes") || e.contains("layout needs"),
+            "{e}"
+        );
+        // A file too small to be a segment.
+        let small = ShmFile::create(&crate::os::random_bytes::<16>(), 100).unwrap();
+        let e = Segment::attach(small.path(), &exp([1, 2]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("smaller than a valid header"), "{e}");
+        drop(seg);
+        assert!(!path.exists(), "segment unlinked on drop");
     }
 
     proptest! {
