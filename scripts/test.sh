@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The test command of the README: installs what the tests need on a fresh
+# Debian machine (when run as root), then runs formatting, lints, every test
+# target, the doc tests and the loom models. Fails loudly on any step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if ((${#need[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "test.sh: missing ${need[*]}; install them (apt-get install ${need[*]}) or run as root" >&2
+    exit 1
+  fi
+  echo "test.sh: installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+before=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
+
+cargo fmt --all -- --check
+cargo clippy --all-targets -- -D warnings
+cargo test --all-targets
+cargo test --doc
+RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test --lib loom
+
+after=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
+if [ "$after" -gt "$before" ]; then
+  echo "test.sh: the tests left shared-memory files behind:" >&2
+  ls -l /dev/shm | grep ' abtl\.' >&2
+  exit 1
+fi
+echo "test.sh: all checks passed"
