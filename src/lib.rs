@@ -8,6 +8,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod error;
+pub mod udp;
 
 pub use error::{AccessError, Error, Result};
 
