@@ -66,8 +66,17 @@
 //!   a put's remote completion waits for.
 #![forbid(unsafe_code)]
 
+mod config;
+mod conn;
 pub mod header;
+mod recv;
+mod send;
 pub mod seq;
+mod stats;
 
+
+pub use config::{Config, ConfigError};
+pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
 pub use header::{decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds};
 pub use seq::Seq;
+pub use stats::Stats;
