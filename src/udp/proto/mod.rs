@@ -74,6 +74,10 @@ mod send;
 pub mod seq;
 mod stats;
 
+#[cfg(test)]
+pub(crate) mod sim;
+#[cfg(test)]
+mod tests;
 
 pub use config::{Config, ConfigError};
 pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
