@@ -172,7 +172,7 @@ fn adversarial(mut input: Input<'_>) {
                     src: 1,
                     dst: 0,
                     flags: Flags::from_bits(u16::from(input.u8() & 0xf)).unwrap_or_default(),
-                    seq: u64::MAX - 3 + u64::from(input.u8() % 40),
+                    seq: (u64::MAX - 3).wrapping_add(u64::from(input.u8() % 40)),
                     ack: 7 + u64::from(input.u8() % 40),
                     kind: if ack_only {
                         Kind::Ack

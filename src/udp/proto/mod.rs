@@ -14,7 +14,9 @@
 //! After every `send`, `handle_datagram` or `handle_timeout`, a driver calls
 //! `poll_transmit` until it returns `None` (sending each datagram on the
 //! priority or the data socket as [`Transmit::priority`] says), drains
-//! `poll_event`, and re-arms its timer from `poll_timeout`.
+//! `poll_event`, and re-arms its timer from `poll_timeout`. Memory is
+//! bounded by the send budget, the receive window and
+//! [`Config::max_message`], provided the driver drains events as they come.
 //!
 //! # What is kept from the usNIC seed
 //!
@@ -49,9 +51,14 @@
 //! - ACK-only packets carry a `GAP` flag when the receiver holds
 //!   out-of-order data; only those count as duplicate ACKs, so duplicated or
 //!   spuriously retransmitted packets do not trigger fast retransmits.
+//! - First transmissions of tiny messages carry a `PRIORITY` flag: they may
+//!   overtake bulk data on the other channel, so arriving early does not by
+//!   itself produce duplicate ACKs (which would trigger spurious resends).
 //! - A peer-loss timer: unacknowledged data with no ACK progress for
 //!   [`Config::peer_timeout`] fails the connection with [`Event::PeerLost`]
-//!   instead of retrying forever.
+//!   instead of retrying forever. A side with nothing unacknowledged cannot
+//!   notice a dead peer; a driver that must know sends a small probe
+//!   message.
 //! - Every datagram carries a CRC32C, the job id and both ranks; anything
 //!   that does not match is dropped and counted, never trusted.
 //! - Backpressure is explicit: [`Connection::send`] refuses with
