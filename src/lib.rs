@@ -25,6 +25,7 @@ pub mod config;
 pub mod error;
 pub mod exchange;
 pub mod launch;
+pub mod udp;
 
 mod completion;
 mod dispatch;

@@ -1,0 +1,333 @@
+//! `Connection`: one reliable, ordered message stream pair with one peer.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::config::{Config, ConfigError};
+use super::header::{decode, DecodeError, Flags, Header, Kind};
+use super::recv::RecvSide;
+use super::send::{AckInfo, SendSide};
+use super::stats::Stats;
+use crate::Rank;
+
+/// Who a connection belongs to. Datagrams whose job id or ranks do not match
+/// are dropped (counted in [`Stats::misdirected`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnIds {
+    /// Job id, derived from the job key by the caller.
+    pub job: u64,
+    /// This process's rank.
+    pub local_rank: Rank,
+    /// The peer's rank.
+    pub peer_rank: Rank,
+}
+
+/// Identifies a message sent on a connection; ids count up from 0 in send
+/// order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MsgId(pub u64);
+
+impl fmt::Display for MsgId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "msg#{}", self.0)
+    }
+}
+
+/// Something the connection reports to its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A whole message from the peer. Each message is delivered exactly
+    /// once, intact, in the order the peer sent it.
+    Message(Bytes),
+    /// The peer acknowledged the last byte of this message. Reported in send
+    /// order, once per message.
+    Acked(MsgId),
+    /// The peer stopped acknowledging data for [`Config::peer_timeout`]. The
+    /// connection is dead: it sends nothing more, and
+    /// [`Connection::unacked_messages`] lists what the peer may not have got.
+    PeerLost,
+}
+
+/// Tells the driver how to send the datagram `poll_transmit` wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// Send on the priority channel: ACK-only packets and first
+    /// transmissions of messages up to [`Config::priority_threshold`] bytes.
+    pub priority: bool,
+}
+
+/// Why [`Connection::send`] refused a message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SendError {
+    /// The send budget is used up. Nothing was queued and nothing is lost:
+    /// the message is handed back unchanged. Retry once
+    /// [`Connection::can_send`] says yes, which happens as ACKs arrive.
+    #[error("send budget full: the message was handed back; retry when acknowledgements free space (Connection::can_send)")]
+    WouldBlock(Bytes),
+    /// The message exceeds [`Config::max_message`]; it never will fit.
+    #[error(
+        "message of {len} bytes exceeds max_message ({max}): split it or raise Config::max_message"
+    )]
+    TooLarge {
+        /// Its length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The peer is lost; the connection accepts nothing more.
+    #[error("the peer is lost; open a new connection once it is back")]
+    PeerLost,
+}
+
+impl SendError {
+    /// The refused message, when the error hands it back.
+    pub fn into_message(self) -> Option<Bytes> {
+        match self {
+            SendError::WouldBlock(msg) => Some(msg),
+            _ => None,
+        }
+    }
+}
+
+/// The protocol state for one peer: sequence numbers, windows, timers,
+/// retransmission storage and reassembly. Sans-IO: see the
+/// [module docs](super) for how a driver runs it.
+pub struct Connection {
+    ids: ConnIds,
+    send: SendSide,
+    recv: RecvSide,
+    events: VecDeque<Event>,
+    stats: Stats,
+    lost: bool,
+}
+
+impl fmt::Debug for Connection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Connection")
+            .field("ids", &self.ids)
+            .field("lost", &self.lost)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// Creates a connection. `local_isn` is the first sequence number this
+    /// side sends, `peer_isn` the first it expects; both are random values
+    /// exchanged beforehand (the peer uses them the other way round).
+    pub fn new(
+        config: Config,
+        ids: ConnIds,
+        local_isn: u64,
+        peer_isn: u64,
+        now: Instant,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Connection {
+            ids,
+            send: SendSide::new(&config, local_isn, now),
+            recv: RecvSide::new(&config, peer_isn),
+            events: VecDeque::new(),
+            stats: Stats::default(),
+            lost: false,
+        })
+    }
+
+    /// Who this connection belongs to.
+    pub fn ids(&self) -> ConnIds {
+        self.ids
+    }
+
+    /// Queues a whole message; it is cut into datagrams lazily, as slices of
+    /// `msg` (no copy). The connection holds `msg` until the peer has
+    /// acknowledged all of it ([`Event::Acked`]).
+    ///
+    /// Backpressure: once the bytes queued or unacknowledged would exceed
+    /// [`Config::send_budget`], the message is refused with
+    /// [`SendError::WouldBlock`], which hands it back untouched: nothing was
+    /// queued and no id was used. A message larger than the budget is
+    /// accepted when nothing else is queued or unacknowledged, so every size
+    /// up to [`Config::max_message`] can be sent. `now` is unused today and
+    /// kept for the sans-IO calling convention.
+    pub fn send(&mut self, now: Instant, msg: Bytes) -> Result<MsgId, SendError> {
+        let _ = now;
+        if self.lost {
+            return Err(SendError::PeerLost);
+        }
+        self.send.queue(msg, &mut self.stats)
+    }
+
+    /// Whether `send` would accept a message of `len` bytes now.
+    pub fn can_send(&self, len: usize) -> bool {
+        !self.lost && self.send.can_send(len)
+    }
+
+    /// Processes one received datagram. Anything malformed, corrupted,
+    /// misdirected, duplicated or outside the window is dropped and counted;
+    /// peer input never panics and never grows memory beyond the windows
+    /// and [`Config::max_message`].
+    pub fn handle_datagram(&mut self, now: Instant, datagram: &[u8]) {
+        self.stats.datagrams_received += 1;
+        if self.lost {
+            return;
+        }
+        let (hdr, payload) = match decode(datagram) {
+            Ok(decoded) => decoded,
+            Err(DecodeError::BadChecksum) => {
+                self.stats.checksum_errors += 1;
+                return;
+            }
+            Err(_) => {
+                self.stats.decode_errors += 1;
+                return;
+            }
+        };
+        if hdr.job != self.ids.job
+            || hdr.src != self.ids.peer_rank
+            || hdr.dst != self.ids.local_rank
+        {
+            self.stats.misdirected += 1;
+            return;
+        }
+        let ack = AckInfo {
+            ack: hdr.ack,
+            gap: hdr.flags.contains(Flags::GAP),
+            ack_only: hdr.kind == Kind::Ack,
+        };
+        self.send
+            .on_ack(now, ack, &mut self.events, &mut self.stats);
+        match hdr.kind {
+            Kind::Data(chunk) => {
+                self.recv
+                    .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
+            }
+            Kind::Ack => self.stats.acks_received += 1,
+        }
+    }
+
+    /// Writes the next datagram to send into `buf` (cleared first) and says
+    /// which channel it goes on; `None` when there is nothing to send now.
+    /// Call until `None` after every `send`/`handle_*`.
+    ///
+    /// Order: ACKs owed for out-of-order data (they are the duplicate ACKs
+    /// the peer's fast retransmit counts), then retransmissions, then new
+    /// data within the send window (each carrying the current ACK), then a
+    /// delayed ACK that fell due with no data to ride on.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        buf.clear();
+        if self.lost {
+            return None;
+        }
+        if self.recv.take_owed_ack() {
+            return Some(self.write_ack(buf));
+        }
+        if let Some(seg) = self.send.next_segment(now, &mut self.stats) {
+            let flags = self.gap_flag(seg.flags);
+            let hdr = self.header(seg.seq, flags, Kind::Data(seg.chunk));
+            hdr.encode(&seg.payload, buf);
+            self.recv.ack_sent();
+            self.stats.datagrams_sent += 1;
+            if seg.priority {
+                self.stats.priority_sent += 1;
+            }
+            return Some(Transmit {
+                priority: seg.priority,
+            });
+        }
+        if self.recv.ack_due(now) {
+            return Some(self.write_ack(buf));
+        }
+        None
+    }
+
+    fn gap_flag(&self, flags: Flags) -> Flags {
+        if self.recv.has_gap() {
+            flags.with(Flags::GAP)
+        } else {
+            flags
+        }
+    }
+
+    fn header(&self, seq: u64, flags: Flags, kind: Kind) -> Header {
+        Header {
+            job: self.ids.job,
+            src: self.ids.local_rank,
+            dst: self.ids.peer_rank,
+            flags,
+            seq,
+            ack: self.recv.ack_value(),
+            kind,
+        }
+    }
+
+    fn write_ack(&mut self, buf: &mut Vec<u8>) -> Transmit {
+        let hdr = self.header(self.send.nxt().0, self.gap_flag(Flags::NONE), Kind::Ack);
+        hdr.encode(&[], buf);
+        self.recv.ack_sent();
+        self.stats.datagrams_sent += 1;
+        self.stats.priority_sent += 1;
+        self.stats.acks_sent += 1;
+        Transmit { priority: true }
+    }
+
+    /// The earliest time at which [`handle_timeout`](Self::handle_timeout)
+    /// (or, for a delayed ACK, `poll_transmit`) has work: the delayed ACK,
+    /// the retransmission timer or the peer-loss timer. `None` when idle or
+    /// lost.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.lost {
+            return None;
+        }
+        match (self.recv.deadline(), self.send.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Fires the timers due at `now`: queues a retransmission (with
+    /// backoff), or declares the peer lost. A due delayed ACK is sent by the
+    /// next `poll_transmit`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.lost {
+            return;
+        }
+        if self.send.on_timeout(now, &mut self.stats) {
+            self.lost = true;
+            self.events.push_back(Event::PeerLost);
+        }
+    }
+
+    /// The next event, if any. Drain after every `handle_*`.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Counters and a snapshot of the windows.
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats;
+        self.send.fill_stats(&mut s);
+        self.recv.fill_stats(&mut s);
+        s
+    }
+
+    /// Whether nothing is queued, unacknowledged or owed to the peer: a
+    /// close can stop driving the connection.
+    pub fn is_idle(&self) -> bool {
+        self.send.is_empty() && self.recv.is_idle()
+    }
+
+    /// Whether the peer was declared lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost
+    }
+
+    /// Messages sent but not fully acknowledged, in send order: after
+    /// [`Event::PeerLost`] (or an abandoned close), the ones the peer may not
+    /// have received.
+    pub fn unacked_messages(&self) -> Vec<MsgId> {
+        self.send.unacked_messages()
+    }
+}

@@ -1,0 +1,532 @@
+//! Datagram wire format.
+//!
+//! Every datagram is a fixed header, an optional chunk header (DATA only),
+//! the payload, and a CRC32C of everything before it. All integers are
+//! little-endian.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic "BTLu"
+//!      4    1 version (1)
+//!      5    1 kind: 1 = DATA, 2 = ACK-only
+//!      6    2 flags (see Flags)
+//!      8    8 job id
+//!     16    4 source rank
+//!     20    4 destination rank
+//!     24    8 sequence number (ACK-only: the sender's next sequence number)
+//!     32    8 cumulative ACK: next sequence number expected from the peer
+//!     40    4 payload length
+//!   DATA only:
+//!     44    8 message id
+//!     52    8 chunk offset within the message
+//!     60    8 total message length
+//!   then the payload, then a 4-byte CRC32C of all preceding bytes.
+//! ```
+
+use crate::Rank;
+
+/// The four magic bytes every datagram starts with.
+pub const MAGIC: [u8; 4] = *b"BTLu";
+/// The wire-format version this code speaks.
+pub const VERSION: u8 = 1;
+/// Length of the header every datagram carries.
+pub const COMMON_LEN: usize = 44;
+/// Length of a DATA datagram's headers (common header plus chunk header).
+pub const DATA_HEADER_LEN: usize = COMMON_LEN + 24;
+/// Length of the trailing checksum.
+pub const CRC_LEN: usize = 4;
+/// The smallest well-formed datagram: an ACK-only packet.
+pub const MIN_DATAGRAM: usize = COMMON_LEN + CRC_LEN;
+/// Bytes a DATA datagram spends on headers and checksum.
+pub const DATA_OVERHEAD: usize = DATA_HEADER_LEN + CRC_LEN;
+
+const KIND_DATA: u8 = 1;
+const KIND_ACK: u8 = 2;
+
+/// Where a DATA chunk sits inside its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Chunk {
+    /// The message's id, counting up from 0 per direction of a connection.
+    pub msg_id: u64,
+    /// Offset of this chunk's first byte within the message.
+    pub offset: u64,
+    /// Length of the whole message.
+    pub total_len: u64,
+}
+
+/// What a datagram carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// A chunk of a message; consumes one sequence number.
+    Data(Chunk),
+    /// Only the cumulative ACK; consumes no sequence number.
+    Ack,
+}
+
+/// Header flag bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Flags(u16);
+
+impl Flags {
+    /// No flag set.
+    pub const NONE: Flags = Flags(0);
+    /// DATA: the sender asks for an ACK without the delayed-ACK wait (it has
+    /// nothing more to send right now, its window is full, or this is a
+    /// retransmission).
+    pub const ACK_NOW: Flags = Flags(1);
+    /// DATA: this segment was sent before (informational).
+    pub const RETRANSMIT: Flags = Flags(2);
+    /// The sender of this packet holds out-of-order data: its cumulative ACK
+    /// points at a hole. Only ACK-only packets with this flag count as
+    /// duplicate ACKs.
+    pub const GAP: Flags = Flags(4);
+    /// DATA: sent on the priority channel, which may overtake the data
+    /// channel; arriving early is expected, so on its own it does not make
+    /// the receiver send duplicate ACKs.
+    pub const PRIORITY: Flags = Flags(8);
+    const KNOWN: u16 = 1 | 2 | 4 | 8;
+
+    /// The raw bits.
+    pub fn bits(self) -> u16 {
+        self.0
+    }
+
+    /// Flags from raw bits, or `None` if an unknown bit is set.
+    pub fn from_bits(bits: u16) -> Option<Flags> {
+        (bits & !Self::KNOWN == 0).then_some(Flags(bits))
+    }
+
+    /// Whether every bit of `other` is set in `self`.
+    pub fn contains(self, other: Flags) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// `self` with the bits of `other` added.
+    #[must_use]
+    pub fn with(self, other: Flags) -> Flags {
+        Flags(self.0 | other.0)
+    }
+}
+
+/// A decoded datagram header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Header {
+    /// Job id; datagrams from another job are dropped.
+    pub job: u64,
+    /// Sending rank.
+    pub src: Rank,
+    /// Receiving rank.
+    pub dst: Rank,
+    /// Flag bits.
+    pub flags: Flags,
+    /// Sequence number (DATA), or the sender's next sequence number (ACK).
+    pub seq: u64,
+    /// Cumulative ACK: the next sequence number the sender expects.
+    pub ack: u64,
+    /// DATA with its chunk position, or ACK-only.
+    pub kind: Kind,
+}
+
+/// Job id and ranks of a datagram, read without verifying the checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PacketIds {
+    /// Job id.
+    pub job: u64,
+    /// Sending rank.
+    pub src: Rank,
+    /// Receiving rank.
+    pub dst: Rank,
+}
+
+/// Why a datagram was rejected. Every variant means the whole datagram was
+/// dropped; none of it was used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Shorter than the smallest datagram.
+    #[error("datagram of {len} bytes is shorter than the {MIN_DATAGRAM}-byte minimum")]
+    TooShort {
+        /// Its length.
+        len: usize,
+    },
+    /// Does not start with [`MAGIC`]: not an async-btl UDP datagram.
+    #[error("bad magic: not an async-btl UDP datagram")]
+    BadMagic,
+    /// Another wire-format version; both sides must run compatible builds.
+    #[error("wire version {0} is not supported (this build speaks {VERSION}): run the same async-btl version on every rank")]
+    UnsupportedVersion(u8),
+    /// The CRC32C does not match: the datagram was corrupted in flight.
+    #[error("checksum mismatch: datagram corrupted in flight")]
+    BadChecksum,
+    /// Unknown packet kind.
+    #[error("unknown packet kind {0}")]
+    UnknownKind(u8),
+    /// A flag bit this version does not know.
+    #[error("unknown flag bits {0:#06x}")]
+    UnknownFlags(u16),
+    /// The datagram's length disagrees with its payload-length field
+    /// (truncated, or trailing bytes).
+    #[error("datagram is {actual} bytes but its header says {expected}")]
+    LengthMismatch {
+        /// Length the header implies.
+        expected: u64,
+        /// Actual length.
+        actual: usize,
+    },
+    /// Fields that are individually fine but contradict each other.
+    #[error("inconsistent header: {0}")]
+    Invalid(&'static str),
+}
+
+/// A bounds-checked little-endian reader: running out of bytes is an error,
+/// never a panic.
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let end = self.pos.checked_add(N);
+        let bytes =
+            end.and_then(|end| self.buf.get(self.pos..end))
+                .ok_or(DecodeError::TooShort {
+                    len: self.buf.len(),
+                })?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(bytes);
+        self.pos += N;
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        self.take().map(u16::from_le_bytes)
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        self.take().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        self.take().map(u64::from_le_bytes)
+    }
+}
+
+/// Reads magic and version, leaving the reader after them.
+fn preamble(buf: &[u8]) -> Result<Reader<'_>, DecodeError> {
+    if buf.len() < MIN_DATAGRAM {
+        return Err(DecodeError::TooShort { len: buf.len() });
+    }
+    let mut r = Reader { buf, pos: 0 };
+    if r.take::<4>()? != MAGIC {
+        return Err(DecodeError::BadMagic);
+    }
+    let version = r.u8()?;
+    if version != VERSION {
+        return Err(DecodeError::UnsupportedVersion(version));
+    }
+    Ok(r)
+}
+
+/// Reads job id and ranks without verifying the checksum, so a driver can
+/// route a datagram, or drop one from an unknown peer, cheaply. Checks only
+/// the length, magic and version; [`decode`] does the full validation.
+pub fn peek(buf: &[u8]) -> Result<PacketIds, DecodeError> {
+    let mut r = preamble(buf)?;
+    r.pos = 8;
+    Ok(PacketIds {
+        job: r.u64()?,
+        src: r.u32()?,
+        dst: r.u32()?,
+    })
+}
+
+/// Decodes and validates one datagram, returning its header and payload.
+///
+/// Never panics. Rejects short or long datagrams (trailing bytes included),
+/// a wrong magic or version, a checksum mismatch
+/// ([`DecodeError::BadChecksum`]), unknown kinds or flags, an ACK with a
+/// payload, and a chunk that does not fit in its message.
+pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
+    let mut r = preamble(buf)?;
+    let body_len = buf.len() - CRC_LEN;
+    let (body, crc) = buf.split_at(body_len);
+    if crc32c::crc32c(body).to_le_bytes() != crc {
+        return Err(DecodeError::BadChecksum);
+    }
+    let kind = r.u8()?;
+    let flag_bits = r.u16()?;
+    let flags = Flags::from_bits(flag_bits).ok_or(DecodeError::UnknownFlags(flag_bits))?;
+    let job = r.u64()?;
+    let src = r.u32()?;
+    let dst = r.u32()?;
+    let seq = r.u64()?;
+    let ack = r.u64()?;
+    let payload_len = r.u32()?;
+    let header_len = match kind {
+        KIND_DATA => DATA_HEADER_LEN,
+        KIND_ACK => COMMON_LEN,
+        other => return Err(DecodeError::UnknownKind(other)),
+    };
+    let expected = (header_len + CRC_LEN) as u64 + u64::from(payload_len);
+    if expected != buf.len() as u64 {
+        return Err(DecodeError::LengthMismatch {
+            expected,
+            actual: buf.len(),
+        });
+    }
+    let kind = if kind == KIND_DATA {
+        let chunk = Chunk {
+            msg_id: r.u64()?,
+            offset: r.u64()?,
+            total_len: r.u64()?,
+        };
+        let end = chunk.offset.checked_add(u64::from(payload_len));
+        if !matches!(end, Some(end) if end <= chunk.total_len) {
+            return Err(DecodeError::Invalid(
+                "chunk extends past the end of its message",
+            ));
+        }
+        if payload_len == 0 && chunk.total_len != 0 {
+            return Err(DecodeError::Invalid("empty chunk of a non-empty message"));
+        }
+        Kind::Data(chunk)
+    } else {
+        if payload_len != 0 {
+            return Err(DecodeError::Invalid("ACK-only packet with a payload"));
+        }
+        Kind::Ack
+    };
+    let payload = body
+        .get(header_len..)
+        .ok_or(DecodeError::TooShort { len: buf.len() })?;
+    let header = Header {
+        job,
+        src,
+        dst,
+        flags,
+        seq,
+        ack,
+        kind,
+    };
+    Ok((header, payload))
+}
+
+impl Header {
+    /// Length of the datagram this header makes with `payload_len` bytes.
+    pub fn encoded_len(&self, payload_len: usize) -> usize {
+        let header = match self.kind {
+            Kind::Data(_) => DATA_HEADER_LEN,
+            Kind::Ack => COMMON_LEN,
+        };
+        header + payload_len + CRC_LEN
+    }
+
+    /// Appends the datagram (header, `payload`, checksum) to `out`.
+    ///
+    /// # Panics
+    ///
+    /// If `payload` is longer than `u32::MAX`, or non-empty on an ACK-only
+    /// header: both are bugs in the caller, never caused by peer input.
+    pub fn encode(&self, payload: &[u8], out: &mut Vec<u8>) {
+        let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
+        assert!(
+            matches!(self.kind, Kind::Data(_)) || payload.is_empty(),
+            "ACK-only packets carry no payload"
+        );
+        let start = out.len();
+        out.reserve(self.encoded_len(payload.len()));
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(match self.kind {
+            Kind::Data(_) => KIND_DATA,
+            Kind::Ack => KIND_ACK,
+        });
+        out.extend_from_slice(&self.flags.bits().to_le_bytes());
+        out.extend_from_slice(&self.job.to_le_bytes());
+        out.extend_from_slice(&self.src.to_le_bytes());
+        out.extend_from_slice(&self.dst.to_le_bytes());
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        out.extend_from_slice(&self.ack.to_le_bytes());
+        out.extend_from_slice(&payload_len.to_le_bytes());
+        if let Kind::Data(c) = self.kind {
+            out.extend_from_slice(&c.msg_id.to_le_bytes());
+            out.extend_from_slice(&c.offset.to_le_bytes());
+            out.extend_from_slice(&c.total_len.to_le_bytes());
+        }
+        out.extend_from_slice(payload);
+        let crc = crc32c::crc32c(&out[start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_header() -> impl Strategy<Value = (Header, Vec<u8>)> {
+        let data = (any::<u64>(), 0u64..1 << 40, 1usize..300).prop_flat_map(|(id, off, len)| {
+            let extra = 0u64..1000;
+            (
+                Just(id),
+                Just(off),
+                extra,
+                proptest::collection::vec(any::<u8>(), len),
+            )
+        });
+        let kind = prop_oneof![
+            data.prop_map(|(msg_id, offset, extra, payload)| {
+                let total_len = offset + payload.len() as u64 + extra;
+                (
+                    Kind::Data(Chunk {
+                        msg_id,
+                        offset,
+                        total_len,
+                    }),
+                    payload,
+                )
+            }),
+            Just((Kind::Ack, Vec::new())),
+        ];
+        (any::<(u64, u32, u32, u64, u64)>(), 0u16..16, kind).prop_map(
+            |((job, src, dst, seq, ack), flags, (kind, payload))| {
+                let flags = Flags::from_bits(flags).unwrap();
+                let h = Header {
+                    job,
+                    src,
+                    dst,
+                    flags,
+                    seq,
+                    ack,
+                    kind,
+                };
+                (h, payload)
+            },
+        )
+    }
+
+    fn encoded(h: &Header, payload: &[u8]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        h.encode(payload, &mut buf);
+        buf
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&bytes);
+            let _ = peek(&bytes);
+        }
+
+        #[test]
+        fn mutated_valid_datagrams_decode_without_panic(
+            (h, payload) in arb_header(), at in any::<usize>(), val in any::<u8>(),
+        ) {
+            let mut buf = encoded(&h, &payload);
+            let i = at % buf.len();
+            buf[i] = val;
+            let _ = decode(&buf);
+        }
+
+        #[test]
+        fn round_trip((h, payload) in arb_header()) {
+            let buf = encoded(&h, &payload);
+            prop_assert_eq!(buf.len(), h.encoded_len(payload.len()));
+            let (got, got_payload) = decode(&buf).unwrap();
+            prop_assert_eq!(got, h);
+            prop_assert_eq!(got_payload, &payload[..]);
+            let ids = peek(&buf).unwrap();
+            prop_assert_eq!(ids, PacketIds { job: h.job, src: h.src, dst: h.dst });
+        }
+
+        #[test]
+        fn trailing_bytes_rejected((h, payload) in arb_header(), extra in proptest::collection::vec(any::<u8>(), 1..16)) {
+            let mut buf = encoded(&h, &payload);
+            buf.extend_from_slice(&extra);
+            prop_assert!(decode(&buf).is_err());
+        }
+
+        #[test]
+        fn truncation_rejected((h, payload) in arb_header(), cut in 1usize..64) {
+            let buf = encoded(&h, &payload);
+            let cut = cut.min(buf.len());
+            prop_assert!(decode(&buf[..buf.len() - cut]).is_err());
+        }
+
+        #[test]
+        fn single_bit_flip_rejected((h, payload) in arb_header(), bit in any::<usize>()) {
+            let mut buf = encoded(&h, &payload);
+            let bit = bit % (buf.len() * 8);
+            buf[bit / 8] ^= 1 << (bit % 8);
+            prop_assert!(decode(&buf).is_err());
+        }
+    }
+
+    #[test]
+    fn checksum_error_has_its_own_variant() {
+        let h = Header {
+            job: 7,
+            src: 1,
+            dst: 2,
+            flags: Flags::NONE,
+            seq: 10,
+            ack: 20,
+            kind: Kind::Data(Chunk {
+                msg_id: 0,
+                offset: 0,
+                total_len: 3,
+            }),
+        };
+        let mut buf = encoded(&h, b"abc");
+        buf[DATA_HEADER_LEN] ^= 0x10; // inside the payload
+        assert_eq!(decode(&buf), Err(DecodeError::BadChecksum));
+        buf[DATA_HEADER_LEN] ^= 0x10;
+        assert!(decode(&buf).is_ok());
+        buf[0] ^= 1;
+        assert_eq!(decode(&buf), Err(DecodeError::BadMagic));
+        assert_eq!(decode(&buf[..10]), Err(DecodeError::TooShort { len: 10 }));
+    }
+
+    #[test]
+    fn inconsistent_fields_rejected_even_with_a_good_checksum() {
+        // Build datagrams by hand with a correct CRC but contradictory fields.
+        let reseal = |mut buf: Vec<u8>| {
+            let n = buf.len() - CRC_LEN;
+            let crc = crc32c::crc32c(&buf[..n]);
+            buf[n..].copy_from_slice(&crc.to_le_bytes());
+            buf
+        };
+        let h = Header {
+            job: 1,
+            src: 0,
+            dst: 1,
+            flags: Flags::NONE,
+            seq: 0,
+            ack: 0,
+            kind: Kind::Data(Chunk {
+                msg_id: 0,
+                offset: 0,
+                total_len: 4,
+            }),
+        };
+        let good = encoded(&h, b"abcd");
+        let mut bad = good.clone();
+        bad[60..68].copy_from_slice(&3u64.to_le_bytes()); // total < offset + len
+        assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+        let mut bad = good.clone();
+        bad[5] = 9; // unknown kind
+        assert_eq!(decode(&reseal(bad)), Err(DecodeError::UnknownKind(9)));
+        let mut bad = good.clone();
+        bad[6] = 0x80; // unknown flag
+        assert_eq!(decode(&reseal(bad)), Err(DecodeError::UnknownFlags(0x80)));
+        let mut bad = good.clone();
+        bad[40..44].copy_from_slice(&5u32.to_le_bytes()); // payload length lies
+        assert!(matches!(
+            decode(&reseal(bad)),
+            Err(DecodeError::LengthMismatch { .. })
+        ));
+        let mut bad = good;
+        bad[52..60].copy_from_slice(&u64::MAX.to_le_bytes()); // offset overflows
+        assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+    }
+}

@@ -1,0 +1,317 @@
+//! Receive side: the receive window, out-of-order buffering, message
+//! reassembly and the ACK schedule.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::config::Config;
+use super::conn::Event;
+use super::header::{Chunk, Flags, Header};
+use super::seq::Seq;
+use super::stats::Stats;
+
+/// First reservation for a multi-chunk message; later growth doubles, never
+/// past the message's length. Keeps a lying `total_len` from reserving
+/// memory that no data backs.
+const FIRST_RESERVE: usize = 64 * 1024;
+
+/// An out-of-order segment held until the hole before it is filled.
+struct Stored {
+    chunk: Chunk,
+    payload: Bytes,
+}
+
+/// A multi-chunk message being put back together, in order.
+struct Partial {
+    id: u64,
+    total: u64,
+    buf: Vec<u8>,
+}
+
+/// Rebuilds messages from in-order chunks and checks the framing.
+struct Reassembly {
+    next_msg: u64,
+    partial: Option<Partial>,
+    max_message: u64,
+}
+
+impl Reassembly {
+    /// Takes the next in-order chunk. Returns a message when this chunk
+    /// completes one, or why the chunk breaks the framing. `owned` is the
+    /// same bytes as `payload` when already in a `Bytes`, to avoid a copy.
+    fn accept(
+        &mut self,
+        c: Chunk,
+        payload: &[u8],
+        owned: Option<&Bytes>,
+    ) -> Result<Option<Bytes>, &'static str> {
+        let Some(p) = &mut self.partial else {
+            if c.msg_id != self.next_msg {
+                return Err("unexpected message id");
+            }
+            if c.offset != 0 {
+                return Err("message does not start at offset 0");
+            }
+            if c.total_len > self.max_message {
+                return Err("message larger than max_message");
+            }
+            if payload.len() as u64 == c.total_len {
+                self.next_msg = self.next_msg.wrapping_add(1);
+                let msg = owned
+                    .cloned()
+                    .unwrap_or_else(|| Bytes::copy_from_slice(payload));
+                return Ok(Some(msg));
+            }
+            let total = usize::try_from(c.total_len).map_err(|_| "message too large")?;
+            let mut buf = Vec::new();
+            grow(&mut buf, payload.len(), total);
+            buf.extend_from_slice(payload);
+            self.partial = Some(Partial {
+                id: c.msg_id,
+                total: c.total_len,
+                buf,
+            });
+            return Ok(None);
+        };
+        if c.msg_id != p.id || c.total_len != p.total || c.offset != p.buf.len() as u64 {
+            return Err("chunk does not continue the message being reassembled");
+        }
+        let total = usize::try_from(p.total).map_err(|_| "message too large")?;
+        grow(&mut p.buf, payload.len(), total);
+        p.buf.extend_from_slice(payload);
+        if (p.buf.len() as u64) < p.total {
+            return Ok(None);
+        }
+        self.next_msg = self.next_msg.wrapping_add(1);
+        Ok(self.partial.take().map(|p| Bytes::from(p.buf)))
+    }
+}
+
+/// Makes room for `extra` more bytes, doubling, but never reserving past
+/// `total` (the decoder guarantees offset + length <= total).
+fn grow(buf: &mut Vec<u8>, extra: usize, total: usize) {
+    let need = buf.len().saturating_add(extra);
+    if need <= buf.capacity() {
+        return;
+    }
+    let target = (buf.capacity().saturating_mul(2))
+        .max(FIRST_RESERVE)
+        .min(total)
+        .max(need);
+    buf.reserve_exact(target - buf.len());
+}
+
+pub(super) struct RecvSide {
+    /// Next sequence number expected in order.
+    nxt: Seq,
+    window: u64,
+    /// `slots[i]` holds sequence number `nxt + i`; `slots[0]`, when present,
+    /// is always empty (it is the hole).
+    slots: VecDeque<Option<Stored>>,
+    buffered: u64,
+    reasm: Reassembly,
+    ack_every: u32,
+    ack_delay: Duration,
+    /// When the pending ACK must go out, if one is pending.
+    ack_deadline: Option<Instant>,
+    /// In-order segments received since the last ACK went out.
+    since_ack: u32,
+    /// ACK-only packets owed, one per out-of-order arrival (capped): these
+    /// are the duplicate ACKs that drive the peer's fast retransmit.
+    owed_acks: u32,
+    owed_cap: u32,
+}
+
+impl RecvSide {
+    pub fn new(cfg: &Config, peer_isn: u64) -> Self {
+        RecvSide {
+            nxt: Seq(peer_isn),
+            window: u64::from(cfg.recv_window),
+            slots: VecDeque::new(),
+            buffered: 0,
+            reasm: Reassembly {
+                next_msg: 0,
+                partial: None,
+                max_message: cfg.max_message,
+            },
+            ack_every: cfg.ack_every,
+            ack_delay: cfg.ack_delay,
+            ack_deadline: None,
+            since_ack: 0,
+            owed_acks: 0,
+            owed_cap: cfg.dup_ack_threshold,
+        }
+    }
+
+    /// The cumulative ACK to put on outgoing packets.
+    pub fn ack_value(&self) -> u64 {
+        self.nxt.0
+    }
+
+    /// Whether out-of-order data is held (our ACK points at a hole).
+    pub fn has_gap(&self) -> bool {
+        self.buffered > 0
+    }
+
+    fn ack_now(&mut self, now: Instant) {
+        self.ack_deadline = Some(self.ack_deadline.map_or(now, |d| d.min(now)));
+    }
+
+    fn owe_ack(&mut self) {
+        self.owed_acks = (self.owed_acks + 1).min(self.owed_cap);
+    }
+
+    /// Processes one DATA segment: `hdr` is its header, `chunk` its position
+    /// (from `hdr.kind`).
+    pub fn on_data(
+        &mut self,
+        now: Instant,
+        hdr: &Header,
+        chunk: Chunk,
+        payload: &[u8],
+        events: &mut VecDeque<Event>,
+        stats: &mut Stats,
+    ) {
+        let Ok(dist) = u64::try_from(Seq(hdr.seq).diff(self.nxt)) else {
+            // Already delivered: our ACK was probably lost; repeat it.
+            stats.duplicates_dropped += 1;
+            self.ack_now(now);
+            return;
+        };
+        if dist >= self.window {
+            stats.out_of_window_dropped += 1;
+            self.ack_now(now);
+            return;
+        }
+        if dist > 0 {
+            self.store(now, dist as usize, hdr, chunk, payload, stats);
+            return;
+        }
+        match self.reasm.accept(chunk, payload, None) {
+            Ok(msg) => deliver(msg, events, stats),
+            Err(_) => {
+                stats.protocol_errors += 1;
+                return;
+            }
+        }
+        stats.data_received += 1;
+        self.nxt = self.nxt.wrapping_add(1);
+        self.slots.pop_front();
+        self.since_ack += 1;
+        let filled = self.drain_buffered(events, stats);
+        if filled || hdr.flags.contains(Flags::ACK_NOW) || self.since_ack >= self.ack_every {
+            self.ack_now(now);
+        } else if self.ack_deadline.is_none() {
+            self.ack_deadline = now.checked_add(self.ack_delay);
+        }
+    }
+
+    /// Buffers an out-of-order segment `idx` places past the hole.
+    fn store(
+        &mut self,
+        now: Instant,
+        idx: usize,
+        hdr: &Header,
+        chunk: Chunk,
+        payload: &[u8],
+        stats: &mut Stats,
+    ) {
+        if self.slots.len() <= idx {
+            self.slots.resize_with(idx + 1, || None);
+        }
+        if hdr.flags.contains(Flags::PRIORITY) {
+            // Overtook the data channel, as priority packets may: no
+            // duplicate ACK, just make sure an ACK goes out in time.
+            if self.ack_deadline.is_none() {
+                self.ack_deadline = now.checked_add(self.ack_delay);
+            }
+        } else {
+            self.owe_ack();
+        }
+        match self.slots.get_mut(idx) {
+            Some(slot @ None) => {
+                *slot = Some(Stored {
+                    chunk,
+                    payload: Bytes::copy_from_slice(payload),
+                });
+                self.buffered += 1;
+                stats.data_received += 1;
+                stats.out_of_order += 1;
+            }
+            _ => stats.duplicates_dropped += 1,
+        }
+    }
+
+    /// Delivers buffered segments that are now in order. Returns whether any
+    /// were (a hole was filled).
+    fn drain_buffered(&mut self, events: &mut VecDeque<Event>, stats: &mut Stats) -> bool {
+        let mut filled = false;
+        while let Some(slot) = self.slots.front_mut() {
+            let Some(stored) = slot.take() else { break };
+            self.buffered -= 1;
+            match self
+                .reasm
+                .accept(stored.chunk, &stored.payload, Some(&stored.payload))
+            {
+                Ok(msg) => deliver(msg, events, stats),
+                Err(_) => {
+                    // Dropped; the slot is the hole again and the peer
+                    // will have to resend it.
+                    stats.protocol_errors += 1;
+                    break;
+                }
+            }
+            self.nxt = self.nxt.wrapping_add(1);
+            self.slots.pop_front();
+            self.since_ack += 1;
+            filled = true;
+        }
+        filled
+    }
+
+    /// Whether an ACK-only packet owed for out-of-order data is pending;
+    /// consumes it.
+    pub fn take_owed_ack(&mut self) -> bool {
+        if self.owed_acks == 0 {
+            return false;
+        }
+        self.owed_acks -= 1;
+        true
+    }
+
+    /// Whether the delayed ACK is due at `now`.
+    pub fn ack_due(&self, now: Instant) -> bool {
+        self.ack_deadline.is_some_and(|d| d <= now)
+    }
+
+    /// Records that the current ACK went out (piggy-backed or alone).
+    pub fn ack_sent(&mut self) {
+        self.since_ack = 0;
+        self.ack_deadline = None;
+    }
+
+    /// When the delayed ACK falls due.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.ack_deadline
+    }
+
+    /// Whether nothing is owed to the peer.
+    pub fn is_idle(&self) -> bool {
+        self.ack_deadline.is_none() && self.owed_acks == 0
+    }
+
+    pub fn fill_stats(&self, stats: &mut Stats) {
+        stats.recv_base = self.nxt.0;
+        stats.recv_buffered = self.buffered;
+    }
+}
+
+fn deliver(msg: Option<Bytes>, events: &mut VecDeque<Event>, stats: &mut Stats) {
+    if let Some(msg) = msg {
+        stats.messages_delivered += 1;
+        stats.bytes_delivered += msg.len() as u64;
+        events.push_back(Event::Message(msg));
+    }
+}
