@@ -9,12 +9,15 @@
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::Stream;
 use tokio::sync::Notify;
 
+use crate::config::ProgressMode;
 use crate::sync::lock;
 use crate::{Error, Rank, Result, Tag};
 
@@ -45,21 +48,68 @@ pub(crate) struct Dispatcher {
     pub(crate) space: Arc<Notify>,
     /// Set by a receiver poll that found nothing: try progress inline.
     progress_hook: Mutex<Option<Arc<dyn Fn() -> usize + Send + Sync>>>,
+    /// Receivers keep polling inline (instead of sleeping until a progress
+    /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
+    policy: Hot,
+}
+
+/// When a waiting receiver polls again at once instead of sleeping.
+struct Hot {
+    mode: ProgressMode,
+    spin_ns: u64,
+    epoch: Instant,
+    /// Nanoseconds since `epoch` of the last delivery (Relaxed: a hint).
+    last: AtomicU64,
+    /// Nanoseconds since `epoch` of the last inline poll by a hot receiver
+    /// (Relaxed: a hint for the progress task to stand back).
+    inline: AtomicU64,
+}
+
+impl Hot {
+    fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+    fn touch(&self) {
+        self.last.store(self.now_ns(), Ordering::Relaxed);
+    }
+    fn is_hot(&self) -> bool {
+        match self.mode {
+            ProgressMode::BusyPoll => true,
+            ProgressMode::Interrupt => false,
+            ProgressMode::Adaptive => {
+                self.now_ns().saturating_sub(self.last.load(Ordering::Relaxed)) < self.spin_ns
+            }
+        }
+    }
 }
 
 impl Dispatcher {
-    pub(crate) fn new(budget: usize) -> Arc<Self> {
+    pub(crate) fn new(budget: usize, mode: ProgressMode, spin: Duration) -> Arc<Self> {
         Arc::new(Dispatcher {
             tags: Mutex::new(HashMap::new()),
             budget: budget.max(1),
             space: Arc::new(Notify::new()),
             progress_hook: Mutex::new(None),
+            policy: Hot {
+                mode,
+                spin_ns: spin.as_nanos() as u64,
+                epoch: Instant::now(),
+                last: AtomicU64::new(0),
+                inline: AtomicU64::new(0),
+            },
         })
     }
 
     /// Install the function receivers call to make progress inline.
     pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn() -> usize + Send + Sync>) {
         *lock(&self.progress_hook) = Some(f);
+    }
+
+    /// Whether a receiver has been polling progress inline within `window`:
+    /// then a spinning progress task would only compete for the core.
+    pub(crate) fn inline_polling(&self, window: Duration) -> bool {
+        let p = &self.policy;
+        p.now_ns().saturating_sub(p.inline.load(Ordering::Relaxed)) < window.as_nanos() as u64
     }
 
     /// Whether a message of `len` bytes for `tag` may be accepted now. An
@@ -74,6 +124,7 @@ impl Dispatcher {
 
     /// Queue a complete message and wake its receiver.
     pub(crate) fn deliver(&self, msg: Message) {
+        self.policy.touch();
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
@@ -211,6 +262,12 @@ impl Stream for Receiver {
         }
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Poll::Ready(None);
+        }
+        if self.disp.policy.is_hot() {
+            // Poll again on this task's own thread: no cross-thread wake-up.
+            let p = &self.disp.policy;
+            p.inline.store(p.now_ns(), Ordering::Relaxed);
+            cx.waker().wake_by_ref();
         }
         Poll::Pending
     }

@@ -233,7 +233,7 @@ impl Fabric {
             rank: b.rank,
             size: b.size,
             job_tag: job_tag(&b.job_key),
-            dispatcher: Dispatcher::new(b.config.recv_budget),
+            dispatcher: Dispatcher::new(b.config.recv_budget, b.config.progress, b.config.spin),
             rma: Rma::new(regions, counters.clone()),
             counters,
             closed,

@@ -7,11 +7,14 @@
 //! poll and the arming is seen by that second poll.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::config::ProgressMode;
 use crate::fabric::Core;
 use crate::transport::Transport;
+
+/// How recent an inline poll by a receiver makes the progress task stand back.
+const STAND_BACK: Duration = Duration::from_micros(50);
 
 /// Drive `t` until the fabric closes.
 pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
@@ -43,7 +46,18 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
             ProgressMode::Interrupt => false,
         };
         if hot {
-            tokio::task::yield_now().await;
+            if core.dispatcher.inline_polling(STAND_BACK) {
+                // A receiver is polling progress itself on its own thread:
+                // spinning here too would only compete for the core. Check
+                // back soon (the timer wheel's 1 ms tick).
+                let closing = core.closing.clone();
+                tokio::select! {
+                    _ = tokio::time::sleep(STAND_BACK) => {}
+                    _ = closing.notified() => {}
+                }
+            } else {
+                tokio::task::yield_now().await;
+            }
             continue;
         }
         if !t.arm() {
