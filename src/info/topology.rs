@@ -35,7 +35,7 @@ pub struct NumaNode {
     pub cpus: Vec<u32>,
 }
 
-/// This host's topology (see the [module docs](self)).
+/// This host's topology: through hwloc with the `hwloc` feature, else from `/sys`.
 pub fn topology() -> Topology {
     #[cfg(feature = "hwloc")]
     {
