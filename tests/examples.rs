@@ -281,3 +281,23 @@ fn panicking_rank() {
         std::process::exit(3);
     });
 }
+
+/// An example started with too few ranks says why and fails.
+#[test]
+fn an_example_short_of_ranks_says_why_and_fails() {
+    for name in ["pingpong", "tokio_service"] {
+        let shm = ShmDir::new(&format!("{name}-alone"));
+        let out = command(&shm, BTL_RUN)
+            .args(["-n", "1"])
+            .arg(example(name))
+            .output()
+            .expect("btl-run starts");
+        assert_eq!(out.status.code(), Some(1), "{name}: {out:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("needs at least 2 ranks"),
+            "{name}: {stderr}"
+        );
+        assert_eq!(shm.leftovers(), Vec::<String>::new(), "{name}: files left");
+    }
+}
