@@ -97,9 +97,17 @@ impl Workers {
     }
 
     /// Hand each reply to the request waiting for it (runs as its own task).
-    async fn route_replies(self: Arc<Self>, mut replies: Receiver) -> async_btl::Result<()> {
+    /// When the replies stop (a worker was lost), every waiting request
+    /// fails instead of hanging.
+    async fn route_replies(self: Arc<Self>, mut replies: Receiver) -> async_btl::Error {
         loop {
-            let msg = replies.recv().await?;
+            let msg = match replies.recv().await {
+                Ok(msg) => msg,
+                Err(e) => {
+                    self.waiting.lock().map(|mut w| w.clear()).ok();
+                    return e;
+                }
+            };
             let Ok(reply) = postcard::from_bytes::<Reply>(&msg.data) else {
                 eprintln!("tokio_service: unreadable reply from rank {}", msg.src);
                 continue;
