@@ -24,6 +24,7 @@ pub mod bootstrap;
 pub mod config;
 pub mod error;
 pub mod exchange;
+pub mod info;
 pub mod launch;
 pub mod udp;
 

@@ -91,7 +91,6 @@ pub(crate) fn hex(b: &[u8]) -> String {
         })
 }
 
-#[allow(dead_code)] // used by btl-info once it lands
 /// Whether CMA (process_vm_readv) may read this process from a sibling: the
 /// Yama ptrace scope must be 0 (or we are root).
 pub(crate) fn cma_status() -> std::result::Result<(), String> {
@@ -106,4 +105,23 @@ pub(crate) fn cma_status() -> std::result::Result<(), String> {
             "kernel.yama.ptrace_scope={scope} forbids process_vm_readv between sibling processes"
         ))
     }
+}
+
+/// The CPUs this process may run on (`sched_getaffinity`), ascending.
+pub(crate) fn cpu_affinity() -> std::io::Result<Vec<u32>> {
+    // SAFETY: cpu_set_t is a plain bit array; all-zero is a valid (empty) set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is this process; the size passed is exactly that of
+    // `set`, which the kernel writes and nothing else.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let max = 8 * std::mem::size_of_val(&set);
+    Ok((0..max)
+        // SAFETY: `cpu` is below the set's capacity in bits, as CPU_ISSET
+        // requires.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .map(|cpu| cpu as u32)
+        .collect())
 }

@@ -155,8 +155,19 @@ pub(crate) fn remove_of_pid(dead: u32) -> usize {
     remove_matching(|pid| pid == dead)
 }
 
+/// Remove the shm files in `dir` of processes that are known to be dead
+/// (a launcher's reaped ranks, which a signal may have killed before they
+/// could unlink). Returns how many were removed.
+pub(crate) fn remove_of_dead_in(dir: &Path, dead: &[u32]) -> usize {
+    remove_matching_in(dir, |pid| dead.contains(&pid))
+}
+
 fn remove_matching(pred: impl Fn(u32) -> bool) -> usize {
-    let Ok(rd) = std::fs::read_dir(shm_dir()) else {
+    remove_matching_in(&shm_dir(), pred)
+}
+
+fn remove_matching_in(dir: &Path, pred: impl Fn(u32) -> bool) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
         return 0;
     };
     let me = os::uid();

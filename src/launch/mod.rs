@@ -10,6 +10,9 @@
 //! environment. The launcher binds the rendezvous port before starting any
 //! rank, so there is no race for it.
 //!
+//! When every rank has exited, the launcher removes the shared-memory files
+//! (`abtl.<pid>.*`) of its ranks that a signal killed before they could.
+//!
 //! Ranks run in their own process groups with stdin from `/dev/null`, and
 //! die (SIGKILL, through `PR_SET_PDEATHSIG`) if the launcher's thread dies.
 //!
@@ -103,6 +106,14 @@ impl LocalJob {
         self
     }
 
+    /// The ranks' shared-memory directory: `BTL_SHM_DIR` as they see it.
+    fn shm_dir(&self) -> std::path::PathBuf {
+        match self.env.iter().rev().find(|(k, _)| k == "BTL_SHM_DIR") {
+            Some((_, dir)) => dir.into(),
+            None => crate::shm::shm_dir(),
+        }
+    }
+
     /// Run the job to the end and return the exit code for the launcher.
     ///
     /// Needs a tokio runtime with I/O, time and signal drivers. The ranks'
@@ -180,9 +191,13 @@ impl LocalJob {
         }
         drop((out_tx, err_tx));
 
+        let pids: Vec<u32> = alive.values().copied().collect();
         let stop_code = supervise::Supervisor::new(alive, self.timeout, self.grace)
             .run(waits, &mut sigint, &mut sigterm)
             .await;
+        // Every rank is reaped: remove the shared memory of those a signal
+        // killed before they could unlink it.
+        crate::shm::remove_of_dead_in(&self.shm_dir(), &pids);
         serving.abort();
         // Forward what the ranks wrote last; a pipe kept open by a process
         // that escaped the rank's group must not keep us waiting.

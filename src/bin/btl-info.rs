@@ -1,0 +1,135 @@
+//! `btl-info`: which transports work on this host and why the others do
+//! not, the limits in force, and the CPU topology.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use async_btl::info::{format_cpu_list, report, Report};
+use clap::Parser;
+
+/// Command-line arguments of btl-info.
+#[derive(Debug, Parser)]
+#[command(
+    name = "btl-info",
+    version,
+    about = "Show which async-btl transports work on this host, the limits in force (BTL_* \
+             variables) and the CPU topology."
+)]
+struct Args {
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let report = report();
+    let text = if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => json + "\n",
+            Err(e) => {
+                eprintln!("btl-info: cannot encode the report: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        render_text(&report)
+    };
+    // A closed pipe (`btl-info | head`) is not an error worth a message.
+    if let Err(e) = std::io::stdout().write_all(text.as_bytes()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("btl-info: writing the report: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if report.config_error.is_some() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn yes_no(ok: bool) -> &'static str {
+    if ok {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+fn render_text(r: &Report) -> String {
+    let mut out: Vec<String> = Vec::new();
+    out.push(format!("async-btl {} on {}", r.version, r.host));
+    out.push("\ntransports (usable, what was found):".to_string());
+    for t in &r.transports {
+        out.push(format!(
+            "  {:<8} {:<4} {}",
+            t.name,
+            yes_no(t.usable),
+            t.detail
+        ));
+    }
+    out.push(format!(
+        "  {:<8} {:<4} {}",
+        "cma",
+        yes_no(r.cma.ok),
+        r.cma.detail
+    ));
+
+    let l = &r.limits;
+    out.push("\nlimits (BTL_* environment):".to_string());
+    if let Some(e) = &r.config_error {
+        out.push(format!("  INVALID: {e}"));
+        out.push("  (showing the defaults)".to_string());
+    }
+    out.push(format!(
+        "  progress        {} (spin {} µs, heartbeat {} ms)",
+        l.progress, l.spin_us, l.heartbeat_ms
+    ));
+    out.push(format!(
+        "  sm eager        {} x {} B",
+        l.sm_eager_count, l.sm_eager_size
+    ));
+    out.push(format!(
+        "  sm max          {} x {} B",
+        l.sm_max_count, l.sm_max_size
+    ));
+    out.push(format!("  receive budget  {} B per tag", l.recv_budget));
+    out.push(format!(
+        "  timeouts        boot {} ms, close {} ms",
+        l.boot_timeout_ms, l.close_timeout_ms
+    ));
+    let allowed = match l.allowed_transports.is_empty() {
+        true => "all".to_string(),
+        false => l.allowed_transports.join(","),
+    };
+    out.push(format!("  transports      {allowed}"));
+
+    let t = &r.topology;
+    let known = |n: Option<usize>| n.map_or("?".to_string(), |n| n.to_string());
+    out.push(format!("\ntopology ({}):", t.source));
+    out.push(format!(
+        "  {} NUMA node(s), {} package(s), {} core(s), {} logical CPU(s): {}",
+        t.numa_nodes.len(),
+        known(t.packages),
+        known(t.cores),
+        t.cpus.len(),
+        format_cpu_list(&t.cpus)
+    ));
+    for n in &t.numa_nodes {
+        out.push(format!(
+            "  node {}: CPUs {}",
+            n.id,
+            format_cpu_list(&n.cpus)
+        ));
+    }
+    out.push(format!(
+        "  this process may run on {} CPU(s): {}",
+        t.binding.len(),
+        format_cpu_list(&t.binding)
+    ));
+    if let Some(note) = &t.note {
+        out.push(format!("  note: {note}"));
+    }
+    out.join("\n") + "\n"
+}

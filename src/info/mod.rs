@@ -1,0 +1,233 @@
+//! What this host offers async-btl, as `btl-info` reports it: which
+//! transports work here and why the others do not, whether single-copy
+//! (CMA) access between processes is allowed, the limits in force, and the
+//! CPU topology.
+//!
+//! Everything here only looks: it creates and removes one small file in the
+//! shared-memory directory and binds (and closes) one UDP socket, nothing
+//! more. Every item is serialisable, so a report prints as JSON as it is.
+
+#[cfg(feature = "hwloc")]
+mod hwloc;
+mod topology;
+
+use serde::Serialize;
+
+use crate::config::{Config, ProgressMode};
+pub use topology::{format_cpu_list, from_sysfs, parse_cpu_list, topology, NumaNode, Topology};
+
+/// Everything `btl-info` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// This crate's version.
+    pub version: String,
+    /// The host's name.
+    pub host: String,
+    /// Every transport this version knows, built or not.
+    pub transports: Vec<TransportInfo>,
+    /// Whether single-copy access to a sibling process's memory is allowed.
+    pub cma: Check,
+    /// The limits the `BTL_*` environment gives (defaults where it is invalid).
+    pub limits: Limits,
+    /// Why the `BTL_*` environment is invalid, if it is: a job would fail to start.
+    pub config_error: Option<String>,
+    /// NUMA nodes, cores and this process's CPU binding.
+    pub topology: Topology,
+}
+
+/// One transport on this host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TransportInfo {
+    /// Its name, as `BTL_TRANSPORTS` spells it.
+    pub name: String,
+    /// Whether this build contains it.
+    pub built: bool,
+    /// Whether a job on this host can use it: built and the host check passed.
+    pub usable: bool,
+    /// What the host check found, or why it cannot be used.
+    pub detail: String,
+}
+
+/// The outcome of one host check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Check {
+    /// Whether it passed.
+    pub ok: bool,
+    /// What was found, or what to do about it.
+    pub detail: String,
+}
+
+/// The limits in force, from a [`Config`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Progress policy: `busy`, `adaptive` or `interrupt`.
+    pub progress: String,
+    /// Adaptive spin before parking, in microseconds.
+    pub spin_us: u64,
+    /// Peer liveness check period, in milliseconds.
+    pub heartbeat_ms: u64,
+    /// Shared memory: bytes per eager fragment, header included.
+    pub sm_eager_size: usize,
+    /// Shared memory: eager fragments per process.
+    pub sm_eager_count: usize,
+    /// Shared memory: bytes per max fragment, header included.
+    pub sm_max_size: usize,
+    /// Shared memory: max fragments per process.
+    pub sm_max_count: usize,
+    /// Bytes received but not consumed per tag before senders are held back.
+    pub recv_budget: usize,
+    /// Address exchange limit at start-up, in milliseconds.
+    pub boot_timeout_ms: u64,
+    /// Limit on `Fabric::close`, in milliseconds.
+    pub close_timeout_ms: u64,
+    /// Transports allowed by `BTL_TRANSPORTS`, in order; empty means all.
+    pub allowed_transports: Vec<String>,
+}
+
+impl From<&Config> for Limits {
+    fn from(c: &Config) -> Self {
+        let ms = |d: std::time::Duration| d.as_millis().try_into().unwrap_or(u64::MAX);
+        Limits {
+            progress: match c.progress {
+                ProgressMode::BusyPoll => "busy",
+                ProgressMode::Adaptive => "adaptive",
+                ProgressMode::Interrupt => "interrupt",
+            }
+            .to_string(),
+            spin_us: c.spin.as_micros().try_into().unwrap_or(u64::MAX),
+            heartbeat_ms: ms(c.heartbeat),
+            sm_eager_size: c.sm_eager_size,
+            sm_eager_count: c.sm_eager_count,
+            sm_max_size: c.sm_max_size,
+            sm_max_count: c.sm_max_count,
+            recv_budget: c.recv_budget,
+            boot_timeout_ms: ms(c.boot_timeout),
+            close_timeout_ms: ms(c.close_timeout),
+            allowed_transports: c.transports.clone(),
+        }
+    }
+}
+
+/// Look at this host: transports, CMA, limits from the environment, topology.
+pub fn report() -> Report {
+    let (config, config_error) = match Config::from_env() {
+        Ok(c) => (c, None),
+        Err(e) => (Config::default(), Some(e.to_string())),
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    Report {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        host: host.trim().to_string(),
+        transports: transports(),
+        cma: cma(),
+        limits: Limits::from(&config),
+        config_error,
+        topology: topology(),
+    }
+}
+
+/// Every transport this version knows, in preference order, with the
+/// outcome of its host check. A transport added to the crate shows up here
+/// by name even before it has a check.
+pub fn transports() -> Vec<TransportInfo> {
+    crate::transport::KNOWN
+        .iter()
+        .map(|&name| {
+            let built = crate::transport::BUILT.contains(&name);
+            let check = host_check(name);
+            let detail = match (built, feature_of(name)) {
+                (true, _) => check.detail.clone(),
+                (false, Some(f)) => format!(
+                    "not built in this version (needs the `{f}` feature); {}",
+                    check.detail
+                ),
+                (false, None) => format!("not built in this version yet; {}", check.detail),
+            };
+            TransportInfo {
+                name: name.to_string(),
+                built,
+                usable: built && check.ok,
+                detail,
+            }
+        })
+        .collect()
+}
+
+/// Whether single-copy access (`process_vm_readv`/`writev`, CMA) between
+/// sibling processes is allowed here.
+pub fn cma() -> Check {
+    match crate::os::cma_status() {
+        Ok(()) => Check {
+            ok: true,
+            detail: "process_vm_readv/writev between sibling processes is allowed".into(),
+        },
+        Err(why) => Check {
+            ok: false,
+            detail: format!("{why}; set it to 0 (sysctl) or run as root for single-copy transfers"),
+        },
+    }
+}
+
+/// The cargo feature a transport needs, if any.
+fn feature_of(name: &str) -> Option<&'static str> {
+    match name {
+        "smcuda" => Some("cuda"),
+        "rdma" => Some("rdma"),
+        _ => None,
+    }
+}
+
+/// What the host offers a transport, whether or not it is built.
+fn host_check(name: &str) -> Check {
+    let result = match name {
+        "self" => Ok("always available: messages and put/get to this process".to_string()),
+        "sm" => shm_writable(),
+        "udp" => std::net::UdpSocket::bind("127.0.0.1:0")
+            .map(|s| match s.local_addr() {
+                Ok(a) => format!("a UDP socket binds on {a}"),
+                Err(_) => "a UDP socket binds on 127.0.0.1".to_string(),
+            })
+            .map_err(|e| format!("cannot bind a UDP socket on 127.0.0.1: {e}")),
+        "smcuda" => Err("no host check for CUDA in this version".to_string()),
+        "rdma" => rdma_devices(),
+        other => Err(format!("btl-info has no host check for {other:?} yet")),
+    };
+    match result {
+        Ok(detail) => Check { ok: true, detail },
+        Err(detail) => Check { ok: false, detail },
+    }
+}
+
+/// Create, map and remove a small file where `sm` puts its segments.
+fn shm_writable() -> Result<String, String> {
+    let dir = crate::shm::shm_dir();
+    let id = crate::os::random_bytes::<16>();
+    match crate::shm::ShmFile::create(&id, 4096) {
+        // Dropping the file unlinks it.
+        Ok(_file) => Ok(format!(
+            "{} is writable: same-node peers share memory",
+            dir.display()
+        )),
+        Err(e) => Err(format!(
+            "{e}; sm needs a writable tmpfs there (or BTL_SHM_DIR)"
+        )),
+    }
+}
+
+/// The RDMA devices the kernel lists.
+fn rdma_devices() -> Result<String, String> {
+    const DIR: &str = "/sys/class/infiniband";
+    let mut names: Vec<String> = std::fs::read_dir(DIR)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    if names.is_empty() {
+        Err(format!("{DIR}: no device"))
+    } else {
+        Ok(format!("{DIR}: {}", names.join(", ")))
+    }
+}

@@ -1,0 +1,63 @@
+//! `btl-info` as users run it: plain text and `--json`.
+
+use std::process::Command;
+
+const BTL_INFO: &str = env!("CARGO_BIN_EXE_btl-info");
+
+fn btl_info(args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(BTL_INFO);
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("BTL_")) {
+        cmd.env_remove(k);
+    }
+    cmd.args(args).output().expect("btl-info starts")
+}
+
+#[test]
+fn json_report_parses_and_lists_every_transport() {
+    let out = btl_info(&["--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    let transports = v["transports"].as_array().expect("a transport list");
+    let find = |name: &str| {
+        transports
+            .iter()
+            .find(|t| t["name"] == name)
+            .unwrap_or_else(|| panic!("{name} missing from {transports:?}"))
+    };
+    for name in ["self", "sm", "udp", "smcuda", "rdma"] {
+        assert!(find(name)["detail"].as_str().is_some_and(|d| !d.is_empty()));
+    }
+    assert_eq!(find("self")["usable"], true);
+    assert_eq!(find("sm")["built"], true);
+    assert_eq!(find("smcuda")["usable"], false);
+    assert!(v["limits"]["sm_eager_size"].as_u64().is_some_and(|n| n > 0));
+    assert!(v["config_error"].is_null());
+    assert!(!v["topology"]["binding"]
+        .as_array()
+        .expect("binding")
+        .is_empty());
+}
+
+#[test]
+fn text_report_names_the_transports() {
+    let out = btl_info(&[]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in ["sm ", "self ", "rdma ", "limits", "topology"] {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn an_invalid_environment_is_reported_and_fails() {
+    let out = Command::new(BTL_INFO)
+        .arg("--json")
+        .env("BTL_SM_EAGER", "seven")
+        .output()
+        .expect("btl-info starts");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert!(v["config_error"]
+        .as_str()
+        .is_some_and(|e| e.contains("BTL_SM_EAGER")));
+}
