@@ -32,6 +32,10 @@ async fn tour() -> Result<()> {
     assert_eq!(back.to_vec(), vec![42u8; 4096]);
     ep.flush().await?;
     fabric.barrier().await?;
-    println!("rank {}: put and got 4096 bytes through {}", fabric.rank(), ep.transport());
+    println!(
+        "rank {}: put and got 4096 bytes through {}",
+        fabric.rank(),
+        ep.transport()
+    );
     fabric.close().await
 }

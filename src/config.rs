@@ -53,6 +53,11 @@ pub struct Config {
     pub sm_max_size: usize,
     /// Shared memory: number of max fragments per process. Env: `BTL_SM_MAX_COUNT`.
     pub sm_max_count: usize,
+    /// Shared memory: put/get of at least this many bytes to or from a
+    /// registered (non-shared) buffer use a single kernel copy (CMA) instead
+    /// of fragments, where ptrace rules allow. Env: `BTL_SM_CMA_MIN` (a huge
+    /// value turns CMA off).
+    pub sm_cma_min: usize,
     /// Bytes of received but not yet consumed messages kept per tag before the
     /// transports stop reading from that sender (backpressure). Env: `BTL_RECV_BUDGET`.
     pub recv_budget: usize,
@@ -75,6 +80,7 @@ impl Default for Config {
             sm_eager_count: 64,
             sm_max_size: 32 * 1024,
             sm_max_count: 16,
+            sm_cma_min: 64 * 1024,
             recv_budget: 32 << 20,
             boot_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
@@ -120,6 +126,7 @@ impl Config {
             ("BTL_SM_MAX", &mut c.sm_max_size),
             ("BTL_SM_MAX_COUNT", &mut c.sm_max_count),
             ("BTL_RECV_BUDGET", &mut c.recv_budget),
+            ("BTL_SM_CMA_MIN", &mut c.sm_cma_min),
         ] {
             if let Some(v) = get(k) {
                 *f = parse(k, &v)?;

@@ -8,8 +8,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -77,7 +77,9 @@ impl Hot {
             ProgressMode::BusyPoll => true,
             ProgressMode::Interrupt => false,
             ProgressMode::Adaptive => {
-                self.now_ns().saturating_sub(self.last.load(Ordering::Relaxed)) < self.spin_ns
+                self.now_ns()
+                    .saturating_sub(self.last.load(Ordering::Relaxed))
+                    < self.spin_ns
             }
         }
     }

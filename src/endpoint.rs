@@ -150,7 +150,20 @@ impl Endpoint {
             });
             return OpState::Ready(Some(r));
         }
-        let done = if put {
+        let cma = self.link.cma_pid().is_some() && len >= self.core.config.sm_cma_min;
+        let done = if cma && put {
+            Counters::bump(&c.cma_puts);
+            let src = local.inner.clone();
+            self.core
+                .rma
+                .start_put_cma(&self.link, &key.id, offset, src, range.start as u64, len)
+        } else if cma {
+            Counters::bump(&c.cma_gets);
+            let dst = local.inner.clone();
+            self.core
+                .rma
+                .start_get_cma(&self.link, &key.id, offset, dst, range.start as u64, len)
+        } else if put {
             Counters::bump(&c.emulated_puts);
             let mut buf = vec![0u8; len];
             if let Err(e) = local.read(range.start, &mut buf) {

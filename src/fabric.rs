@@ -78,9 +78,12 @@ impl Core {
                 Counters::bump(&self.counters.recvs);
                 self.dispatcher.deliver(Message { src, tag, data });
             }
-            Kind::PutReq | Kind::PutAck | Kind::GetReq | Kind::GetResp => {
-                self.rma.handle(link, src, kind, tag, data)
-            }
+            Kind::PutReq
+            | Kind::PutAck
+            | Kind::GetReq
+            | Kind::GetResp
+            | Kind::PutCma
+            | Kind::GetCma => self.rma.handle(link, src, kind, tag, data),
             Kind::Barrier => {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();

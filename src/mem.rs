@@ -50,6 +50,11 @@ impl RawBuf {
         }
     }
 
+    /// The start address (for the kernel's cross-memory copies).
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
     /// Length in bytes.
     pub(crate) fn len(&self) -> usize {
         self.len

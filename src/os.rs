@@ -125,3 +125,57 @@ pub(crate) fn cpu_affinity() -> std::io::Result<Vec<u32>> {
         .map(|cpu| cpu as u32)
         .collect())
 }
+
+/// Which way a cross-memory copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cma {
+    /// Copy from the other process into our memory (`process_vm_readv`).
+    Read,
+    /// Copy from our memory into the other process (`process_vm_writev`).
+    Write,
+}
+
+/// Copy `local.len()` bytes between our `local` range and `remote_addr` in
+/// process `pid`, in one system call per `IOV_MAX` chunk. The kernel checks
+/// the remote range (EFAULT) and our right to touch that process (EPERM).
+pub(crate) fn cma_copy(
+    dir: Cma,
+    pid: u32,
+    local: crate::mem::RawBuf,
+    remote_addr: u64,
+) -> std::io::Result<()> {
+    let mut done = 0usize;
+    while done < local.len() {
+        let n = local.len() - done;
+        let liov = libc::iovec {
+            iov_base: local.addr().wrapping_add(done) as *mut libc::c_void,
+            iov_len: n,
+        };
+        let riov = libc::iovec {
+            iov_base: (remote_addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_len: n,
+        };
+        // SAFETY: `liov` describes `local`'s remaining bytes, which are valid
+        // for reads and writes (RawBuf's contract) and referenced by no Rust
+        // reference; the remote iovec is only dereferenced by the kernel,
+        // inside the other process, with its own checks (EFAULT on a bad
+        // range). One iovec each side; flags must be 0.
+        let r = unsafe {
+            match dir {
+                Cma::Read => libc::process_vm_readv(pid as libc::pid_t, &liov, 1, &riov, 1, 0),
+                Cma::Write => libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0),
+            }
+        };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if r == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "cross-memory copy made no progress",
+            ));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}

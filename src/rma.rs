@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::completion::Completion;
+use crate::os::Cma;
 use crate::region::{KeyId, RegionInner, RegionTable};
 use crate::stats::Counters;
 use crate::sync::lock;
@@ -26,11 +27,15 @@ use crate::transport::{Kind, Link};
 use crate::{AccessError, Error, Rank, Result};
 
 enum Pending {
-    Put,
+    /// `_src` keeps the source region alive while the target may still read
+    /// it by CMA.
+    Put { _src: Option<Arc<RegionInner>> },
     Get {
         dst: Arc<RegionInner>,
         offset: u64,
         len: usize,
+        /// The target writes `dst` itself (CMA): the answer carries no data.
+        cma: bool,
     },
 }
 
@@ -124,7 +129,7 @@ impl Rma {
         offset: u64,
         data: &[u8],
     ) -> Arc<Completion> {
-        let (id, done) = self.register(link.peer(), Pending::Put);
+        let (id, done) = self.register(link.peer(), Pending::Put { _src: None });
         let mut req = encode_req(key, offset, data.len());
         req.put_slice(data);
         if let Err(e) = link.submit(Kind::PutReq, id, req.freeze()) {
@@ -149,12 +154,75 @@ impl Rma {
                 dst,
                 offset: dst_offset,
                 len,
+                cma: false,
             },
         );
         let mut req = encode_req(key, offset, 8);
         req.put_u64_le(len as u64);
         if let Err(e) = link.submit(Kind::GetReq, id, req.freeze()) {
             self.fail_op(id, e);
+        }
+        done
+    }
+
+    /// Start a single-copy put: the target reads `src[src_off..+len]` out of
+    /// our memory after checking its key. `src` stays alive until answered.
+    pub(crate) fn start_put_cma(
+        &self,
+        link: &Arc<dyn Link>,
+        key: &KeyId,
+        offset: u64,
+        src: Arc<RegionInner>,
+        src_off: u64,
+        len: usize,
+    ) -> Arc<Completion> {
+        let addr = src.raw().slice(src_off, len).map(|r| r.addr() as u64);
+        let (id, done) = self.register(link.peer(), Pending::Put { _src: Some(src) });
+        match addr {
+            Ok(addr) => {
+                let mut req = encode_req(key, offset, 16);
+                req.put_u64_le(addr);
+                req.put_u64_le(len as u64);
+                if let Err(e) = link.submit(Kind::PutCma, id, req.freeze()) {
+                    self.fail_op(id, e);
+                }
+            }
+            Err(e) => self.fail_op(id, e.into()),
+        }
+        done
+    }
+
+    /// Start a single-copy get: the target writes into `dst[dst_off..+len]`
+    /// after checking its key. `dst` stays alive until answered.
+    pub(crate) fn start_get_cma(
+        &self,
+        link: &Arc<dyn Link>,
+        key: &KeyId,
+        offset: u64,
+        dst: Arc<RegionInner>,
+        dst_off: u64,
+        len: usize,
+    ) -> Arc<Completion> {
+        let addr = dst.raw().slice(dst_off, len).map(|r| r.addr() as u64);
+        let (id, done) = self.register(
+            link.peer(),
+            Pending::Get {
+                dst,
+                offset: dst_off,
+                len,
+                cma: true,
+            },
+        );
+        match addr {
+            Ok(addr) => {
+                let mut req = encode_req(key, offset, 16);
+                req.put_u64_le(addr);
+                req.put_u64_le(len as u64);
+                if let Err(e) = link.submit(Kind::GetCma, id, req.freeze()) {
+                    self.fail_op(id, e);
+                }
+            }
+            Err(e) => self.fail_op(id, e.into()),
         }
         done
     }
@@ -221,6 +289,42 @@ impl Rma {
                 };
                 self.answer(link, Kind::GetResp, id, resp);
             }
+            Kind::PutCma | Kind::GetCma => {
+                let (key, off, addr, len) = match decode_req(&data) {
+                    Some((k, o, rest)) if rest.len() == 16 => {
+                        let w = |i: usize| {
+                            u64::from_le_bytes(rest[i..i + 8].try_into().unwrap_or_default())
+                        };
+                        (k, o, w(0), w(8))
+                    }
+                    _ => return self.bad(src, "malformed single-copy request"),
+                };
+                // The pid comes from our own connection to the peer, never
+                // from the request: a peer cannot make us touch a third
+                // process.
+                let r = match (link.cma_pid(), usize::try_from(len)) {
+                    (Some(pid), Ok(len)) => self.target(&key, off, len).and_then(|reg| {
+                        let local = reg.raw().slice(off, len)?;
+                        let dir = if kind == Kind::PutCma {
+                            Cma::Read
+                        } else {
+                            Cma::Write
+                        };
+                        crate::os::cma_copy(dir, pid, local, addr).map_err(|e| {
+                            AccessError::NotPermitted(format!("single-copy transfer failed: {e}"))
+                        })
+                    }),
+                    _ => Err(AccessError::NotPermitted(
+                        "single-copy transfer from this peer".into(),
+                    )),
+                };
+                let answer = if kind == Kind::PutCma {
+                    Kind::PutAck
+                } else {
+                    Kind::GetResp
+                };
+                self.answer(link, answer, id, encode_status(&r, 0));
+            }
             Kind::PutAck | Kind::GetResp => self.finish(src, kind, id, &data),
             _ => {}
         }
@@ -279,10 +383,18 @@ impl Rma {
         };
         let r = match (status, op.what, kind) {
             (Err(e), _, _) => Err(Error::Access(e)),
-            (Ok(()), Pending::Put, Kind::PutAck) => Ok(()),
-            (Ok(()), Pending::Get { dst, offset, len }, Kind::GetResp) if payload.len() == len => {
-                dst.raw().write(offset, payload).map_err(Error::from)
-            }
+            (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
+            (Ok(()), Pending::Get { cma: true, .. }, Kind::GetResp) if payload.is_empty() => Ok(()),
+            (
+                Ok(()),
+                Pending::Get {
+                    dst,
+                    offset,
+                    len,
+                    cma: false,
+                },
+                Kind::GetResp,
+            ) if payload.len() == len => dst.raw().write(offset, payload).map_err(Error::from),
             _ => Err(Error::PeerMisbehaved {
                 rank: src,
                 what: "RMA answer does not match the request".into(),

@@ -14,6 +14,8 @@ pub(crate) struct Counters {
     pub(crate) direct_gets: AtomicU64,
     pub(crate) emulated_puts: AtomicU64,
     pub(crate) emulated_gets: AtomicU64,
+    pub(crate) cma_puts: AtomicU64,
+    pub(crate) cma_gets: AtomicU64,
     pub(crate) stale_segments_removed: AtomicU64,
 }
 
@@ -35,6 +37,8 @@ impl Counters {
             direct_gets: g(&self.direct_gets),
             emulated_puts: g(&self.emulated_puts),
             emulated_gets: g(&self.emulated_gets),
+            cma_puts: g(&self.cma_puts),
+            cma_gets: g(&self.cma_gets),
             stale_segments_removed: g(&self.stale_segments_removed),
         }
     }
@@ -62,6 +66,10 @@ pub struct Stats {
     pub emulated_puts: u64,
     /// get operations emulated on messages.
     pub emulated_gets: u64,
+    /// put operations done by single copy (CMA) into a registered buffer.
+    pub cma_puts: u64,
+    /// get operations done by single copy (CMA) from a registered buffer.
+    pub cma_gets: u64,
     /// Shared-memory files of crashed jobs removed at start-up.
     pub stale_segments_removed: u64,
 }

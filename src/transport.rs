@@ -48,6 +48,12 @@ pub(crate) enum Kind {
     Barrier = 5,
     /// Orderly goodbye at close.
     Bye = 6,
+    /// put by single copy: the target checks the key, then reads the data
+    /// straight from the initiator's memory (`process_vm_readv`).
+    PutCma = 7,
+    /// get by single copy: the target checks the key, then writes into the
+    /// initiator's memory (`process_vm_writev`).
+    GetCma = 8,
 }
 
 impl Kind {
@@ -61,6 +67,8 @@ impl Kind {
             4 => Kind::GetResp,
             5 => Kind::Barrier,
             6 => Kind::Bye,
+            7 => Kind::PutCma,
+            8 => Kind::GetCma,
             _ => return None,
         })
     }
@@ -88,6 +96,12 @@ pub(crate) trait Link: Send + Sync {
     /// Direct load/store access to the peer's region behind `key`, when this
     /// transport can map it (shared memory). `None`: not offered, use messages.
     fn map_remote(&self, _key: &RemoteKey) -> Option<Result<MappedRegion>> {
+        None
+    }
+
+    /// The peer's pid when it and we may copy each other's memory with
+    /// `process_vm_readv/writev` (same node, same user, ptrace rules allow).
+    fn cma_pid(&self) -> Option<u32> {
         None
     }
 

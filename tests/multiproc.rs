@@ -37,6 +37,7 @@ fn rank_main() {
             "putget" => putget(f).await,
             "stall" => stall(f).await,
             "kill" => kill(f).await,
+            "bigput" => bigput(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -209,6 +210,53 @@ async fn putget(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// 1 MiB put/get into a registered (non-shared) buffer: by single copy
+/// (CMA) where allowed, else emulated; the parent checks which.
+async fn bigput(f: Fabric) {
+    const MIB: usize = 1 << 20;
+    if f.rank() == 1 {
+        let heap = f.register(vec![0u8; 4 * MIB]);
+        f.endpoint(0)
+            .unwrap()
+            .send(1, heap.remote_key().to_bytes())
+            .await
+            .unwrap();
+        f.barrier().await.unwrap();
+        let v = heap.to_vec();
+        assert!(v[MIB..2 * MIB] == pattern(MIB, 7)[..], "put content");
+        assert!(
+            v[..MIB].iter().chain(&v[2 * MIB..]).all(|b| *b == 0),
+            "outside the put"
+        );
+    } else {
+        let key =
+            RemoteKey::from_bytes(&f.receiver(1).unwrap().recv().await.unwrap().data).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        let src = f.register(pattern(MIB, 7).to_vec());
+        ep.put(&src, 0..MIB, &key, MIB as u64).await.unwrap();
+        let back = f.register(vec![0u8; MIB]);
+        ep.get(&back, 0..MIB, &key, MIB as u64).await.unwrap();
+        assert!(back.to_vec() == pattern(MIB, 7).to_vec(), "get content");
+        // Past the end of the target buffer (forged length): refused.
+        let mut big = key.to_bytes();
+        big.truncate(17);
+        big.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
+        let forged = RemoteKey::from_bytes(&big).unwrap();
+        let e = ep
+            .put(&src, 0..MIB, &forged, 4 * MIB as u64 - 100)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        let s = f.stats();
+        println!(
+            "\ncma_puts={}\ncma_gets={}\nemulated_puts={}",
+            s.cma_puts, s.cma_gets, s.emulated_puts
+        );
+        f.barrier().await.unwrap();
+    }
+    f.close().await.unwrap();
+}
+
 async fn stall(f: Fabric) {
     const MSGS: usize = 200;
     if f.rank() == 0 {
@@ -312,6 +360,41 @@ fn put_get_with_bounds_and_forged_keys() {
     let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
     assert!(refused >= 2, "target counted {refused} refusals");
     assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("1"));
+}
+
+#[test]
+fn big_put_get_to_registered_buffer_uses_single_copy_when_allowed() {
+    let outs = spawn_job(2, "bigput", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let cma_ok = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .map(|s| s.trim() == "0")
+        .unwrap_or(true)
+        || is_root();
+    let n = |k| value(&outs[0], k).unwrap().parse::<u64>().unwrap();
+    if cma_ok {
+        assert_eq!(
+            (n("cma_puts"), n("cma_gets")),
+            (2, 1),
+            "single-copy path not taken"
+        );
+    } else {
+        println!("ptrace rules forbid CMA here: checked the emulated path instead");
+        assert!(n("emulated_puts") >= 1);
+    }
+    // Forced off: the emulated path gives the same bytes.
+    let outs = spawn_job(2, "bigput", &[("BTL_SM_CMA_MIN", "18446744073709551615")])
+        .wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "cma_puts").as_deref(), Some("0"));
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|v| v.split_whitespace().nth(1).map(|u| u == "0"))
+        .unwrap_or(false)
 }
 
 #[test]

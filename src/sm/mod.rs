@@ -56,6 +56,8 @@ pub(crate) struct SmAddr {
     pub(crate) local_size: u32,
     pub(crate) segment: String,
     pub(crate) bell: Vec<u8>,
+    /// Whether peers may copy our memory with process_vm_readv/writev.
+    pub(crate) cma: bool,
 }
 
 /// One same-node peer.
@@ -65,6 +67,8 @@ pub(crate) struct SmPeer {
     pub(crate) seg: Segment,
     bell: Bell,
     watch: ProcWatch,
+    /// Both sides allow cross-memory copies.
+    pub(crate) cma: bool,
     pub(crate) lost: AtomicBool,
 }
 
@@ -146,6 +150,7 @@ impl SmTransport {
             local_size: self.seg.layout.p.local_size,
             segment: self.seg.file_name(),
             bell: self.bell.name().to_vec(),
+            cma: crate::os::cma_status().is_ok(),
         }
     }
 
@@ -193,6 +198,7 @@ impl SmTransport {
                 seg,
                 bell: Bell::new(&a.bell)?,
                 watch: ProcWatch::new(a.pid),
+                cma: a.cma && crate::os::cma_status().is_ok(),
                 lost: AtomicBool::new(false),
             });
             *slot = Some(peer.clone());

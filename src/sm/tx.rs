@@ -352,6 +352,10 @@ impl Link for SmLink {
         Some(self.t.map_cached(key))
     }
 
+    fn cma_pid(&self) -> Option<u32> {
+        self.peer.cma.then_some(self.peer.seg.pid)
+    }
+
     fn has_queued(&self) -> bool {
         !lock(&self.t.tx).queues[self.peer.local as usize].is_empty()
     }
