@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::completion::Completion;
+use crate::mem::RawBuf;
 use crate::os::Cma;
 use crate::region::{KeyId, RegionInner, RegionTable};
 use crate::stats::Counters;
@@ -176,20 +177,15 @@ impl Rma {
         src_off: u64,
         len: usize,
     ) -> Arc<Completion> {
-        let addr = src.raw().slice(src_off, len).map(|r| r.addr() as u64);
-        let (id, done) = self.register(link.peer(), Pending::Put { _src: Some(src) });
-        match addr {
-            Ok(addr) => {
-                let mut req = encode_req(key, offset, 16);
-                req.put_u64_le(addr);
-                req.put_u64_le(len as u64);
-                if let Err(e) = link.submit(Kind::PutCma, id, req.freeze()) {
-                    self.fail_op(id, e);
-                }
-            }
-            Err(e) => self.fail_op(id, e.into()),
-        }
-        done
+        let ours = src.raw().slice(src_off, len);
+        self.start_cma(
+            link,
+            Kind::PutCma,
+            key,
+            offset,
+            ours,
+            Pending::Put { _src: Some(src) },
+        )
     }
 
     /// Start a single-copy get: the target writes into `dst[dst_off..+len]`
@@ -203,26 +199,36 @@ impl Rma {
         dst_off: u64,
         len: usize,
     ) -> Arc<Completion> {
-        let addr = dst.raw().slice(dst_off, len).map(|r| r.addr() as u64);
-        let (id, done) = self.register(
-            link.peer(),
-            Pending::Get {
-                dst,
-                offset: dst_off,
-                len,
-                cma: true,
-            },
-        );
-        match addr {
-            Ok(addr) => {
-                let mut req = encode_req(key, offset, 16);
-                req.put_u64_le(addr);
-                req.put_u64_le(len as u64);
-                if let Err(e) = link.submit(Kind::GetCma, id, req.freeze()) {
-                    self.fail_op(id, e);
-                }
-            }
-            Err(e) => self.fail_op(id, e.into()),
+        let ours = dst.raw().slice(dst_off, len);
+        let pending = Pending::Get {
+            dst,
+            offset: dst_off,
+            len,
+            cma: true,
+        };
+        self.start_cma(link, Kind::GetCma, key, offset, ours, pending)
+    }
+
+    /// Register `pending` and ask the target to copy between its region and
+    /// our range `ours` (address and length travel; the pid does not).
+    fn start_cma(
+        &self,
+        link: &Arc<dyn Link>,
+        kind: Kind,
+        key: &KeyId,
+        offset: u64,
+        ours: Result<RawBuf, AccessError>,
+        pending: Pending,
+    ) -> Arc<Completion> {
+        let (id, done) = self.register(link.peer(), pending);
+        let sent = ours.map_err(Error::from).and_then(|ours| {
+            let mut req = encode_req(key, offset, 16);
+            req.put_u64_le(ours.addr() as u64);
+            req.put_u64_le(ours.len() as u64);
+            link.submit(kind, id, req.freeze())
+        });
+        if let Err(e) = sent {
+            self.fail_op(id, e);
         }
         done
     }
