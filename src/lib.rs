@@ -25,6 +25,8 @@ pub mod config;
 pub mod error;
 pub mod exchange;
 pub mod launch;
+#[cfg(feature = "perf")]
+pub mod perf;
 
 mod completion;
 mod dispatch;
