@@ -20,6 +20,9 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+#[cfg(not(btl_loom))]
+#[doc(hidden)]
+pub mod bench_support;
 pub mod bootstrap;
 pub mod config;
 pub mod error;
