@@ -13,7 +13,7 @@ pub struct Machine {
     pub cpu: String,
     /// Logical processors listed in /proc/cpuinfo.
     pub cores: usize,
-    /// Processors this process may run on.
+    /// Processors this process may run on (after `--pin`: usually 1).
     pub usable_cores: usize,
     /// `uname -srm`.
     pub kernel: String,

@@ -98,7 +98,7 @@ impl Report {
         let _ = writeln!(o, "# {} — {}", h.tool, h.date);
         let _ = writeln!(
             o,
-            "# machine: {} | {} cores ({} usable) | {} | host {}",
+            "# machine: {} | {} cores (this rank may run on {}) | {} | host {}",
             h.machine.cpu,
             h.machine.cores,
             h.machine.usable_cores,
