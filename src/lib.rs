@@ -20,12 +20,17 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+#[cfg(not(btl_loom))]
+#[doc(hidden)]
+pub mod bench_support;
 pub mod bootstrap;
 pub mod config;
 pub mod error;
 pub mod exchange;
 pub mod info;
 pub mod launch;
+#[cfg(feature = "perf")]
+pub mod perf;
 pub mod udp;
 
 mod completion;

@@ -1,0 +1,299 @@
+//! `btl-perf`: OSU-style point-to-point benchmarks of async-btl, with tokio
+//! socket baselines measured in the same run by the same method.
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use async_btl::bootstrap::JobInfo;
+use async_btl::launch::LocalJob;
+use async_btl::perf::machine::Machine;
+use async_btl::perf::pin::{pin_current_thread, Pinning};
+use async_btl::perf::plan::Counts;
+use async_btl::perf::session::{run, Settings};
+use async_btl::perf::{plot, Baseline, Test};
+use async_btl::ProgressMode;
+use clap::Parser;
+
+const LONG_ABOUT: &str = "Point-to-point benchmarks of async-btl between two ranks, in the manner
+of the OSU micro-benchmarks: ping-pong latency, windowed bandwidth (one way
+and both ways), put/get latency and bandwidth, and the 8-byte message rate.
+
+The same tests run, in the same two processes on the same cores, over tokio
+UnixStream, TcpStream (127.0.0.1) and UdpSocket (127.0.0.1) as baselines; the
+table gives async-btl's value divided by each baseline's.
+
+Run it alone (it starts its own two ranks), or as two ranks under
+`btl-run -n 2` or `mpirun -np 2`. Rank 0 prints the report.";
+
+const EXAMPLES: &str = "Examples:
+  btl-perf --test lat,bw --progress busy
+  btl-perf --test bw --min-size 4K --max-size 4M --json > bw.json
+  btl-run -n 2 -- btl-perf --test put_bw --baseline none
+  mpirun -np 2 btl-perf --test lat --plot lat.svg";
+
+/// Command-line arguments.
+#[derive(Debug, Parser)]
+#[command(name = "btl-perf", version, about = "Point-to-point benchmarks of async-btl against tokio sockets.", long_about = LONG_ABOUT, after_help = EXAMPLES)]
+struct Args {
+    /// Tests to run, comma-separated: lat, bw, bibw, put_lat, put_bw,
+    /// get_lat, get_bw, msg_rate, or all.
+    #[arg(long, value_name = "TESTS", default_value = "all", value_parser = tests)]
+    test: std::vec::Vec<Test>,
+
+    /// Transports async-btl may use (sets BTL_TRANSPORTS for the ranks):
+    /// sm, udp, ...
+    #[arg(long, value_name = "NAMES")]
+    transport: Option<String>,
+
+    /// Progress mode: busy, adaptive or interrupt (default: BTL_PROGRESS,
+    /// else adaptive).
+    #[arg(long, value_name = "MODE", value_parser = progress)]
+    progress: Option<ProgressMode>,
+
+    /// Smallest message size (bytes; K, M suffixes; rounded up to a power of two).
+    #[arg(long, value_name = "BYTES", default_value = "1", value_parser = size)]
+    min_size: usize,
+
+    /// Largest message size.
+    #[arg(long, value_name = "BYTES", default_value = "16M", value_parser = size)]
+    max_size: usize,
+
+    /// Timed iterations per size up to 8 KiB (windowed tests time a tenth as
+    /// many windows); fewer above, in proportion to the size.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    iters: u64,
+
+    /// Untimed iterations first (scaled like --iters).
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    warmup: u64,
+
+    /// Operations in flight per window in the bandwidth tests (shrunk so a
+    /// window holds at most 16 MiB).
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    window: u64,
+
+    /// Core placement: auto (rank i on core i), none, or a list like 0,1.
+    #[arg(long, value_name = "CORES", default_value = "auto")]
+    pin: Pinning,
+
+    /// Baselines, comma-separated: unix, tcp, udp, or none.
+    #[arg(long, value_name = "LIST", default_value = "unix,tcp,udp", value_parser = baselines)]
+    baseline: std::vec::Vec<Baseline>,
+
+    /// Print JSON instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    csv: bool,
+
+    /// Also draw latency and bandwidth against size into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+
+    /// Give up when one measurement takes longer than this (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    watchdog: u64,
+}
+
+fn tests(s: &str) -> Result<Vec<Test>, String> {
+    if s.trim() == "all" {
+        return Ok(Test::ALL.to_vec());
+    }
+    s.split(',').map(str::parse).collect()
+}
+
+fn baselines(s: &str) -> Result<Vec<Baseline>, String> {
+    match s.trim() {
+        "none" | "" => Ok(Vec::new()),
+        list => list.split(',').map(str::parse).collect(),
+    }
+}
+
+fn progress(s: &str) -> Result<ProgressMode, String> {
+    s.parse().map_err(|e: async_btl::Error| e.to_string())
+}
+
+fn size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| format!("{s:?} is not a size in bytes (like 64, 4K, 16M)"))
+}
+
+/// Environment variable by which a self-launching btl-perf tells rank 0
+/// that the user's stdout is a terminal.
+const TTY_VAR: &str = "BTL_PERF_TTY";
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if args.min_size > args.max_size {
+        eprintln!("btl-perf: --min-size is above --max-size");
+        return ExitCode::from(2);
+    }
+    match JobInfo::from_env() {
+        Ok(None) => launch_self(&args),
+        Ok(Some(job)) => as_rank(args, job),
+        Err(e) => {
+            eprintln!("btl-perf: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Started by hand: run ourselves as two ranks.
+fn launch_self(args: &Args) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("btl-perf: cannot find my own executable: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut job = LocalJob::new(exe, 2)
+        .args(std::env::args_os().skip(1))
+        .prefix_output(false);
+    if let Some(t) = &args.transport {
+        job = job.env("BTL_TRANSPORTS", t);
+    }
+    if std::io::stdout().is_terminal() {
+        job = job.env(TTY_VAR, "1");
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("btl-perf: cannot start a runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(job.run()) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("btl-perf: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn command_line() -> String {
+    let parts: Vec<String> = std::iter::once(OsString::from("btl-perf"))
+        .chain(std::env::args_os().skip(1))
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    parts.join(" ")
+}
+
+fn as_rank(args: Args, job: JobInfo) -> ExitCode {
+    let machine = Machine::probe();
+    let core = args.pin.core_for(job.local_rank, machine.usable_cores);
+    if let Some(c) = core {
+        if let Err(e) = pin_current_thread(c) {
+            eprintln!("btl-perf: rank {}: {e} (use --pin none)", job.rank);
+            return ExitCode::from(1);
+        }
+    }
+    let settings = Settings {
+        tests: args.test.clone(),
+        transport: args.transport.clone(),
+        progress: args.progress,
+        min_size: args.min_size,
+        max_size: args.max_size,
+        counts: Counts {
+            iters: args.iters,
+            warmup: args.warmup,
+            window: args.window,
+        },
+        pin: args.pin.clone(),
+        baselines: args.baseline.clone(),
+        watchdog: Duration::from_secs(args.watchdog.max(1)),
+        command: command_line(),
+    };
+    let rank = job.rank;
+    let bar = (rank == 0)
+        .then(|| progress_bar(settings.steps()))
+        .flatten();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("btl-perf: cannot start a runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut tick = |what: &str| {
+        if let Some(b) = &bar {
+            b.set_message(what.to_string());
+            b.inc(1);
+        }
+    };
+    let result = rt.block_on(run(&settings, job, core, &mut tick));
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let report = match result {
+        Ok(Some(r)) => r,
+        Ok(None) => return ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("btl-perf: rank {rank}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let text = if args.json {
+        report.json() + "\n"
+    } else if args.csv {
+        report.csv()
+    } else {
+        report.table()
+    };
+    print!("{text}");
+    if let Some(path) = &args.plot {
+        if let Err(e) = plot::write_svg(&report, path) {
+            eprintln!("btl-perf: {e}");
+            return ExitCode::from(1);
+        }
+        eprintln!("btl-perf: plot written to {}", path.display());
+    }
+    ExitCode::SUCCESS
+}
+
+/// A progress bar when the user's stdout is a terminal: ours, or (when we
+/// were started by a self-launching btl-perf, whose output forwarding is by
+/// lines) the controlling terminal directly.
+fn progress_bar(steps: u64) -> Option<indicatif::ProgressBar> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    let target = if std::io::stdout().is_terminal() && std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else if std::env::var_os(TTY_VAR).is_some() {
+        let tty = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/tty")
+            .ok()?;
+        let out = tty.try_clone().ok()?;
+        ProgressDrawTarget::term(console::Term::read_write_pair(tty, out), 10)
+    } else {
+        return None;
+    };
+    let bar = ProgressBar::with_draw_target(Some(steps), target);
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {wide_msg}") {
+        bar.set_style(style);
+    }
+    Some(bar)
+}

@@ -1,0 +1,197 @@
+//! What each test does, on rank 0 (which times) and rank 1 (which answers).
+//!
+//! Over any [`Wire`]:
+//! - `lat`: ping-pong of `size`-byte messages; half the round trip.
+//! - `bw`, `msg_rate`: rank 0 sends a window of messages, rank 1 receives
+//!   them all and answers with a 4-byte ack; bytes (or messages) over time.
+//! - `bibw`: both send a window and receive a window at once.
+//! - `put_lat` / `get_lat` on a socket: the same semantics as a put or get
+//!   that completes remotely: send `size` bytes and wait for a 4-byte ack,
+//!   or send an 8-byte request and wait for `size` bytes. One at a time,
+//!   the whole round trip (as OSU's one-sided latency tests report).
+//! - `put_bw` / `get_bw` on a socket: a window of `size`-byte messages
+//!   towards rank 1 then an ack, or an 8-byte request then a window back.
+//!
+//! Over async-btl, the one-sided tests use real `put`/`get` into a region
+//! that rank 1 allocated with `alloc_region` ([`rma_timed`]); rank 1 only
+//! waits.
+
+use std::time::{Duration, Instant};
+
+use futures::future::try_join_all;
+
+use super::plan::Plan;
+use super::wire::Wire;
+use super::{Test, Unit};
+use crate::{Endpoint, MemoryRegion, RemoteKey, Result};
+
+/// Length of an acknowledgement.
+pub const ACK: usize = 4;
+/// Length of a get request on a socket wire.
+pub const REQUEST: usize = 8;
+
+/// Times a loop whose first `warmup` turns are not counted.
+struct Clock {
+    warmup: u64,
+    start: Instant,
+}
+
+impl Clock {
+    fn new(plan: &Plan) -> Clock {
+        Clock {
+            warmup: plan.warmup,
+            start: Instant::now(),
+        }
+    }
+    /// Call at the top of turn `i`.
+    fn tick(&mut self, i: u64) {
+        if i == self.warmup {
+            self.start = Instant::now();
+        }
+    }
+    fn elapsed(&self) -> Duration {
+        self.start.elapsed().max(Duration::from_nanos(1))
+    }
+}
+
+/// Turn a timed loop into the test's unit.
+fn value(test: Test, size: usize, plan: &Plan, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    let ops = (plan.iters * plan.window) as f64;
+    match test.unit() {
+        Unit::Micros => {
+            let per = secs * 1e6 / plan.iters as f64;
+            if test == Test::Lat {
+                per / 2.0
+            } else {
+                per
+            }
+        }
+        Unit::MBps => {
+            let both = if test == Test::Bibw { 2.0 } else { 1.0 };
+            both * ops * size as f64 / secs / 1e6
+        }
+        Unit::MsgPerSec => ops / secs,
+    }
+}
+
+/// Run `test` at `size` over `w` as `rank` (0 or 1). Rank 0 returns the
+/// measured value, rank 1 `None`.
+pub async fn on_wire<W: Wire>(
+    w: &mut W,
+    rank: u32,
+    test: Test,
+    size: usize,
+    plan: &Plan,
+) -> Result<Option<f64>> {
+    let turns = plan.warmup + plan.iters;
+    let n = plan.window;
+    let mut clock = Clock::new(plan);
+    let timer = rank == 0;
+    for i in 0..turns {
+        clock.tick(i);
+        match (test, timer) {
+            (Test::Lat, true) => {
+                w.send(size).await?;
+                w.recv(size).await?;
+            }
+            (Test::Lat, false) => {
+                w.recv(size).await?;
+                w.send(size).await?;
+            }
+            (Test::Bw | Test::PutBw | Test::MsgRate, true) => {
+                w.send_window(size, n).await?;
+                w.recv(ACK).await?;
+            }
+            (Test::Bw | Test::PutBw | Test::MsgRate, false) => {
+                w.recv_window(size, n).await?;
+                w.send(ACK).await?;
+            }
+            (Test::Bibw, _) => w.exchange_window(size, n).await?,
+            (Test::PutLat, true) => {
+                w.send(size).await?;
+                w.recv(ACK).await?;
+            }
+            (Test::PutLat, false) => {
+                w.recv(size).await?;
+                w.send(ACK).await?;
+            }
+            (Test::GetLat, true) => {
+                w.send(REQUEST).await?;
+                w.recv(size).await?;
+            }
+            (Test::GetLat, false) => {
+                w.recv(REQUEST).await?;
+                w.send(size).await?;
+            }
+            (Test::GetBw, true) => {
+                w.send(REQUEST).await?;
+                w.recv_window(size, n).await?;
+            }
+            (Test::GetBw, false) => {
+                w.recv(REQUEST).await?;
+                w.send_window(size, n).await?;
+            }
+        }
+    }
+    Ok(timer.then(|| value(test, size, plan, clock.elapsed())))
+}
+
+/// What rank 0 needs for async-btl's one-sided tests.
+pub struct RmaSide<'a> {
+    /// The endpoint to rank 1.
+    pub ep: &'a Endpoint,
+    /// Our buffer (source of puts, destination of gets).
+    pub local: &'a MemoryRegion,
+    /// Rank 1's region.
+    pub key: &'a RemoteKey,
+}
+
+/// Time a one-sided test (`put_lat`, `put_bw`, `get_lat`, `get_bw`) over
+/// async-btl from rank 0. Each put or get resolves at remote completion;
+/// a window is followed by `flush`.
+pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan) -> Result<f64> {
+    let RmaSide { ep, local, key } = side;
+    let put = matches!(test, Test::PutLat | Test::PutBw);
+    let one = || async move {
+        if put {
+            ep.put(local, 0..size, key, 0).await
+        } else {
+            ep.get(local, 0..size, key, 0).await
+        }
+    };
+    let mut clock = Clock::new(plan);
+    for i in 0..plan.warmup + plan.iters {
+        clock.tick(i);
+        if test.windowed() {
+            try_join_all((0..plan.window).map(|_| one())).await?;
+            ep.flush().await?;
+        } else {
+            one().await?;
+        }
+    }
+    Ok(value(test, size, plan, clock.elapsed()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_follow_osu_conventions() {
+        let p = Plan {
+            iters: 10,
+            warmup: 0,
+            window: 4,
+        };
+        let s = Duration::from_secs(1);
+        // Ping-pong: half of (1 s / 10 round trips) = 50 ms.
+        assert!((value(Test::Lat, 8, &p, s) - 50_000.0).abs() < 1e-6);
+        // Puts: the whole operation, 100 ms each.
+        assert!((value(Test::PutLat, 8, &p, s) - 100_000.0).abs() < 1e-6);
+        // 40 messages of 1 MB in 1 s.
+        assert!((value(Test::Bw, 1_000_000, &p, s) - 40.0).abs() < 1e-9);
+        assert!((value(Test::Bibw, 1_000_000, &p, s) - 80.0).abs() < 1e-9);
+        assert!((value(Test::MsgRate, 8, &p, s) - 40.0).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,252 @@
+//! The library half of `btl-perf`: point-to-point benchmarks in the manner
+//! of the OSU micro-benchmarks and `ucx_perftest`, run over async-btl and,
+//! with the very same code, over tokio sockets as baselines.
+//!
+//! Every measurement is written once against [`wire::Wire`]: a way to send
+//! and receive messages of a known length. [`wire::BtlWire`] sends through
+//! an [`Endpoint`](crate::Endpoint); [`wire::StreamWire`] over a tokio
+//! `UnixStream` or `TcpStream`; [`wire::UdpWire`] over a pair of connected
+//! tokio `UdpSocket`s (messages above 64 KiB are cut into datagrams of
+//! [`wire::UDP_CHUNK`] bytes, under a credit window so loopback never drops).
+//!
+//! Module map: [`wire`] (the transports under test), [`method`] (what each
+//! test does on each side), [`plan`] (iterations per size), [`machine`] (the
+//! report header), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
+//! (CPU affinity), [`session`] (one rank's whole run).
+//!
+//! Nothing here asserts a speed: it measures and reports.
+
+pub mod machine;
+pub mod method;
+pub mod pin;
+pub mod plan;
+pub mod plot;
+pub mod report;
+pub mod session;
+pub mod wire;
+
+use serde::{Deserialize, Serialize};
+
+/// One kind of measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum Test {
+    /// Ping-pong; half the round trip, in µs.
+    Lat,
+    /// One direction, a window of outstanding sends, the receiver acks each
+    /// window; MB/s.
+    Bw,
+    /// Both directions at once, a window each way; MB/s of both together.
+    Bibw,
+    /// A put that resolves at remote completion, one at a time; µs per put.
+    PutLat,
+    /// A window of puts, then a flush; MB/s.
+    PutBw,
+    /// A get, one at a time; µs per get.
+    GetLat,
+    /// A window of gets, then a flush; MB/s.
+    GetBw,
+    /// 8-byte messages in windows, one direction; messages per second.
+    MsgRate,
+}
+
+impl Test {
+    /// Every test, in report order.
+    pub const ALL: [Test; 8] = [
+        Test::Lat,
+        Test::Bw,
+        Test::Bibw,
+        Test::PutLat,
+        Test::PutBw,
+        Test::GetLat,
+        Test::GetBw,
+        Test::MsgRate,
+    ];
+
+    /// The name used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Test::Lat => "lat",
+            Test::Bw => "bw",
+            Test::Bibw => "bibw",
+            Test::PutLat => "put_lat",
+            Test::PutBw => "put_bw",
+            Test::GetLat => "get_lat",
+            Test::GetBw => "get_bw",
+            Test::MsgRate => "msg_rate",
+        }
+    }
+
+    /// What the test reports.
+    pub fn unit(self) -> Unit {
+        match self {
+            Test::Lat | Test::PutLat | Test::GetLat => Unit::Micros,
+            Test::Bw | Test::Bibw | Test::PutBw | Test::GetBw => Unit::MBps,
+            Test::MsgRate => Unit::MsgPerSec,
+        }
+    }
+
+    /// Whether the test streams windows (as opposed to one operation at a time).
+    pub fn windowed(self) -> bool {
+        self.unit() != Unit::Micros
+    }
+
+    /// The message sizes the test runs at, given the requested range.
+    /// `msg_rate` always uses 8-byte messages.
+    pub fn sizes(self, min: usize, max: usize) -> Vec<usize> {
+        if self == Test::MsgRate {
+            return vec![8];
+        }
+        let mut v = Vec::new();
+        let mut s = min.max(1).next_power_of_two();
+        while s <= max {
+            v.push(s);
+            match s.checked_mul(2) {
+                Some(n) => s = n,
+                None => break,
+            }
+        }
+        v
+    }
+}
+
+impl std::fmt::Display for Test {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Test {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Test::ALL
+            .into_iter()
+            .find(|t| t.name() == s.trim().to_ascii_lowercase().replace('-', "_"))
+            .ok_or_else(|| {
+                let names: Vec<_> = Test::ALL.iter().map(|t| t.name()).collect();
+                format!("unknown test {s:?}; choose from {}", names.join(", "))
+            })
+    }
+}
+
+/// The unit of a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Unit {
+    /// Microseconds (lower is better).
+    #[serde(rename = "us")]
+    Micros,
+    /// 10^6 bytes per second (higher is better), as the OSU benchmarks.
+    #[serde(rename = "MB/s")]
+    MBps,
+    /// Messages per second (higher is better).
+    #[serde(rename = "msg/s")]
+    MsgPerSec,
+}
+
+impl Unit {
+    /// The unit's short name.
+    pub fn label(self) -> &'static str {
+        match self {
+            Unit::Micros => "us",
+            Unit::MBps => "MB/s",
+            Unit::MsgPerSec => "msg/s",
+        }
+    }
+
+    /// Whether a larger value is better.
+    pub fn higher_is_better(self) -> bool {
+        self != Unit::Micros
+    }
+}
+
+/// A socket baseline, measured in the same run with the same method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Baseline {
+    /// tokio `UnixStream` (abstract-namespace socket).
+    Unix,
+    /// tokio `TcpStream` on 127.0.0.1, `TCP_NODELAY` set.
+    Tcp,
+    /// tokio `UdpSocket` on 127.0.0.1, messages above 64 KiB chunked.
+    Udp,
+}
+
+impl Baseline {
+    /// Every baseline, in report order.
+    pub const ALL: [Baseline; 3] = [Baseline::Unix, Baseline::Tcp, Baseline::Udp];
+
+    /// Name in reports and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Baseline::Unix => "unix",
+            Baseline::Tcp => "tcp",
+            Baseline::Udp => "udp",
+        }
+    }
+
+    /// Whether this baseline measures `test`. UDP has no `bibw`: its credit
+    /// protocol would need one socket read from two places at once.
+    pub fn measures(self, test: Test) -> bool {
+        !(self == Baseline::Udp && test == Test::Bibw)
+    }
+}
+
+impl std::str::FromStr for Baseline {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Baseline::ALL
+            .into_iter()
+            .find(|b| b.name() == s.trim().to_ascii_lowercase())
+            .ok_or_else(|| format!("unknown baseline {s:?}; choose from unix, tcp, udp"))
+    }
+}
+
+/// One measured point.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The test.
+    pub test: Test,
+    /// What carried it: `async-btl/<transport>`, or a baseline's name.
+    pub wire: String,
+    /// Message size in bytes.
+    pub size: usize,
+    /// The measured value, in `unit`.
+    pub value: f64,
+    /// The value's unit.
+    pub unit: Unit,
+    /// Timed iterations (windows, for windowed tests).
+    pub iters: u64,
+    /// Untimed iterations before them.
+    pub warmup: u64,
+    /// Operations in flight per iteration (1 for latency tests).
+    pub window: u64,
+}
+
+/// The label of async-btl rows for a transport name.
+pub fn btl_label(transport: &str) -> String {
+    format!("async-btl/{transport}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_powers_of_two_in_range() {
+        assert_eq!(Test::Lat.sizes(1, 16), vec![1, 2, 4, 8, 16]);
+        assert_eq!(Test::Bw.sizes(3, 20), vec![4, 8, 16]);
+        assert_eq!(Test::MsgRate.sizes(1, 1 << 20), vec![8]);
+        assert!(Test::Lat.sizes(64, 8).is_empty());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for t in Test::ALL {
+            assert_eq!(t.name().parse::<Test>(), Ok(t));
+        }
+        assert!("nope".parse::<Test>().is_err());
+        for b in Baseline::ALL {
+            assert_eq!(b.name().parse::<Baseline>(), Ok(b));
+        }
+    }
+}

@@ -1,0 +1,255 @@
+//! Writing results: an OSU-style table, JSON, or CSV.
+//!
+//! Ratios are async-btl's value divided by the baseline's at the same test
+//! and size: for latency below 1 means async-btl is faster, for bandwidth
+//! and message rate above 1 means it is faster.
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use super::machine::Header;
+use super::{Sample, Test};
+
+/// A whole run: header and samples.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Machine, date, settings.
+    pub header: Header,
+    /// Every measured point, in the order measured.
+    pub results: Vec<Sample>,
+    /// async-btl / baseline at each test and size both measured.
+    pub ratios: Vec<Ratio>,
+}
+
+/// async-btl's value over a baseline's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ratio {
+    /// The test.
+    pub test: Test,
+    /// Message size.
+    pub size: usize,
+    /// The async-btl series (`async-btl/sm`, ...).
+    pub wire: String,
+    /// The baseline's name.
+    pub baseline: String,
+    /// async-btl / baseline.
+    pub ratio: f64,
+}
+
+impl Report {
+    /// Build a report, computing the ratios.
+    pub fn new(header: Header, results: Vec<Sample>) -> Report {
+        let mut ratios = Vec::new();
+        for s in results.iter().filter(|s| is_btl(&s.wire)) {
+            for b in results
+                .iter()
+                .filter(|b| !is_btl(&b.wire) && b.test == s.test && b.size == s.size)
+            {
+                if b.value > 0.0 {
+                    ratios.push(Ratio {
+                        test: s.test,
+                        size: s.size,
+                        wire: s.wire.clone(),
+                        baseline: b.wire.clone(),
+                        ratio: s.value / b.value,
+                    });
+                }
+            }
+        }
+        Report {
+            header,
+            results,
+            ratios,
+        }
+    }
+
+    /// The tests present, in report order.
+    pub fn tests(&self) -> Vec<Test> {
+        let mut t: Vec<Test> = self.results.iter().map(|s| s.test).collect();
+        t.sort();
+        t.dedup();
+        t
+    }
+
+    /// The series (wires) measured for `test`, async-btl first.
+    pub fn wires(&self, test: Test) -> Vec<String> {
+        let mut w: Vec<String> = Vec::new();
+        for s in self.results.iter().filter(|s| s.test == test) {
+            if !w.contains(&s.wire) {
+                w.push(s.wire.clone());
+            }
+        }
+        w.sort_by_key(|x| !is_btl(x));
+        w
+    }
+
+    fn value(&self, test: Test, wire: &str, size: usize) -> Option<f64> {
+        self.results
+            .iter()
+            .find(|s| s.test == test && s.wire == wire && s.size == size)
+            .map(|s| s.value)
+    }
+
+    /// The header as `# ` comment lines.
+    pub fn header_lines(&self) -> String {
+        let h = &self.header;
+        let mut o = String::new();
+        let _ = writeln!(o, "# {} — {}", h.tool, h.date);
+        let _ = writeln!(
+            o,
+            "# machine: {} | {} cores (this rank may run on {}) | {} | host {}",
+            h.machine.cpu,
+            h.machine.cores,
+            h.machine.usable_cores,
+            h.machine.kernel,
+            h.machine.host
+        );
+        let _ = writeln!(o, "# command: {}", h.command);
+        for (k, v) in &h.settings {
+            let _ = writeln!(o, "# {k}: {v}");
+        }
+        for n in &h.notes {
+            let _ = writeln!(o, "# note: {n}");
+        }
+        o
+    }
+
+    /// The OSU-style table.
+    pub fn table(&self) -> String {
+        let mut o = self.header_lines();
+        let _ = writeln!(
+            o,
+            "# ratio = async-btl / baseline (us: below 1 is better; MB/s and msg/s: above 1 is better)"
+        );
+        for test in self.tests() {
+            let wires = self.wires(test);
+            let btl = wires.iter().find(|w| is_btl(w)).cloned();
+            let bases: Vec<&String> = wires.iter().filter(|w| !is_btl(w)).collect();
+            let unit = test.unit().label();
+            let _ = writeln!(o, "\n# {test} ({unit})");
+            let _ = write!(o, "# {:<10}", "Size");
+            for w in &wires {
+                let _ = write!(o, " {:>14}", w);
+            }
+            if btl.is_some() {
+                for b in &bases {
+                    let _ = write!(o, " {:>10}", format!("x {b}"));
+                }
+            }
+            o.push('\n');
+            let mut sizes: Vec<usize> = self
+                .results
+                .iter()
+                .filter(|s| s.test == test)
+                .map(|s| s.size)
+                .collect();
+            sizes.sort_unstable();
+            sizes.dedup();
+            for size in sizes {
+                let _ = write!(o, "{:<12}", size);
+                for w in &wires {
+                    let _ = write!(o, " {:>14}", fmt_value(self.value(test, w, size)));
+                }
+                if let Some(bw) = &btl {
+                    let mine = self.value(test, bw, size);
+                    for b in &bases {
+                        let r = match (mine, self.value(test, b, size)) {
+                            (Some(m), Some(v)) if v > 0.0 => format!("{:.3}", m / v),
+                            _ => "-".into(),
+                        };
+                        let _ = write!(o, " {:>10}", r);
+                    }
+                }
+                o.push('\n');
+            }
+        }
+        o
+    }
+
+    /// Pretty JSON.
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// CSV with the header as `#` comment lines.
+    pub fn csv(&self) -> String {
+        let mut o = self.header_lines();
+        o.push_str("test,wire,size,value,unit,iters,warmup,window\n");
+        for s in &self.results {
+            let _ = writeln!(
+                o,
+                "{},{},{},{},{},{},{},{}",
+                s.test,
+                s.wire,
+                s.size,
+                s.value,
+                s.unit.label(),
+                s.iters,
+                s.warmup,
+                s.window
+            );
+        }
+        o
+    }
+}
+
+/// Whether a series is async-btl (as opposed to a baseline).
+pub fn is_btl(wire: &str) -> bool {
+    wire.starts_with("async-btl")
+}
+
+fn fmt_value(v: Option<f64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(v) if v >= 1e5 => format!("{v:.0}"),
+        Some(v) => format!("{v:.2}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::perf::machine::{Header, Machine};
+    use crate::perf::Unit;
+
+    fn sample(wire: &str, size: usize, value: f64) -> Sample {
+        Sample {
+            test: Test::Lat,
+            wire: wire.into(),
+            size,
+            value,
+            unit: Unit::Micros,
+            iters: 1,
+            warmup: 0,
+            window: 1,
+        }
+    }
+
+    #[test]
+    fn ratios_and_table() {
+        let header = Header {
+            tool: "btl-perf test".into(),
+            date: "2026-11-30T00:00:00Z".into(),
+            machine: Machine::probe(),
+            command: "btl-perf".into(),
+            settings: Default::default(),
+            notes: vec![],
+        };
+        let r = Report::new(
+            header,
+            vec![
+                sample("async-btl/sm", 8, 1.0),
+                sample("unix", 8, 20.0),
+                sample("tcp", 8, 25.0),
+            ],
+        );
+        assert_eq!(r.ratios.len(), 2);
+        assert!((r.ratios[0].ratio - 0.05).abs() < 1e-12);
+        let t = r.table();
+        assert!(t.contains("x unix") && t.contains("0.050"), "{t}");
+        let j: serde_json::Value = serde_json::from_str(&r.json()).unwrap();
+        assert_eq!(j["results"].as_array().unwrap().len(), 3);
+        assert!(r.csv().lines().any(|l| l == "lat,tcp,8,25,us,1,0,1"));
+    }
+}

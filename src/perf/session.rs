@@ -1,0 +1,316 @@
+//! One rank's whole run: open the fabric, connect the baselines, measure
+//! async-btl, close the fabric, measure the baselines over the same two
+//! processes, and (rank 0) build the [`Report`].
+//!
+//! The baselines run after the fabric is closed, so that a busy-polling
+//! progress task never competes with them for the core.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::machine::{utc_now, Header, Machine};
+use super::method::{on_wire, rma_timed, RmaSide};
+use super::pin::Pinning;
+use super::plan::Counts;
+use super::report::Report;
+use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
+use super::{btl_label, Baseline, Sample, Test};
+use crate::bootstrap::JobInfo;
+use crate::{Config, Error, Fabric, ProgressMode, RemoteKey, Result};
+
+/// Tag of benchmark messages.
+const TAG_DATA: u64 = 0x7065_7266_0001;
+/// Tag of set-up messages (remote keys).
+const TAG_CTRL: u64 = 0x7065_7266_0002;
+/// Tag of the baselines' address exchange.
+const TAG_SETUP: u64 = 0x7065_7266_0003;
+
+/// What to run (the command line, parsed).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Tests, in order.
+    pub tests: Vec<Test>,
+    /// `BTL_TRANSPORTS` for the ranks (`None`: the environment's, or all).
+    pub transport: Option<String>,
+    /// Progress mode (`None`: the environment's, or the default).
+    pub progress: Option<ProgressMode>,
+    /// Smallest message size.
+    pub min_size: usize,
+    /// Largest message size.
+    pub max_size: usize,
+    /// Iterations, warm-up and window before scaling per size.
+    pub counts: Counts,
+    /// Core placement.
+    pub pin: Pinning,
+    /// Baselines to measure.
+    pub baselines: Vec<Baseline>,
+    /// Longest one measurement may take before the run is abandoned.
+    pub watchdog: Duration,
+    /// The command line, for the report.
+    pub command: String,
+}
+
+impl Settings {
+    /// Number of measurements one rank makes (for a progress bar).
+    pub fn steps(&self) -> u64 {
+        let per = |t: &Test| t.sizes(self.min_size, self.max_size).len() as u64;
+        let btl: u64 = self.tests.iter().map(per).sum();
+        let base: u64 = self
+            .baselines
+            .iter()
+            .map(|b| {
+                self.tests
+                    .iter()
+                    .filter(|t| b.measures(**t))
+                    .map(per)
+                    .sum::<u64>()
+            })
+            .sum();
+        btl + base
+    }
+
+    /// The fabric's configuration: the environment's, with our overrides.
+    pub fn config(&self) -> Result<Config> {
+        let mut c = Config::from_env()?;
+        if let Some(p) = self.progress {
+            c.progress = p;
+        }
+        if let Some(t) = &self.transport {
+            c.transports = t
+                .split(',')
+                .map(|s| s.trim().to_ascii_lowercase())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn max_len(&self) -> usize {
+        self.max_size.max(super::method::REQUEST).max(8)
+    }
+}
+
+/// Run one rank. `tick` is called after each measurement with a label.
+/// Rank 0 returns the report; rank 1 returns `None`.
+pub async fn run(
+    s: &Settings,
+    job: JobInfo,
+    core: Option<usize>,
+    tick: &mut dyn FnMut(&str),
+) -> Result<Option<Report>> {
+    if job.size != 2 {
+        return Err(Error::Config(format!(
+            "btl-perf runs on exactly 2 ranks; this job has {} (use btl-run -n 2 or mpirun -np 2)",
+            job.size
+        )));
+    }
+    let launcher = format!("{:?}", job.launcher);
+    let config = s.config()?;
+    let fabric = Fabric::from_job(job, config.clone()).await?;
+    let rank = fabric.rank();
+    let peer = 1 - rank;
+    let transport = fabric.transport_for(peer).unwrap_or("none");
+    let label = btl_label(transport);
+    let max_len = s.max_len();
+
+    let mut sockets = connect_baselines(&fabric, TAG_SETUP, &s.baselines, max_len).await?;
+    let ep = fabric.endpoint(peer)?;
+    let mut btl = BtlWire::new(ep.clone(), fabric.receiver(TAG_DATA)?, TAG_DATA, max_len);
+
+    let rma = s.tests.iter().any(|t| is_rma(*t));
+    let mut ctrl = fabric.receiver(TAG_CTRL)?;
+    // Rank 1 owns the target region; rank 0 learns its key.
+    let (target, key, local) = if !rma {
+        (None, None, None)
+    } else if rank == 1 {
+        let r = fabric.alloc_region(max_len)?;
+        ep.send(TAG_CTRL, r.remote_key().to_bytes()).await?;
+        (Some(r), None, None)
+    } else {
+        let k = RemoteKey::from_bytes(&ctrl.recv().await?.data)?;
+        (None, Some(k), Some(fabric.register(vec![7u8; max_len])))
+    };
+
+    let mut samples = Vec::new();
+    let guard = |what: String| {
+        move |_| Error::Timeout {
+            what,
+            after: s.watchdog,
+        }
+    };
+    for &test in &s.tests {
+        for size in test.sizes(s.min_size, s.max_size) {
+            let plan = s.counts.plan(test, size);
+            let what = format!("{test} at {size} B over {label}");
+            let v = if is_rma(test) {
+                match (&key, &local) {
+                    (Some(key), Some(local)) => {
+                        let side = RmaSide {
+                            ep: &ep,
+                            local,
+                            key,
+                        };
+                        let f = rma_timed(&side, test, size, &plan);
+                        let v = tokio::time::timeout(s.watchdog, f)
+                            .await
+                            .map_err(guard(what.clone()))??;
+                        Some(v)
+                    }
+                    _ => None, // rank 1: the target only serves
+                }
+            } else {
+                let f = on_wire(&mut btl, rank, test, size, &plan);
+                tokio::time::timeout(s.watchdog, f)
+                    .await
+                    .map_err(guard(what.clone()))??
+            };
+            if let Some(value) = v {
+                samples.push(sample(test, &label, size, value, &plan));
+            }
+            tick(&what);
+        }
+    }
+    // Rank 1's region must outlive rank 0's last put/get.
+    fabric.barrier().await?;
+    drop(target);
+    drop((btl, ctrl));
+    fabric.close().await?;
+
+    for (b, w) in &mut sockets {
+        for &test in s.tests.iter().filter(|t| b.measures(**t)) {
+            for size in test.sizes(s.min_size, s.max_size) {
+                let plan = s.counts.plan(test, size);
+                let what = format!("{test} at {size} B over {}", b.name());
+                let f = on_wire(w, rank, test, size, &plan);
+                let v = tokio::time::timeout(s.watchdog, f)
+                    .await
+                    .map_err(guard(what.clone()))??;
+                if let Some(value) = v {
+                    samples.push(sample(test, b.name(), size, value, &plan));
+                }
+                tick(&what);
+            }
+        }
+    }
+    if rank != 0 {
+        return Ok(None);
+    }
+    let header = header(s, &config, transport, &launcher, core);
+    Ok(Some(Report::new(header, samples)))
+}
+
+fn is_rma(t: Test) -> bool {
+    matches!(t, Test::PutLat | Test::PutBw | Test::GetLat | Test::GetBw)
+}
+
+fn sample(test: Test, wire: &str, size: usize, value: f64, plan: &super::plan::Plan) -> Sample {
+    Sample {
+        test,
+        wire: wire.to_string(),
+        size,
+        value,
+        unit: test.unit(),
+        iters: plan.iters,
+        warmup: plan.warmup,
+        window: plan.window,
+    }
+}
+
+fn header(
+    s: &Settings,
+    c: &Config,
+    transport: &str,
+    launcher: &str,
+    core: Option<usize>,
+) -> Header {
+    let mut m = BTreeMap::new();
+    let mut set = |k: &str, v: String| {
+        m.insert(k.to_string(), v);
+    };
+    let tests: Vec<&str> = s.tests.iter().map(|t| t.name()).collect();
+    set("tests", tests.join(","));
+    set(
+        "transport",
+        format!(
+            "{transport} (BTL_TRANSPORTS={})",
+            if c.transports.is_empty() {
+                "any".to_string()
+            } else {
+                c.transports.join(",")
+            }
+        ),
+    );
+    set(
+        "progress",
+        format!("{:?} (spin {} us)", c.progress, c.spin.as_micros()),
+    );
+    set(
+        "sizes",
+        format!("{}..{} B, powers of two", s.min_size, s.max_size),
+    );
+    set(
+        "counts",
+        format!(
+            "iters {}, warmup {}, window {} up to {} B; fewer above (see each row)",
+            s.counts.iters,
+            s.counts.warmup,
+            s.counts.window,
+            super::plan::SMALL
+        ),
+    );
+    set(
+        "pin",
+        format!(
+            "{} (rank 0 on {})",
+            s.pin,
+            core.map_or("no fixed core".into(), |c| format!("core {c}"))
+        ),
+    );
+    let bases: Vec<&str> = s.baselines.iter().map(|b| b.name()).collect();
+    set(
+        "baselines",
+        if bases.is_empty() {
+            "none".into()
+        } else {
+            bases.join(",")
+        },
+    );
+    set("launcher", launcher.to_string());
+    set(
+        "sm",
+        format!(
+            "eager {} B x {}, max {} B x {}",
+            c.sm_eager_size, c.sm_eager_count, c.sm_max_size, c.sm_max_count
+        ),
+    );
+    set(
+        "runtime",
+        "tokio current-thread, one per rank process".into(),
+    );
+    set(
+        "watchdog",
+        format!("{} s per measurement", s.watchdog.as_secs()),
+    );
+    let mut notes = vec![
+        "lat is half the round trip; put_lat/get_lat are whole operations (remote completion)"
+            .into(),
+        "baselines run in the same two processes, on the same cores, after the fabric is closed"
+            .into(),
+        "socket put/get: send data + wait for a 4 B ack / send an 8 B request + wait for the data"
+            .into(),
+    ];
+    if s.baselines.contains(&Baseline::Udp) {
+        notes.push(format!(
+            "udp: messages above {UDP_CHUNK} B are cut into {UDP_CHUNK} B datagrams under a credit window; no bibw on udp"
+        ));
+    }
+    Header {
+        tool: format!("btl-perf {}", env!("CARGO_PKG_VERSION")),
+        date: utc_now(),
+        machine: Machine::probe(),
+        command: s.command.clone(),
+        settings: m,
+        notes,
+    }
+}

@@ -1,0 +1,209 @@
+//! `btl-perf` end to end: alone (it starts its own two ranks), under
+//! `btl-run -n 2`, and under Open MPI's `mpirun -np 2` where installed.
+//! Tiny sizes and few iterations; output is parsed, speed never asserted.
+#![cfg(feature = "perf")]
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+const PERF: &str = env!("CARGO_BIN_EXE_btl-perf");
+const RUN: &str = env!("CARGO_BIN_EXE_btl-run");
+
+/// Small and quick: sizes 1..16 B, a few iterations, a watchdog.
+const QUICK: &[&str] = &[
+    "--max-size",
+    "16",
+    "--iters",
+    "5",
+    "--warmup",
+    "1",
+    "--window",
+    "2",
+    "--watchdog",
+    "60",
+];
+
+fn run(cmd: &mut Command) -> Output {
+    let out = Command::new("timeout")
+        .arg("180")
+        .arg(cmd.get_program())
+        .args(cmd.get_args())
+        .stdin(Stdio::null())
+        .output()
+        .expect("command starts");
+    assert!(
+        out.status.success(),
+        "{:?} failed: {:?}\nstdout:\n{}\nstderr:\n{}",
+        cmd,
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("btl-perf-test-{}-{name}", std::process::id()))
+}
+
+/// (test, wire) pairs present in a JSON report.
+fn series(j: &serde_json::Value) -> BTreeSet<(String, String)> {
+    j["results"]
+        .as_array()
+        .expect("results array")
+        .iter()
+        .map(|r| {
+            assert!(r["value"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["wire"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn alone_runs_every_test_with_baselines_and_plots() {
+    let svg = temp("all.svg");
+    let out = run(Command::new(PERF)
+        .args(["--test", "all", "--json", "--plot"])
+        .arg(&svg)
+        .args(QUICK));
+    let j = json(&out);
+    let got = series(&j);
+    let tests = [
+        "lat", "bw", "bibw", "put_lat", "put_bw", "get_lat", "get_bw", "msg_rate",
+    ];
+    for t in tests {
+        assert!(
+            got.contains(&(t.to_string(), "async-btl/sm".to_string())),
+            "{t} over async-btl missing: {got:?}"
+        );
+        for b in ["unix", "tcp", "udp"] {
+            if !(t == "bibw" && b == "udp") {
+                assert!(
+                    got.contains(&(t.to_string(), b.to_string())),
+                    "{t} over {b} missing"
+                );
+            }
+        }
+    }
+    // msg_rate is measured at 8 B only; the others at 1..16 B.
+    let sizes: BTreeSet<u64> = j["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["test"] == "lat")
+        .map(|r| r["size"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [1, 2, 4, 8, 16].into_iter().collect());
+    assert!(!j["ratios"].as_array().unwrap().is_empty());
+    let h = &j["header"];
+    assert!(h["machine"]["cores"].as_u64().unwrap() >= 1);
+    assert!(h["date"].as_str().unwrap().ends_with('Z'));
+    for k in [
+        "progress",
+        "pin",
+        "baselines",
+        "transport",
+        "sizes",
+        "counts",
+    ] {
+        assert!(h["settings"][k].is_string(), "setting {k} missing: {h}");
+    }
+
+    let text = std::fs::read_to_string(&svg).expect("plot written");
+    let _ = std::fs::remove_file(&svg);
+    assert!(text.starts_with("<svg"), "{}", &text[..text.len().min(80)]);
+    // One line per series in each panel: lat and bw, 4 series each.
+    let lines = text.matches("<polyline").count();
+    assert!(lines >= 8, "{lines} polylines");
+    for name in ["async-btl/sm", "unix", "tcp", "udp"] {
+        assert!(text.contains(name), "legend lacks {name}");
+    }
+}
+
+#[test]
+fn under_btl_run_with_csv_and_table() {
+    let out = run(Command::new(RUN)
+        .args(["-n", "2", "--no-prefix", "--timeout", "150", "--", PERF])
+        .args(["--test", "lat,put_bw", "--baseline", "unix", "--csv"])
+        .args(QUICK));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(',').collect())
+        .collect();
+    assert_eq!(
+        rows[0],
+        ["test", "wire", "size", "value", "unit", "iters", "warmup", "window"]
+    );
+    let wires: BTreeSet<(&str, &str)> = rows[1..].iter().map(|r| (r[0], r[1])).collect();
+    let want: BTreeSet<(&str, &str)> = [
+        ("lat", "async-btl/sm"),
+        ("lat", "unix"),
+        ("put_bw", "async-btl/sm"),
+        ("put_bw", "unix"),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(wires, want);
+    for r in &rows[1..] {
+        assert!(r[3].parse::<f64>().is_ok_and(|v| v > 0.0), "{r:?}");
+    }
+    assert!(text.contains("# launcher: BtlRun"), "{text}");
+
+    let table = run(Command::new(RUN)
+        .args(["-n", "2", "--no-prefix", "--", PERF])
+        .args(["--test", "lat", "--baseline", "tcp", "--progress", "busy"])
+        .args(QUICK));
+    let t = String::from_utf8_lossy(&table.stdout);
+    assert!(t.contains("# lat (us)") && t.contains("x tcp"), "{t}");
+    assert!(t.contains("BusyPoll"), "{t}");
+}
+
+#[test]
+fn under_mpirun() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipped: mpirun not found (apt-get install openmpi-bin)");
+        return;
+    }
+    let out = run(Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", PERF])
+        .args(["--test", "bw", "--baseline", "none", "--json"])
+        .args(QUICK));
+    let j = json(&out);
+    let got = series(&j);
+    assert_eq!(
+        got,
+        [("bw".to_string(), "async-btl/sm".to_string())]
+            .into_iter()
+            .collect()
+    );
+    assert_eq!(j["header"]["settings"]["launcher"], "OpenMpi");
+}
+
+#[test]
+fn bad_options_are_refused_with_a_message() {
+    for args in [
+        &["--test", "nope"][..],
+        &["--pin", "x"],
+        &["--baseline", "sctp"],
+        &["--min-size", "1M", "--max-size", "1K"],
+    ] {
+        let out = Command::new(PERF).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(!out.stderr.is_empty());
+    }
+}
