@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -47,7 +47,7 @@ pub(crate) struct Dispatcher {
     /// Signalled when a full queue drains, so progress tasks resume reading.
     pub(crate) space: Arc<Notify>,
     /// Set by a receiver poll that found nothing: try progress inline.
-    progress_hook: Mutex<Option<Arc<dyn Fn() -> usize + Send + Sync>>>,
+    progress_hook: OnceLock<Arc<dyn Fn() -> usize + Send + Sync>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
     /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
     policy: Hot,
@@ -91,7 +91,7 @@ impl Dispatcher {
             tags: Mutex::new(HashMap::new()),
             budget: budget.max(1),
             space: Arc::new(Notify::new()),
-            progress_hook: Mutex::new(None),
+            progress_hook: OnceLock::new(),
             policy: Hot {
                 mode,
                 spin_ns: spin.as_nanos() as u64,
@@ -104,7 +104,31 @@ impl Dispatcher {
 
     /// Install the function receivers call to make progress inline.
     pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn() -> usize + Send + Sync>) {
-        *lock(&self.progress_hook) = Some(f);
+        let _ = self.progress_hook.set(f);
+    }
+
+    /// Run progress inline for a future that found nothing to return: the
+    /// message or completion it waits for may be sitting in a ring already,
+    /// and finding it here saves a cross-thread wake-up. Returns whether any
+    /// work was done.
+    pub(crate) fn progress_inline(&self) -> bool {
+        let n = self.progress_hook.get().map_or(0, |h| h());
+        if n > 0 {
+            self.policy.touch();
+        }
+        n > 0
+    }
+
+    /// About to return `Pending`: while traffic is hot, have the task polled
+    /// again at once on its own thread (busy-polling inside the caller's
+    /// task, no cross-thread wake-up) and tell the progress task it may stand
+    /// back.
+    pub(crate) fn stay_hot(&self, cx: &Context<'_>) {
+        if self.policy.is_hot() {
+            let p = &self.policy;
+            p.inline.store(p.now_ns(), Ordering::Relaxed);
+            cx.waker().wake_by_ref();
+        }
     }
 
     /// Whether a receiver has been polling progress inline within `window`:
@@ -252,25 +276,15 @@ impl Stream for Receiver {
         if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
             return Poll::Ready(x);
         }
-        // Nothing queued: run progress inline once (cheap when idle), which
-        // saves a cross-thread wake-up when the message is already there.
-        let hook = lock(&self.disp.progress_hook).clone();
-        if let Some(h) = hook {
-            if h() > 0 {
-                if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
-                    return Poll::Ready(x);
-                }
+        if self.disp.progress_inline() {
+            if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
+                return Poll::Ready(x);
             }
         }
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Poll::Ready(None);
         }
-        if self.disp.policy.is_hot() {
-            // Poll again on this task's own thread: no cross-thread wake-up.
-            let p = &self.disp.policy;
-            p.inline.store(p.now_ns(), Ordering::Relaxed);
-            cx.waker().wake_by_ref();
-        }
+        self.disp.stay_hot(cx);
         Poll::Pending
     }
 }

@@ -57,6 +57,7 @@ impl Endpoint {
                 tag,
                 data: data.into(),
             },
+            core: self.core.clone(),
         }
     }
 
@@ -68,6 +69,7 @@ impl Endpoint {
         Counters::bump(&self.core.counters.sends);
         SendInline {
             link: self.link.clone(),
+            core: self.core.clone(),
             tag,
             data,
             queued: None,
@@ -181,7 +183,7 @@ impl Endpoint {
                 len,
             )
         };
-        OpState::Wait(done)
+        OpState::Wait(done, self.core.clone())
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -214,6 +216,7 @@ enum SendState {
 #[must_use = "futures do nothing unless polled"]
 pub struct Send {
     state: SendState,
+    core: Arc<Core>,
 }
 
 impl Future for Send {
@@ -227,7 +230,7 @@ impl Future for Send {
                     Err(e) => return Poll::Ready(Err(e)),
                 },
                 SendState::Wait(c) => {
-                    let p = c.poll(cx);
+                    let p = wait(&c, &self.core, cx);
                     if p.is_pending() {
                         self.state = SendState::Wait(c);
                     }
@@ -252,6 +255,7 @@ impl Future for Send {
 #[must_use = "futures do nothing unless polled"]
 pub struct SendInline<'a> {
     link: Arc<dyn Link>,
+    core: Arc<Core>,
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
@@ -261,7 +265,7 @@ impl Future for SendInline<'_> {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if let Some(c) = &self.queued {
-            return c.poll(cx);
+            return wait(c, &self.core, cx);
         }
         match self.link.try_send(Kind::User, self.tag, self.data) {
             Ok(true) => return Poll::Ready(Ok(())),
@@ -274,7 +278,7 @@ impl Future for SendInline<'_> {
         {
             Ok(None) => Poll::Ready(Ok(())),
             Ok(Some(c)) => {
-                let p = c.poll(cx);
+                let p = wait(&c, &self.core, cx);
                 self.queued = Some(c);
                 p
             }
@@ -283,9 +287,24 @@ impl Future for SendInline<'_> {
     }
 }
 
+/// Poll a completion; if it is not done, run progress inline once and look
+/// again, and keep the task hot while traffic flows.
+fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
+    if let Poll::Ready(r) = c.poll(cx) {
+        return Poll::Ready(r);
+    }
+    if core.dispatcher.progress_inline() {
+        if let Poll::Ready(r) = c.poll(cx) {
+            return Poll::Ready(r);
+        }
+    }
+    core.dispatcher.stay_hot(cx);
+    Poll::Pending
+}
+
 enum OpState {
     Ready(Option<Result<()>>),
-    Wait(Arc<Completion>),
+    Wait(Arc<Completion>, Arc<Core>),
 }
 
 impl OpState {
@@ -296,7 +315,7 @@ impl OpState {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
             }
-            OpState::Wait(c) => c.poll(cx),
+            OpState::Wait(c, core) => wait(c, core, cx),
         }
     }
 }

@@ -45,6 +45,8 @@ pub(crate) struct Core {
     pub(crate) dispatcher: Arc<Dispatcher>,
     pub(crate) rma: Rma,
     pub(crate) counters: Arc<Counters>,
+    /// Recycled buffers for large received messages.
+    pub(crate) buffers: Arc<crate::bufpool::BufPool>,
     pub(crate) closed: Arc<AtomicBool>,
     pub(crate) closing: Arc<Notify>,
     links: RwLock<Vec<Option<Arc<dyn Link>>>>,
@@ -239,6 +241,7 @@ impl Fabric {
             dispatcher: Dispatcher::new(b.config.recv_budget, b.config.progress, b.config.spin),
             rma: Rma::new(regions, counters.clone()),
             counters,
+            buffers: Arc::default(),
             closed,
             closing: Arc::new(Notify::new()),
             links: RwLock::new(Vec::new()),

@@ -33,6 +33,7 @@ pub mod launch;
 pub mod perf;
 pub mod udp;
 
+mod bufpool;
 mod completion;
 mod dispatch;
 mod endpoint;

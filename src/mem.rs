@@ -92,16 +92,16 @@ impl RawBuf {
         &self,
         off: u64,
         n: usize,
-        dst: &mut bytes::BytesMut,
+        dst: &mut impl Grow,
     ) -> Result<(), AccessError> {
         let o = check(off, n, self.len)?;
         dst.reserve(n);
-        let spare = dst.spare_capacity_mut();
+        let spare = dst.spare();
         // SAFETY: bounds checked; `spare` has at least n bytes after reserve;
-        // copying initialises them, so set_len below is sound.
+        // the copy initialises them, so growing the length by n is sound.
         unsafe {
             std::ptr::copy(self.ptr.as_ptr().add(o), spare.as_mut_ptr().cast::<u8>(), n);
-            dst.set_len(dst.len() + n);
+            dst.grow(n);
         }
         Ok(())
     }
@@ -148,6 +148,45 @@ impl RawBuf {
                 n,
             )
         })
+    }
+}
+
+/// A byte buffer that can be appended to in place (`Vec<u8>`, `BytesMut`).
+pub(crate) trait Grow {
+    /// Make room for `n` more bytes.
+    fn reserve(&mut self, n: usize);
+    /// The uninitialised room after the current length.
+    fn spare(&mut self) -> &mut [std::mem::MaybeUninit<u8>];
+    /// Extend the length by `n`.
+    ///
+    /// # Safety
+    /// The first `n` bytes of `spare()` must have been initialised.
+    unsafe fn grow(&mut self, n: usize);
+}
+
+impl Grow for Vec<u8> {
+    fn reserve(&mut self, n: usize) {
+        Vec::reserve(self, n);
+    }
+    fn spare(&mut self) -> &mut [std::mem::MaybeUninit<u8>] {
+        self.spare_capacity_mut()
+    }
+    unsafe fn grow(&mut self, n: usize) {
+        // SAFETY: the caller initialised these n bytes (trait contract).
+        unsafe { self.set_len(self.len() + n) }
+    }
+}
+
+impl Grow for bytes::BytesMut {
+    fn reserve(&mut self, n: usize) {
+        bytes::BytesMut::reserve(self, n);
+    }
+    fn spare(&mut self) -> &mut [std::mem::MaybeUninit<u8>] {
+        self.spare_capacity_mut()
+    }
+    unsafe fn grow(&mut self, n: usize) {
+        // SAFETY: the caller initialised these n bytes (trait contract).
+        unsafe { self.set_len(self.len() + n) }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Receive side of `sm`: drain each sender's ring, validate every offset and
 //! header, reassemble, hand complete messages to the core, return fragments.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::{SmPeer, SmTransport};
@@ -21,7 +21,7 @@ struct Partial {
     kind: Kind,
     tag: u64,
     total: usize,
-    buf: BytesMut,
+    buf: Vec<u8>,
 }
 
 /// Process-local receive state (behind the transport's `rx` mutex).
@@ -118,7 +118,7 @@ impl RxState {
                 }
                 self.blocked[l] = false;
                 let total = h.total as usize;
-                let mut buf = BytesMut::with_capacity(total.min(64 << 20));
+                let mut buf = t.core.buffers.take(total.min(64 << 20));
                 if raw.read_into(payload, h.len as usize, &mut buf).is_err() {
                     return Step::Bad("payload outside its segment");
                 }
@@ -158,7 +158,7 @@ impl RxState {
             if part.buf.len() != part.total {
                 return Step::Bad("message shorter than announced");
             }
-            let data: Bytes = part.buf.freeze();
+            let data: Bytes = t.core.buffers.freeze(part.buf);
             if let Some(link) = t.core.link(p.rank) {
                 t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
             }
