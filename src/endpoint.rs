@@ -187,7 +187,8 @@ impl Endpoint {
     }
 
     /// Resolves once every send queued to this peer has been handed over and
-    /// every put/get to it has completed.
+    /// every put/get to it has completed; fails with `PeerLost` if the peer
+    /// is gone.
     pub fn flush(&self) -> Flush {
         Flush {
             link: self.link.clone(),
@@ -369,6 +370,9 @@ impl Future for Flush {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         loop {
             let peer = self.link.peer();
+            if let Some(reason) = self.core.lost_reason(peer) {
+                return Poll::Ready(Err(Error::PeerLost { rank: peer, reason }));
+            }
             if !self.link.has_queued() && self.core.rma.outstanding(peer) == 0 {
                 return Poll::Ready(Ok(()));
             }

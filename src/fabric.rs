@@ -73,6 +73,11 @@ impl Core {
             .and_then(|l| l.get(rank as usize).cloned().flatten())
     }
 
+    /// Why `rank` was declared lost, if it was.
+    pub(crate) fn lost_reason(&self, rank: Rank) -> Option<String> {
+        lock(&self.sync).lost.get(&rank).cloned()
+    }
+
     /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {

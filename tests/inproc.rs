@@ -93,6 +93,21 @@ async fn put_get_shared_and_registered_regions() {
     assert!(s.direct_puts >= 1 && s.emulated_puts >= 1, "{s:?}");
 }
 
+/// The futures users spawn must be `Send + 'static`.
+#[test]
+fn operation_futures_are_send_and_static() {
+    fn check<T: Send + 'static>() {}
+    check::<async_btl::Send>();
+    check::<async_btl::Put>();
+    check::<async_btl::Get>();
+    check::<async_btl::Flush>();
+    check::<async_btl::Receiver>();
+    check::<async_btl::Endpoint>();
+    fn check_sync<T: Send + Sync>() {}
+    check_sync::<async_btl::Endpoint>();
+    check_sync::<async_btl::Fabric>();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn self_path_and_barrier_and_close() {
     let f = job(3, Config::default()).await;

@@ -335,6 +335,8 @@ async fn kill(f: Fabric) {
     assert!(e.is_peer_lost(), "receiver: {e}");
     println!("failed_ms={}", now_ms());
     assert!(ep.send(1, Bytes::new()).await.unwrap_err().is_peer_lost());
+    assert!(ep.flush().await.unwrap_err().is_peer_lost());
+    assert!(f.barrier().await.unwrap_err().is_peer_lost());
     drop(f);
 }
 
