@@ -35,6 +35,8 @@ pub struct Message {
 #[derive(Default)]
 struct TagQueue {
     items: VecDeque<Result<Message>>,
+    /// A message was refused for lack of room: wake progress when one leaves.
+    refused: bool,
     bytes: usize,
     waker: Option<Waker>,
     taken: bool,
@@ -141,10 +143,14 @@ impl Dispatcher {
     /// Whether a message of `len` bytes for `tag` may be accepted now. An
     /// empty queue always has room, so any single message gets through.
     pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
-        let tags = lock(&self.tags);
-        match tags.get(&tag) {
+        let mut tags = lock(&self.tags);
+        match tags.get_mut(&tag) {
             None => true,
-            Some(q) => q.bytes == 0 || q.bytes + len <= self.budget,
+            Some(q) => {
+                let room = q.bytes == 0 || q.bytes + len <= self.budget;
+                q.refused |= !room;
+                room
+            }
         }
     }
 
@@ -216,11 +222,10 @@ impl Dispatcher {
         };
         match q.items.pop_front() {
             Some(item) => {
-                let was_full = q.bytes >= self.budget;
                 if let Ok(m) = &item {
                     q.bytes -= m.data.len();
                 }
-                if was_full {
+                if std::mem::take(&mut q.refused) {
                     self.space.notify_waiters();
                     self.space.notify_one();
                 }

@@ -158,24 +158,24 @@ impl Endpoint {
             let src = local.inner.clone();
             self.core
                 .rma
-                .start_put_cma(&self.link, &key.id, offset, src, range.start as u64, len)
+                .start_put_cma(&*self.link, &key.id, offset, src, range.start as u64, len)
         } else if cma {
             Counters::bump(&c.cma_gets);
             let dst = local.inner.clone();
             self.core
                 .rma
-                .start_get_cma(&self.link, &key.id, offset, dst, range.start as u64, len)
+                .start_get_cma(&*self.link, &key.id, offset, dst, range.start as u64, len)
         } else if put {
             Counters::bump(&c.emulated_puts);
             let mut buf = vec![0u8; len];
             if let Err(e) = local.read(range.start, &mut buf) {
                 return OpState::Ready(Some(Err(e)));
             }
-            self.core.rma.start_put(&self.link, &key.id, offset, &buf)
+            self.core.rma.start_put(&*self.link, &key.id, offset, &buf)
         } else {
             Counters::bump(&c.emulated_gets);
             self.core.rma.start_get(
-                &self.link,
+                &*self.link,
                 &key.id,
                 offset,
                 local.inner.clone(),
@@ -324,10 +324,13 @@ impl OpState {
 /// Future of [`Endpoint::put`].
 ///
 /// # Cancel safety
-/// The put is started when the future is created (validation, and on shared
-/// memory the copy itself). Dropping the future does not stop an emulated
-/// put in flight: the data was already copied out of the local region, so
-/// the region may be dropped or reused at once.
+/// The put is started when the future is created (validation, and into a
+/// mapped shared region the copy itself). Dropping the future does not stop
+/// a put in flight. Small puts copy the data out of the local region at
+/// once; a single-copy (CMA) put of `BTL_SM_CMA_MIN` bytes or more lets the
+/// target read the region later, so do not change those bytes until the put
+/// resolves. Either way the region's memory stays alive until the target is
+/// done with it, even if every handle is dropped.
 #[must_use = "futures do nothing unless polled"]
 pub struct Put(OpState);
 

@@ -21,7 +21,7 @@ use crate::selflink::SelfLink;
 use crate::sm::{SmAddr, SmTransport};
 use crate::stats::{Counters, Stats};
 use crate::sync::lock;
-use crate::transport::{Kind, Link, Transport};
+use crate::transport::{Kind, Link, Loss, Transport};
 use crate::{Error, Rank, Result, Tag};
 
 /// A 64-bit FNV-1a hash, used to derive non-secret tags from the job key.
@@ -102,12 +102,17 @@ impl Core {
         }
     }
 
-    /// A peer is gone: fail everything pending on it.
-    pub(crate) fn on_peer_lost(&self, rank: Rank, reason: &str) {
-        Counters::bump(&self.counters.peers_lost);
+    /// A peer is gone: fail everything pending on it. Receivers hear of it
+    /// (one `Err(PeerLost)` each) unless it left in order.
+    pub(crate) fn on_peer_lost(&self, rank: Rank, reason: &str, how: Loss) {
+        if how != Loss::Closed {
+            Counters::bump(&self.counters.peers_lost);
+        }
         lock(&self.sync).lost.insert(rank, reason.to_string());
-        self.rma.peer_lost(rank, reason);
-        self.dispatcher.peer_lost(rank, reason);
+        self.rma.peer_lost(rank, reason, how);
+        if how != Loss::Closed {
+            self.dispatcher.peer_lost(rank, reason);
+        }
         self.sync_notify.notify_waiters();
     }
 
@@ -317,9 +322,17 @@ impl Fabric {
             .write()
             .map_err(|_| Error::Misuse("poisoned link table".into()))? = links;
 
-        let hook_ts = transports.clone();
-        core.dispatcher
-            .set_progress_hook(Arc::new(move || hook_ts.iter().map(|t| t.progress()).sum()));
+        // Weak: the dispatcher lives in the core, which transports hold; a
+        // strong reference here would keep the whole fabric alive forever.
+        let hook_ts: Vec<std::sync::Weak<dyn Transport>> =
+            transports.iter().map(Arc::downgrade).collect();
+        core.dispatcher.set_progress_hook(Arc::new(move || {
+            hook_ts
+                .iter()
+                .filter_map(std::sync::Weak::upgrade)
+                .map(|t| t.progress())
+                .sum()
+        }));
         let drivers = transports
             .iter()
             .map(|t| tokio::spawn(crate::progress::drive(t.clone(), core.clone())))
@@ -485,7 +498,7 @@ impl Fabric {
             .core
             .wait_sync(
                 "goodbyes from every peer at close",
-                Some(t.saturating_sub(deadline.elapsed().min(t))),
+                Some(deadline.saturating_duration_since(tokio::time::Instant::now())),
                 |s| {
                     (0..size)
                         .filter(|r| *r != me)
@@ -507,6 +520,7 @@ impl Fabric {
         for t in &self.transports {
             t.shutdown();
         }
+        self.core.rma.close();
         for d in self.drivers.drain(..) {
             d.abort();
         }

@@ -18,8 +18,11 @@ pub(crate) struct RawBuf {
 }
 
 // SAFETY: a RawBuf is a plain address range; all access goes through the
-// bounds-checked copy methods below, which are sound from any thread (the
-// memory is treated as shared, racy bytes, like any shared-memory segment).
+// bounds-checked copy methods below. The bytes are shared with other
+// processes (and, for registered buffers, with the progress task applying a
+// peer's put): concurrent copies to the same bytes are racy by nature, as in
+// any shared-memory or RDMA API, and yield unspecified byte values; no
+// Rust reference into the range exists, so no reference's guarantees break.
 unsafe impl Send for RawBuf {}
 // SAFETY: as above; no method hands out references into the range.
 unsafe impl Sync for RawBuf {}

@@ -24,20 +24,44 @@ use crate::os::Cma;
 use crate::region::{KeyId, RegionInner, RegionTable};
 use crate::stats::Counters;
 use crate::sync::lock;
-use crate::transport::{Kind, Link};
+use crate::transport::{Kind, Link, Loss};
 use crate::{AccessError, Error, Rank, Result};
 
+/// Where an operation goes at the target (kept to retry a refused
+/// single-copy transfer through messages).
+#[derive(Clone, Copy)]
+struct Remote {
+    key: KeyId,
+    offset: u64,
+}
+
 enum Pending {
-    /// `_src` keeps the source region alive while the target may still read
-    /// it by CMA.
-    Put { _src: Option<Arc<RegionInner>> },
+    /// `cma`: the source the target reads by CMA, kept alive until answered.
+    Put {
+        cma: Option<(Arc<RegionInner>, u64, usize, Remote)>,
+    },
     Get {
         dst: Arc<RegionInner>,
         offset: u64,
         len: usize,
         /// The target writes `dst` itself (CMA): the answer carries no data.
-        cma: bool,
+        cma: Option<Remote>,
     },
+}
+
+impl Pending {
+    /// The region a peer may still touch by CMA, if any.
+    fn exposed(self) -> Option<Arc<RegionInner>> {
+        match self {
+            Pending::Put {
+                cma: Some((src, ..)),
+            } => Some(src),
+            Pending::Get {
+                dst, cma: Some(_), ..
+            } => Some(dst),
+            _ => None,
+        }
+    }
 }
 
 struct Op {
@@ -52,9 +76,28 @@ pub(crate) struct Rma {
     ops: Mutex<HashMap<u64, Op>>,
     pub(crate) regions: Arc<RegionTable>,
     counters: Arc<Counters>,
+    /// Regions a peer that is gone from our view (cut off, or closed) may
+    /// still write by CMA: never freed while this process runs.
+    quarantine: Mutex<Vec<Arc<RegionInner>>>,
+}
+
+impl Drop for Rma {
+    fn drop(&mut self) {
+        // Operations still pending when the fabric goes away may be answered
+        // by a peer's kernel copy into their regions later: leak those
+        // regions rather than free memory a peer may write.
+        let ops = std::mem::take(&mut *lock(&self.ops));
+        for op in ops.into_values() {
+            std::mem::forget(op.what.exposed());
+        }
+        std::mem::forget(std::mem::take(&mut *lock(&self.quarantine)));
+    }
 }
 
 const REQ_HEADER: usize = 16 + 8;
+
+/// Start of the refusal text that makes the initiator fall back to messages.
+const CMA_REFUSED: &str = "single-copy transfers are refused";
 
 fn encode_req(key: &KeyId, offset: u64, extra: usize) -> BytesMut {
     let mut b = BytesMut::with_capacity(REQ_HEADER + extra);
@@ -99,78 +142,100 @@ impl Rma {
             ops: Mutex::new(HashMap::new()),
             regions,
             counters,
+            quarantine: Mutex::new(Vec::new()),
         }
     }
 
-    fn register(&self, peer: Rank, what: Pending) -> (u64, Arc<Completion>) {
+    fn register(&self, peer: Rank, what: Pending, done: Arc<Completion>) -> u64 {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let done = Completion::new();
-        lock(&self.ops).insert(
-            id,
-            Op {
-                peer,
-                done: done.clone(),
-                what,
-            },
-        );
-        (id, done)
+        lock(&self.ops).insert(id, Op { peer, done, what });
+        id
     }
 
-    fn fail_op(&self, id: u64, e: Error) {
-        if let Some(op) = lock(&self.ops).remove(&id) {
-            op.done.complete(Err(e));
+    fn send(&self, link: &dyn Link, kind: Kind, id: u64, body: Result<Bytes>) {
+        if let Err(e) = body.and_then(|b| link.submit(kind, id, b)) {
+            if let Some(op) = lock(&self.ops).remove(&id) {
+                op.done.complete(Err(e));
+                // Nothing reached the peer: nothing of ours is exposed.
+            }
         }
     }
 
     /// Start an emulated put of `data` into the peer's region `key` at `offset`.
     pub(crate) fn start_put(
         &self,
-        link: &Arc<dyn Link>,
+        link: &dyn Link,
         key: &KeyId,
         offset: u64,
         data: &[u8],
     ) -> Arc<Completion> {
-        let (id, done) = self.register(link.peer(), Pending::Put { _src: None });
+        let done = Completion::new();
+        self.put_with(link, key, offset, data, done.clone());
+        done
+    }
+
+    fn put_with(
+        &self,
+        link: &dyn Link,
+        key: &KeyId,
+        offset: u64,
+        data: &[u8],
+        done: Arc<Completion>,
+    ) {
+        let id = self.register(link.peer(), Pending::Put { cma: None }, done);
         let mut req = encode_req(key, offset, data.len());
         req.put_slice(data);
-        if let Err(e) = link.submit(Kind::PutReq, id, req.freeze()) {
-            self.fail_op(id, e);
-        }
-        done
+        self.send(link, Kind::PutReq, id, Ok(req.freeze()));
     }
 
     /// Start an emulated get of `len` bytes from the peer's region into `dst`.
     pub(crate) fn start_get(
         &self,
-        link: &Arc<dyn Link>,
+        link: &dyn Link,
         key: &KeyId,
         offset: u64,
         dst: Arc<RegionInner>,
         dst_offset: u64,
         len: usize,
     ) -> Arc<Completion> {
-        let (id, done) = self.register(
-            link.peer(),
-            Pending::Get {
-                dst,
-                offset: dst_offset,
-                len,
-                cma: false,
-            },
+        let done = Completion::new();
+        self.get_with(
+            link,
+            Remote { key: *key, offset },
+            dst,
+            dst_offset,
+            len,
+            done.clone(),
         );
-        let mut req = encode_req(key, offset, 8);
-        req.put_u64_le(len as u64);
-        if let Err(e) = link.submit(Kind::GetReq, id, req.freeze()) {
-            self.fail_op(id, e);
-        }
         done
+    }
+
+    fn get_with(
+        &self,
+        link: &dyn Link,
+        r: Remote,
+        dst: Arc<RegionInner>,
+        dst_offset: u64,
+        len: usize,
+        done: Arc<Completion>,
+    ) {
+        let pending = Pending::Get {
+            dst,
+            offset: dst_offset,
+            len,
+            cma: None,
+        };
+        let id = self.register(link.peer(), pending, done);
+        let mut req = encode_req(&r.key, r.offset, 8);
+        req.put_u64_le(len as u64);
+        self.send(link, Kind::GetReq, id, Ok(req.freeze()));
     }
 
     /// Start a single-copy put: the target reads `src[src_off..+len]` out of
     /// our memory after checking its key. `src` stays alive until answered.
     pub(crate) fn start_put_cma(
         &self,
-        link: &Arc<dyn Link>,
+        link: &dyn Link,
         key: &KeyId,
         offset: u64,
         src: Arc<RegionInner>,
@@ -178,21 +243,18 @@ impl Rma {
         len: usize,
     ) -> Arc<Completion> {
         let ours = src.raw().slice(src_off, len);
-        self.start_cma(
-            link,
-            Kind::PutCma,
-            key,
-            offset,
-            ours,
-            Pending::Put { _src: Some(src) },
-        )
+        let remote = Remote { key: *key, offset };
+        let pending = Pending::Put {
+            cma: Some((src, src_off, len, remote)),
+        };
+        self.start_cma(link, Kind::PutCma, remote, ours, pending)
     }
 
     /// Start a single-copy get: the target writes into `dst[dst_off..+len]`
     /// after checking its key. `dst` stays alive until answered.
     pub(crate) fn start_get_cma(
         &self,
-        link: &Arc<dyn Link>,
+        link: &dyn Link,
         key: &KeyId,
         offset: u64,
         dst: Arc<RegionInner>,
@@ -200,36 +262,35 @@ impl Rma {
         len: usize,
     ) -> Arc<Completion> {
         let ours = dst.raw().slice(dst_off, len);
+        let remote = Remote { key: *key, offset };
         let pending = Pending::Get {
             dst,
             offset: dst_off,
             len,
-            cma: true,
+            cma: Some(remote),
         };
-        self.start_cma(link, Kind::GetCma, key, offset, ours, pending)
+        self.start_cma(link, Kind::GetCma, remote, ours, pending)
     }
 
     /// Register `pending` and ask the target to copy between its region and
     /// our range `ours` (address and length travel; the pid does not).
     fn start_cma(
         &self,
-        link: &Arc<dyn Link>,
+        link: &dyn Link,
         kind: Kind,
-        key: &KeyId,
-        offset: u64,
+        r: Remote,
         ours: Result<RawBuf, AccessError>,
         pending: Pending,
     ) -> Arc<Completion> {
-        let (id, done) = self.register(link.peer(), pending);
-        let sent = ours.map_err(Error::from).and_then(|ours| {
-            let mut req = encode_req(key, offset, 16);
+        let done = Completion::new();
+        let id = self.register(link.peer(), pending, done.clone());
+        let body = ours.map_err(Error::from).map(|ours| {
+            let mut req = encode_req(&r.key, r.offset, 16);
             req.put_u64_le(ours.addr() as u64);
             req.put_u64_le(ours.len() as u64);
-            link.submit(kind, id, req.freeze())
+            req.freeze()
         });
-        if let Err(e) = sent {
-            self.fail_op(id, e);
-        }
+        self.send(link, kind, id, body);
         done
     }
 
@@ -238,23 +299,41 @@ impl Rma {
         lock(&self.ops).values().filter(|o| o.peer == peer).count()
     }
 
-    /// Fail everything pending on a lost peer.
-    pub(crate) fn peer_lost(&self, peer: Rank, reason: &str) {
-        let lost: Vec<Op> = {
-            let mut ops = lock(&self.ops);
-            let ids: Vec<u64> = ops
-                .iter()
-                .filter(|(_, o)| o.peer == peer)
-                .map(|(k, _)| *k)
-                .collect();
-            ids.into_iter().filter_map(|k| ops.remove(&k)).collect()
-        };
-        for op in lost {
-            op.done.complete(Err(Error::PeerLost {
-                rank: peer,
-                reason: reason.to_string(),
-            }));
+    fn take_ops(&self, pred: impl Fn(&Op) -> bool) -> Vec<Op> {
+        let mut ops = lock(&self.ops);
+        let ids: Vec<u64> = ops
+            .iter()
+            .filter(|(_, o)| pred(o))
+            .map(|(k, _)| *k)
+            .collect();
+        ids.into_iter().filter_map(|k| ops.remove(&k)).collect()
+    }
+
+    /// Fail `ops` with `err`; regions a live peer may still write by CMA go
+    /// to quarantine unless its process is known to be gone.
+    fn fail(&self, ops: Vec<Op>, err: impl Fn() -> Error, exited: bool) {
+        for op in ops {
+            op.done.complete(Err(err()));
+            if let (false, Some(r)) = (exited, op.what.exposed()) {
+                lock(&self.quarantine).push(r);
+            }
         }
+    }
+
+    /// Fail everything pending on a lost peer.
+    pub(crate) fn peer_lost(&self, peer: Rank, reason: &str, how: Loss) {
+        let ops = self.take_ops(|o| o.peer == peer);
+        let err = || Error::PeerLost {
+            rank: peer,
+            reason: reason.to_string(),
+        };
+        self.fail(ops, err, how == Loss::Crashed);
+    }
+
+    /// Fail everything pending (the fabric is closing).
+    pub(crate) fn close(&self) {
+        let ops = self.take_ops(|_| true);
+        self.fail(ops, || Error::Closed, false);
     }
 
     /// Handle an RMA message from `src` (request or answer). Requests are
@@ -317,12 +396,19 @@ impl Rma {
                             Cma::Write
                         };
                         crate::os::cma_copy(dir, pid, local, addr).map_err(|e| {
-                            AccessError::NotPermitted(format!("single-copy transfer failed: {e}"))
+                            match e.raw_os_error() {
+                                Some(libc::EPERM | libc::ENOSYS | libc::EACCES) => {
+                                    AccessError::NotPermitted(format!("{CMA_REFUSED}: {e}"))
+                                }
+                                _ => AccessError::NotPermitted(format!(
+                                    "single-copy transfer failed: {e}"
+                                )),
+                            }
                         })
                     }),
-                    _ => Err(AccessError::NotPermitted(
-                        "single-copy transfer from this peer".into(),
-                    )),
+                    _ => Err(AccessError::NotPermitted(format!(
+                        "{CMA_REFUSED}: not allowed with this peer"
+                    ))),
                 };
                 let answer = if kind == Kind::PutCma {
                     Kind::PutAck
@@ -331,7 +417,7 @@ impl Rma {
                 };
                 self.answer(link, answer, id, encode_status(&r, 0));
             }
-            Kind::PutAck | Kind::GetResp => self.finish(src, kind, id, &data),
+            Kind::PutAck | Kind::GetResp => self.finish(link, src, kind, id, &data),
             _ => {}
         }
     }
@@ -369,7 +455,7 @@ impl Rma {
         tracing::warn!(peer = src, "dropped bad RMA message: {what}");
     }
 
-    fn finish(&self, src: Rank, kind: Kind, id: u64, data: &[u8]) {
+    fn finish(&self, link: &dyn Link, src: Rank, kind: Kind, id: u64, data: &[u8]) {
         let op = {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
@@ -388,16 +474,49 @@ impl Rma {
             return self.bad(src, "malformed RMA answer");
         };
         let r = match (status, op.what, kind) {
+            // The target could not copy our memory (ptrace rules, seccomp):
+            // stop using CMA with it and redo the operation with messages.
+            (
+                Err(AccessError::NotPermitted(why)),
+                Pending::Put {
+                    cma: Some((src_r, off, len, remote)),
+                },
+                _,
+            ) if why.starts_with(CMA_REFUSED) => {
+                link.disable_cma();
+                let mut buf = vec![0u8; len];
+                match src_r.raw().read(off, &mut buf) {
+                    Ok(()) => {
+                        return self.put_with(link, &remote.key, remote.offset, &buf, op.done)
+                    }
+                    Err(e) => Err(e.into()),
+                }
+            }
+            (
+                Err(AccessError::NotPermitted(why)),
+                Pending::Get {
+                    dst,
+                    offset,
+                    len,
+                    cma: Some(remote),
+                },
+                _,
+            ) if why.starts_with(CMA_REFUSED) => {
+                link.disable_cma();
+                return self.get_with(link, remote, dst, offset, len, op.done);
+            }
             (Err(e), _, _) => Err(Error::Access(e)),
             (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
-            (Ok(()), Pending::Get { cma: true, .. }, Kind::GetResp) if payload.is_empty() => Ok(()),
+            (Ok(()), Pending::Get { cma: Some(_), .. }, Kind::GetResp) if payload.is_empty() => {
+                Ok(())
+            }
             (
                 Ok(()),
                 Pending::Get {
                     dst,
                     offset,
                     len,
-                    cma: false,
+                    cma: None,
                 },
                 Kind::GetResp,
             ) if payload.len() == len => dst.raw().write(offset, payload).map_err(Error::from),

@@ -26,7 +26,9 @@ struct Queued {
 pub(crate) struct SelfLink {
     core: Weak<Core>,
     rank: Rank,
-    queue: Mutex<VecDeque<Queued>>,
+    /// Queued messages, and whether one is being delivered right now (then
+    /// new messages queue behind it, keeping order).
+    queue: Mutex<(VecDeque<Queued>, bool)>,
 }
 
 impl SelfLink {
@@ -34,7 +36,7 @@ impl SelfLink {
         Arc::new(SelfLink {
             core: Arc::downgrade(core),
             rank: core.rank,
-            queue: Mutex::new(VecDeque::new()),
+            queue: Mutex::new((VecDeque::new(), false)),
         })
     }
 
@@ -58,23 +60,30 @@ impl Link for SelfLink {
 
     fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
         let core = self.core()?;
-        if !lock(&self.queue).is_empty() || !Self::fits(&core, kind, tag, data.len()) {
-            return Ok(false);
+        {
+            let mut q = lock(&self.queue);
+            if !q.0.is_empty() || q.1 || !Self::fits(&core, kind, tag, data.len()) {
+                return Ok(false);
+            }
+            q.1 = true;
         }
         core.on_message(self, self.rank, kind, tag, Bytes::copy_from_slice(data));
+        lock(&self.queue).1 = false;
         Ok(true)
     }
 
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
         let core = self.core()?;
         let mut q = lock(&self.queue);
-        if q.is_empty() && Self::fits(&core, kind, tag, data.len()) {
+        if q.0.is_empty() && !q.1 && Self::fits(&core, kind, tag, data.len()) {
+            q.1 = true;
             drop(q);
             core.on_message(self, self.rank, kind, tag, data);
+            lock(&self.queue).1 = false;
             return Ok(None);
         }
         let done = Completion::new();
-        q.push_back(Queued {
+        q.0.push_back(Queued {
             kind,
             tag,
             data,
@@ -84,7 +93,7 @@ impl Link for SelfLink {
     }
 
     fn has_queued(&self) -> bool {
-        !lock(&self.queue).is_empty()
+        !lock(&self.queue).0.is_empty()
     }
 }
 
@@ -100,13 +109,19 @@ impl Transport for SelfLink {
         loop {
             let item = {
                 let mut q = lock(&self.queue);
-                match q.front() {
-                    Some(h) if Self::fits(&core, h.kind, h.tag, h.data.len()) => q.pop_front(),
-                    _ => None,
+                if q.1 {
+                    break;
                 }
+                let item = match q.0.front() {
+                    Some(h) if Self::fits(&core, h.kind, h.tag, h.data.len()) => q.0.pop_front(),
+                    _ => None,
+                };
+                q.1 = item.is_some();
+                item
             };
             let Some(m) = item else { break };
             core.on_message(self, self.rank, m.kind, m.tag, m.data);
+            lock(&self.queue).1 = false;
             m.done.complete(Ok(()));
             n += 1;
         }
@@ -128,8 +143,12 @@ impl Transport for SelfLink {
     fn check_peers(&self) {}
 
     fn drained(&self) -> bool {
-        lock(&self.queue).is_empty()
+        lock(&self.queue).0.is_empty()
     }
 
-    fn shutdown(&self) {}
+    fn shutdown(&self) {
+        for m in lock(&self.queue).0.drain(..) {
+            m.done.complete(Err(Error::Closed));
+        }
+    }
 }

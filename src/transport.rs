@@ -74,6 +74,17 @@ impl Kind {
     }
 }
 
+/// How a peer was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Loss {
+    /// Its process died (or stopped answering): its memory is gone.
+    Crashed,
+    /// It closed its fabric in order.
+    Closed,
+    /// It broke the protocol; it may still be running.
+    Misbehaved,
+}
+
 /// One connection to one peer over one transport.
 pub(crate) trait Link: Send + Sync {
     /// The peer's rank.
@@ -104,6 +115,9 @@ pub(crate) trait Link: Send + Sync {
     fn cma_pid(&self) -> Option<u32> {
         None
     }
+
+    /// Stop using single-copy transfers with this peer (one was refused).
+    fn disable_cma(&self) {}
 
     /// Whether anything is still queued towards the peer.
     fn has_queued(&self) -> bool;

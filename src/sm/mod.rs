@@ -42,7 +42,7 @@ use crate::fabric::Core;
 use crate::os::ProcWatch;
 use crate::region::{KeyId, MappedRegion, RemoteKey};
 use crate::sync::{lock, Ordering};
-use crate::transport::{Link, Transport};
+use crate::transport::{Link, Loss, Transport};
 use crate::{Error, Rank, Result};
 use doorbell::{Bell, Doorbell};
 use segment::{Expect, Params, Segment};
@@ -67,14 +67,37 @@ pub(crate) struct SmPeer {
     pub(crate) seg: Segment,
     bell: Bell,
     watch: ProcWatch,
-    /// Both sides allow cross-memory copies.
-    pub(crate) cma: bool,
+    /// Both sides allow cross-memory copies (cleared when a copy is refused).
+    pub(crate) cma: AtomicBool,
     pub(crate) lost: AtomicBool,
 }
 
 impl SmPeer {
-    fn is_lost(&self) -> bool {
+    /// Whether the peer was declared lost (Acquire pairs with the AcqRel
+    /// swap in `lose`, which happens before its queues are failed).
+    pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn lost_error(&self) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            reason: "it was lost earlier".into(),
+        }
+    }
+
+    pub(crate) fn cma_ok(&self) -> bool {
+        self.cma.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// Lock a mutex unless another thread holds it; a poisoned lock is taken
+/// (the data is consistent between statements, see `sync::lock`).
+fn try_lock<T>(m: &Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
     }
 }
 
@@ -192,13 +215,19 @@ impl SmTransport {
                 local_size: a.local_size,
             };
             let seg = Segment::attach(&path, &exp)?;
+            if seg.layout != self.seg.layout {
+                return Err(Error::Config(format!(
+                    "rank {rank} uses other shared-memory sizes ({:?}) than this rank ({:?}): give every rank the same BTL_SM_* settings",
+                    seg.layout.p, self.seg.layout.p
+                )));
+            }
             let peer = Arc::new(SmPeer {
                 rank: *rank,
                 local: a.local_rank,
                 seg,
                 bell: Bell::new(&a.bell)?,
                 watch: ProcWatch::new(a.pid),
-                cma: a.cma && crate::os::cma_status().is_ok(),
+                cma: AtomicBool::new(a.cma && crate::os::cma_status().is_ok()),
                 lost: AtomicBool::new(false),
             });
             *slot = Some(peer.clone());
@@ -228,19 +257,41 @@ impl SmTransport {
         }
     }
 
-    /// Declare a peer lost: fail its queue, reclaim its fragments, tell the core.
-    pub(crate) fn lose(&self, peer: &SmPeer, reason: &str, crashed: bool) {
+    /// Declare a peer lost: fail its queues, reclaim its fragments, tell the
+    /// core. Must not be called with `tx` or `rx` held.
+    pub(crate) fn lose(&self, peer: &SmPeer, reason: &str, how: Loss) {
         if peer.lost.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
         }
-        tracing::warn!(peer = peer.rank, "shared-memory peer lost: {reason}");
-        lock(&self.tx).peer_lost(peer, reason);
+        if how == Loss::Closed {
+            tracing::debug!(peer = peer.rank, "shared-memory peer left: {reason}");
+        } else {
+            tracing::warn!(peer = peer.rank, "shared-memory peer lost: {reason}");
+        }
+        if how == Loss::Misbehaved {
+            // Tell the peer, which still runs, so its own operations on us
+            // fail instead of waiting for fragments we will never return.
+            self.seg.refused(peer.local).store(1, Ordering::Release);
+        }
+        lock(&self.tx).peer_lost(peer);
         lock(&self.rx).peer_lost(peer.local);
-        if crashed {
+        if how == Loss::Crashed {
             peer.seg.unlink();
             crate::shm::remove_of_pid(peer.seg.pid);
         }
-        self.core.on_peer_lost(peer.rank, reason);
+        self.core.on_peer_lost(peer.rank, reason, how);
+    }
+
+    /// Cut off the peers that the send or receive path caught misbehaving.
+    /// Must not be called with `tx` or `rx` held.
+    fn cut_off_misbehaved(&self) {
+        let mut bad = std::mem::take(&mut lock(&self.tx).misbehaved);
+        bad.append(&mut lock(&self.rx).misbehaved);
+        for (local, why) in bad {
+            if let Some(Some(p)) = self.peer_list().get(local as usize) {
+                self.lose(p, &why, Loss::Misbehaved);
+            }
+        }
     }
 
     /// Map (or reuse a mapping of) a peer's shared region.
@@ -274,18 +325,17 @@ impl Transport for SmTransport {
 
     fn progress(&self) -> usize {
         let mut work = 0;
-        if let Ok(mut rx) = self.rx.try_lock() {
+        let mut bad = false;
+        if let Some(mut rx) = try_lock(&self.rx) {
             work += rx.progress(self);
-            let bad = std::mem::take(&mut rx.misbehaved);
-            drop(rx);
-            for (local, why) in bad {
-                if let Some(Some(p)) = self.peer_list().get(local as usize) {
-                    self.lose(p, &why, false);
-                }
-            }
+            bad |= !rx.misbehaved.is_empty();
         }
-        if let Ok(mut tx) = self.tx.try_lock() {
+        if let Some(mut tx) = try_lock(&self.tx) {
             work += tx.progress(self);
+            bad |= !tx.misbehaved.is_empty();
+        }
+        if bad {
+            self.cut_off_misbehaved();
         }
         work
     }
@@ -315,14 +365,21 @@ impl Transport for SmTransport {
             if p.is_lost() {
                 continue;
             }
+            let closed = p.seg.state().load(Ordering::Acquire) == segment::STATE_CLOSED;
             if p.watch.exited() {
-                let graceful = p.seg.state().load(Ordering::Acquire) == segment::STATE_CLOSED;
-                let reason = if graceful {
-                    "the peer closed its fabric and exited"
+                if closed {
+                    self.lose(p, "the peer closed its fabric and exited", Loss::Closed);
                 } else {
-                    "the peer process died"
-                };
-                self.lose(p, reason, !graceful);
+                    self.lose(p, "the peer process died", Loss::Crashed);
+                }
+            } else if closed {
+                self.lose(p, "the peer closed its fabric", Loss::Closed);
+            } else if p.seg.refused(self.local_rank).load(Ordering::Acquire) != 0 {
+                self.lose(
+                    p,
+                    "the peer cut us off after a protocol error",
+                    Loss::Misbehaved,
+                );
             }
         }
     }
@@ -336,5 +393,6 @@ impl Transport for SmTransport {
             .state()
             .store(segment::STATE_CLOSED, Ordering::Release);
         self.seg.unlink();
+        lock(&self.tx).fail_all();
     }
 }

@@ -1,21 +1,28 @@
-//! Receive side of `sm`: drain each sender's ring, validate every offset and
-//! header, reassemble, hand complete messages to the core, return fragments.
+//! Receive side of `sm`: drain each sender's rings (control first), validate
+//! every offset and header, reassemble, hand complete messages to the core,
+//! return fragments.
 
 use bytes::Bytes;
 
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::segment::CHANNELS;
+use super::tx::channel;
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
 use crate::transport::Kind;
 
-/// Fragments taken from one sender per progress call, so one busy sender
-/// cannot starve the others.
+/// Fragments taken from one sender's ring per progress call, so one busy
+/// sender cannot starve the others.
 const BATCH: usize = 64;
 
 /// Largest message we agree to reassemble (1 TiB guard against a lying
 /// header; real limits are memory).
 const MAX_MESSAGE: u64 = 1 << 40;
+
+/// Bytes reserved up front for a message; the rest grows as fragments come,
+/// so a lying length costs nothing until the data really arrives.
+const RESERVE_LIMIT: usize = 16 << 20;
 
 struct Partial {
     kind: Kind,
@@ -26,10 +33,13 @@ struct Partial {
 
 /// Process-local receive state (behind the transport's `rx` mutex).
 pub(crate) struct RxState {
+    /// Consumer state per (sender, channel).
     cons: Vec<ConsumerState>,
+    /// Our producer state on each sender's return ring.
     ret: Vec<ProducerState>,
+    /// Message being reassembled per (sender, channel).
     partial: Vec<Option<Partial>>,
-    /// The sender's next message waits for room in its tag's queue.
+    /// The sender's next user message waits for room in its tag's queue.
     blocked: Vec<bool>,
     /// Peers (local ranks) caught misbehaving, to be cut off once the rx
     /// lock is released.
@@ -46,9 +56,9 @@ enum Step {
 impl RxState {
     pub(crate) fn new(n: usize) -> RxState {
         RxState {
-            cons: vec![ConsumerState::default(); n],
+            cons: vec![ConsumerState::default(); n * CHANNELS],
             ret: vec![ProducerState::default(); n],
-            partial: (0..n).map(|_| None).collect(),
+            partial: (0..n * CHANNELS).map(|_| None).collect(),
             blocked: vec![false; n],
             misbehaved: Vec::new(),
         }
@@ -61,16 +71,18 @@ impl RxState {
                 continue;
             }
             let mut returned = 0;
-            for _ in 0..BATCH {
-                match self.step(t, p) {
-                    Step::Took => returned += 1,
-                    Step::Empty | Step::Blocked => break,
-                    Step::Bad(what) => {
-                        Counters::bump(&t.core.counters.bad_frames);
-                        tracing::warn!(peer = p.rank, "bad shared-memory fragment: {what}");
-                        self.misbehaved
-                            .push((p.local, format!("it sent a bad fragment ({what})")));
-                        break;
+            'channels: for ch in (0..CHANNELS).rev() {
+                for _ in 0..BATCH {
+                    match self.step(t, p, ch) {
+                        Step::Took => returned += 1,
+                        Step::Empty | Step::Blocked => break,
+                        Step::Bad(what) => {
+                            Counters::bump(&t.core.counters.bad_frames);
+                            tracing::warn!(peer = p.rank, "bad shared-memory fragment: {what}");
+                            self.misbehaved
+                                .push((p.local, format!("it sent a bad fragment ({what})")));
+                            break 'channels;
+                        }
                     }
                 }
             }
@@ -82,10 +94,11 @@ impl RxState {
         work
     }
 
-    fn step(&mut self, t: &SmTransport, p: &SmPeer) -> Step {
+    fn step(&mut self, t: &SmTransport, p: &SmPeer, ch: usize) -> Step {
         let l = p.local as usize;
-        let ring = t.seg.inbound(p.local);
-        let off = match ring.peek(&mut self.cons[l]) {
+        let idx = l * CHANNELS + ch;
+        let ring = t.seg.inbound(p.local, ch);
+        let off = match ring.peek(&mut self.cons[idx]) {
             Ok(Some(off)) => off,
             Ok(None) => return Step::Empty,
             Err(_) => return Step::Bad("corrupt ring indices"),
@@ -103,8 +116,11 @@ impl RxState {
             Ok(h) => h,
             Err(_) => return Step::Bad("malformed fragment header"),
         };
+        if channel(h.kind) != ch {
+            return Step::Bad("message kind on the wrong channel");
+        }
         let payload = off + FRAG_HEADER as u64;
-        match &mut self.partial[l] {
+        match &mut self.partial[idx] {
             None => {
                 if h.flags & FIRST == 0 {
                     return Step::Bad("continuation without a first fragment");
@@ -116,13 +132,15 @@ impl RxState {
                     self.blocked[l] = true;
                     return Step::Blocked;
                 }
-                self.blocked[l] = false;
+                if h.kind == Kind::User {
+                    self.blocked[l] = false;
+                }
                 let total = h.total as usize;
-                let mut buf = t.core.buffers.take(total.min(64 << 20));
+                let mut buf = t.core.buffers.take(total.min(RESERVE_LIMIT));
                 if raw.read_into(payload, h.len as usize, &mut buf).is_err() {
                     return Step::Bad("payload outside its segment");
                 }
-                self.partial[l] = Some(Partial {
+                self.partial[idx] = Some(Partial {
                     kind: h.kind,
                     tag: h.tag,
                     total,
@@ -144,7 +162,7 @@ impl RxState {
                 }
             }
         }
-        ring.advance(&mut self.cons[l]);
+        ring.advance(&mut self.cons[idx]);
         // Give the fragment back; the return ring holds every fragment of the
         // sender's pool, so an honest sender never sees it full.
         let back = p.seg.returns(t.seg.local_rank);
@@ -152,7 +170,7 @@ impl RxState {
             return Step::Bad("its return ring is full or corrupt");
         }
         if h.flags & LAST != 0 {
-            let Some(part) = self.partial[l].take() else {
+            let Some(part) = self.partial[idx].take() else {
                 return Step::Bad("internal: no partial message");
             };
             if part.buf.len() != part.total {
@@ -170,12 +188,19 @@ impl RxState {
     pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
         t.peer_list().iter().flatten().all(|p| {
             let l = p.local as usize;
-            p.is_lost() || self.blocked[l] || t.seg.inbound(p.local).looks_empty(&self.cons[l])
+            let empty = |ch: usize| {
+                t.seg
+                    .inbound(p.local, ch)
+                    .looks_empty(&self.cons[l * CHANNELS + ch])
+            };
+            p.is_lost() || ((self.blocked[l] || empty(0)) && empty(1))
         })
     }
 
     pub(crate) fn peer_lost(&mut self, local: u32) {
-        self.partial[local as usize] = None;
+        for ch in 0..CHANNELS {
+            self.partial[local as usize * CHANNELS + ch] = None;
+        }
         self.blocked[local as usize] = false;
     }
 }

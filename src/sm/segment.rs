@@ -6,7 +6,8 @@
 //! 0      header: magic, version, job tag, sizes, pid, local rank   (static)
 //! 256    state  (AtomicU32: 1 ready, 2 closed)                     (dynamic)
 //! 320    armed  (AtomicU32: owner asleep, ring its doorbell)       (dynamic)
-//! 4096   inbound rings, one per local sender   (sender -> owner: fragment offsets)
+//! 4096   inbound rings, two per local sender   (sender -> owner: fragment offsets;
+//!        channel 0 user messages, channel 1 control: put/get, barrier, bye)
 //! ...    return rings, one per local receiver  (receiver -> owner: owner's fragments back)
 //! ...    pool: eager fragments, then max fragments (owned by this process)
 //! ```
@@ -28,6 +29,10 @@ pub(crate) const HEADER_LEN: usize = 4096;
 const STATE_OFF: usize = 256;
 const ARMED_OFF: usize = 320;
 const PARAMS_LEN: usize = 72;
+/// Channels per sender: user messages, control messages.
+pub(crate) const CHANNELS: usize = 2;
+/// Offset of the "refused" word inside a ring header (tail is at 0, head at 64).
+const REFUSED_IN_RING: usize = 32;
 
 /// Segment state values.
 pub(crate) const STATE_READY: u32 = 1;
@@ -79,7 +84,7 @@ impl Layout {
         let ring_stride = align(ring_bytes(ring_cap), 64);
         let rings_off = HEADER_LEN;
         let rings = (p.local_size as usize).checked_mul(ring_stride)?;
-        let returns_off = rings_off.checked_add(rings)?;
+        let returns_off = rings_off.checked_add(rings.checked_mul(CHANNELS)?)?;
         let pool_off = align(returns_off.checked_add(rings)?, 4096);
         let pool = (p.eager_count as usize)
             .checked_mul(p.eager_size as usize)?
@@ -324,9 +329,21 @@ impl Segment {
         }
     }
 
-    /// The ring on which local rank `from` sends us fragment offsets.
-    pub(crate) fn inbound(&self, from: u32) -> Ring<'_> {
-        self.ring_at(self.layout.rings_off + from as usize * self.layout.ring_stride)
+    fn inbound_off(&self, from: u32, ch: usize) -> usize {
+        self.layout.rings_off + (from as usize * CHANNELS + ch) * self.layout.ring_stride
+    }
+
+    /// The ring on which local rank `from` sends us fragment offsets on
+    /// channel `ch` (0 user messages, 1 control).
+    pub(crate) fn inbound(&self, from: u32, ch: usize) -> Ring<'_> {
+        self.ring_at(self.inbound_off(from, ch))
+    }
+
+    /// Set by the owner when it cut local rank `from` off after a protocol
+    /// error; `from` reads it and fails its own pending operations. Lives in
+    /// the unused half of the tail's cache line of `from`'s user ring.
+    pub(crate) fn refused(&self, from: u32) -> &AtomicU32 {
+        self.word(self.inbound_off(from, 0) + REFUSED_IN_RING)
     }
 
     /// The ring on which local rank `from` returns our fragments.
@@ -338,7 +355,7 @@ impl Segment {
         self.file
             .raw_ref()
             .atomic_u32(off)
-            .expect("header word offsets are constants inside the 4 KiB header")
+            .expect("word offsets come from a validated layout and are in range")
     }
 
     /// The segment's lifecycle state.

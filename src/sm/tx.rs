@@ -1,9 +1,13 @@
 //! Send side of `sm`: the fragment pool, per-destination send queues, and the
 //! [`Link`] a user's endpoint talks to.
 //!
-//! Order: only the head of a destination's queue may push fragments, and a
-//! message's fragments are pushed back to back, so per-pair order holds and
-//! the receiver never sees two messages interleaved on one ring.
+//! Each destination has two channels — user messages and control messages
+//! (put/get requests and answers, barrier, goodbye) — each with its own ring
+//! and queue, so a receiver that holds back a full tag never blocks control
+//! traffic. Order: only the head of a (destination, channel) queue may push
+//! fragments, and a message's fragments are pushed back to back, so order per
+//! pair and channel holds and the receiver never sees two messages
+//! interleaved on one ring.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -11,7 +15,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
-use super::segment::Layout;
+use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
 use crate::completion::Completion;
 use crate::ring::{ConsumerState, ProducerState};
@@ -21,6 +25,11 @@ use crate::transport::{Kind, Link};
 use crate::{Error, Rank, Result};
 
 const FREE: u32 = u32::MAX;
+
+/// The channel a message kind travels on.
+pub(crate) fn channel(kind: Kind) -> usize {
+    usize::from(kind != Kind::User)
+}
 
 struct Queued {
     kind: Kind,
@@ -37,11 +46,19 @@ pub(crate) struct TxState {
     free_max: Vec<u32>,
     /// For each fragment: the local rank holding it, or FREE.
     dest: Vec<u32>,
-    /// Our producer state on each peer's inbound ring (indexed by peer local rank).
+    /// Fragments held by each local rank.
+    inflight: Vec<usize>,
+    /// Most fragments one destination may hold, so one slow receiver cannot
+    /// take the whole pool from the others.
+    cap: usize,
+    /// Our producer state on each peer's inbound rings (peer * CHANNELS + ch).
     prod: Vec<ProducerState>,
     /// Our consumer state on each return ring in our segment.
     ret: Vec<ConsumerState>,
+    /// Send queues (peer * CHANNELS + ch).
     queues: Vec<VecDeque<Queued>>,
+    /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
+    pub(crate) misbehaved: Vec<(u32, String)>,
 }
 
 /// How far a message has been pushed.
@@ -59,19 +76,27 @@ enum Pushed {
 impl TxState {
     pub(crate) fn new(layout: &Layout, n: usize) -> TxState {
         let ec = layout.p.eager_count;
+        let frags = layout.frags();
         TxState {
             layout: *layout,
             free_eager: (0..ec).rev().collect(),
             free_max: (ec..ec + layout.p.max_count).rev().collect(),
-            dest: vec![FREE; layout.frags()],
-            prod: vec![ProducerState::default(); n],
+            dest: vec![FREE; frags],
+            inflight: vec![0; n],
+            cap: if n > 2 { (frags * 3 / 4).max(1) } else { frags },
+            prod: vec![ProducerState::default(); n * CHANNELS],
             ret: vec![ConsumerState::default(); n],
-            queues: (0..n).map(|_| VecDeque::new()).collect(),
+            queues: (0..n * CHANNELS).map(|_| VecDeque::new()).collect(),
+            misbehaved: Vec::new(),
         }
     }
 
     fn eager_payload(&self) -> usize {
         self.layout.p.eager_size as usize - FRAG_HEADER
+    }
+
+    fn max_payload(&self) -> usize {
+        self.layout.p.max_size as usize - FRAG_HEADER
     }
 
     /// Take back fragments peers returned. Returns how many.
@@ -101,6 +126,8 @@ impl TxState {
                     Ok(None) => break,
                     Err(_) => {
                         Counters::bump(&t.core.counters.bad_frames);
+                        self.misbehaved
+                            .push((p.local, "its fragment return ring is corrupt".into()));
                         break;
                     }
                 }
@@ -111,6 +138,9 @@ impl TxState {
     }
 
     fn free(&mut self, i: usize) {
+        if let Some(held) = self.inflight.get_mut(self.dest[i] as usize) {
+            *held = held.saturating_sub(1);
+        }
         self.dest[i] = FREE;
         if i < self.layout.p.eager_count as usize {
             self.free_eager.push(i as u32);
@@ -119,18 +149,22 @@ impl TxState {
         }
     }
 
-    fn alloc(&mut self, t: &SmTransport, want_eager: bool) -> Option<usize> {
-        let take = |s: &mut Self| {
-            let (a, b) = if want_eager {
-                (&mut s.free_eager, &mut s.free_max)
-            } else {
-                (&mut s.free_max, &mut s.free_eager)
-            };
-            a.pop().or_else(|| b.pop()).map(|i| i as usize)
+    fn take(&mut self, d: u32, want_eager: bool) -> Option<usize> {
+        if self.inflight[d as usize] >= self.cap {
+            return None;
+        }
+        let (a, b) = if want_eager {
+            (&mut self.free_eager, &mut self.free_max)
+        } else {
+            (&mut self.free_max, &mut self.free_eager)
         };
-        take(self).or_else(|| {
+        a.pop().or_else(|| b.pop()).map(|i| i as usize)
+    }
+
+    fn alloc(&mut self, t: &SmTransport, d: u32, want_eager: bool) -> Option<usize> {
+        self.take(d, want_eager).or_else(|| {
             self.reclaim(t);
-            take(self)
+            self.take(d, want_eager)
         })
     }
 
@@ -144,15 +178,20 @@ impl TxState {
         data: &[u8],
         at: &mut Cursor,
     ) -> Result<Pushed> {
+        if peer.is_lost() {
+            return Err(peer.lost_error());
+        }
         let total = data.len();
-        let ring = peer.seg.inbound(t.local_rank());
+        let ch = channel(kind);
+        let ring = peer.seg.inbound(t.seg.local_rank, ch);
+        let pi = peer.local as usize * CHANNELS + ch;
         let mut pushed = false;
         let r = loop {
             if at.started && at.sent == total {
                 break Ok(Pushed::Done);
             }
             let rem = total - at.sent;
-            let Some(i) = self.alloc(t, rem <= self.eager_payload()) else {
+            let Some(i) = self.alloc(t, peer.local, rem <= self.eager_payload()) else {
                 break Ok(Pushed::Blocked);
             };
             let (off, size) = self.layout.frag(i);
@@ -175,19 +214,19 @@ impl TxState {
             raw.write(off, &h.encode())
                 .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
-            match ring.push(&mut self.prod[peer.local as usize], off) {
-                Ok(true) => {}
-                Ok(false) | Err(_) => {
-                    // Cannot happen with an honest peer: the ring holds every
-                    // fragment we own. A peer that scribbled on it is cut off.
-                    self.free(i);
-                    break Err(Error::PeerMisbehaved {
-                        rank: peer.rank,
-                        what: "its inbound ring is corrupt".into(),
-                    });
-                }
+            if !matches!(ring.push(&mut self.prod[pi], off), Ok(true)) {
+                // Cannot happen with an honest peer: each ring holds every
+                // fragment of our pool. A peer that scribbled on it is cut off.
+                self.free(i);
+                let what = "its inbound ring is full or corrupt";
+                self.misbehaved.push((peer.local, what.into()));
+                break Err(Error::PeerMisbehaved {
+                    rank: peer.rank,
+                    what: what.into(),
+                });
             }
             self.dest[i] = peer.local;
+            self.inflight[peer.local as usize] += 1;
             pushed = true;
             at.sent += n;
             at.started = true;
@@ -198,8 +237,9 @@ impl TxState {
         r
     }
 
-    /// Send a borrowed message only if it fits in one fragment that is free
-    /// now and nothing is queued ahead of it (the inline path).
+    /// Send a borrowed message if one fragment that holds all of it is free
+    /// now and nothing is queued ahead of it (the inline path). Never sends
+    /// part of a message.
     fn try_send(
         &mut self,
         t: &SmTransport,
@@ -208,14 +248,35 @@ impl TxState {
         tag: u64,
         data: &[u8],
     ) -> Result<bool> {
-        let max_payload = self.layout.p.max_size as usize - FRAG_HEADER;
-        if data.len() > max_payload || !self.queues[peer.local as usize].is_empty() {
+        if peer.is_lost() {
+            return Err(peer.lost_error());
+        }
+        let q = peer.local as usize * CHANNELS + channel(kind);
+        if data.len() > self.max_payload() || !self.queues[q].is_empty() {
             return Ok(false);
         }
+        let need_max = data.len() > self.eager_payload();
+        let fits = |s: &Self| {
+            s.inflight[peer.local as usize] < s.cap
+                && if need_max {
+                    !s.free_max.is_empty()
+                } else {
+                    !s.free_eager.is_empty() || !s.free_max.is_empty()
+                }
+        };
+        if !fits(self) {
+            self.reclaim(t);
+            if !fits(self) {
+                return Ok(false);
+            }
+        }
+        // A fitting fragment is free, and `alloc` prefers the class that
+        // fits, so the message goes out in exactly one fragment.
         match self.push(t, peer, kind, tag, data, &mut Cursor::default())? {
             Pushed::Done => Ok(true),
-            // One fragment or none: Blocked means nothing was pushed.
-            Pushed::Blocked => Ok(false),
+            Pushed::Blocked => Err(Error::Misuse(
+                "internal: inline send found no fragment after checking".into(),
+            )),
         }
     }
 
@@ -227,14 +288,18 @@ impl TxState {
         tag: u64,
         data: Bytes,
     ) -> Result<Option<Arc<Completion>>> {
+        if peer.is_lost() {
+            return Err(peer.lost_error());
+        }
+        let q = peer.local as usize * CHANNELS + channel(kind);
         let mut at = Cursor::default();
-        if self.queues[peer.local as usize].is_empty() {
+        if self.queues[q].is_empty() {
             if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut at)? {
                 return Ok(None);
             }
         }
         let done = Completion::new();
-        self.queues[peer.local as usize].push_back(Queued {
+        self.queues[q].push_back(Queued {
             kind,
             tag,
             data,
@@ -248,21 +313,26 @@ impl TxState {
     pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
         let mut work = self.reclaim(t);
         for p in t.peer_list().iter().flatten() {
-            let q = p.local as usize;
-            while let Some(mut head) = self.queues[q].pop_front() {
-                let r = self.push(t, p, head.kind, head.tag, &head.data, &mut head.at);
-                match r {
-                    Ok(Pushed::Done) => {
-                        work += 1;
-                        head.done.complete(Ok(()));
-                    }
-                    Ok(Pushed::Blocked) => {
-                        self.queues[q].push_front(head);
-                        break;
-                    }
-                    Err(e) => {
-                        head.done.complete(Err(e));
-                        work += 1;
+            if p.is_lost() {
+                continue;
+            }
+            // Control first: it is small and others wait on it.
+            for ch in (0..CHANNELS).rev() {
+                let q = p.local as usize * CHANNELS + ch;
+                while let Some(mut head) = self.queues[q].pop_front() {
+                    match self.push(t, p, head.kind, head.tag, &head.data, &mut head.at) {
+                        Ok(Pushed::Done) => {
+                            work += 1;
+                            head.done.complete(Ok(()));
+                        }
+                        Ok(Pushed::Blocked) => {
+                            self.queues[q].push_front(head);
+                            break;
+                        }
+                        Err(e) => {
+                            head.done.complete(Err(e));
+                            work += 1;
+                        }
                     }
                 }
             }
@@ -270,12 +340,18 @@ impl TxState {
         work
     }
 
-    /// Nothing to do: no returns waiting (queues wait on returns).
+    /// Nothing to do: no returns waiting, and no queued message that a free
+    /// fragment could move.
     pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
+        let can_push = !self.free_eager.is_empty() || !self.free_max.is_empty();
         t.peer_list().iter().flatten().all(|p| {
-            t.seg
-                .returns(p.local)
-                .looks_empty(&self.ret[p.local as usize])
+            let l = p.local as usize;
+            let returns_empty = t.seg.returns(p.local).looks_empty(&self.ret[l]);
+            let stuck = p.is_lost()
+                || !can_push
+                || self.inflight[l] >= self.cap
+                || (0..CHANNELS).all(|ch| self.queues[l * CHANNELS + ch].is_empty());
+            returns_empty && stuck
         })
     }
 
@@ -284,13 +360,17 @@ impl TxState {
         self.queues.iter().all(VecDeque::is_empty) && self.dest.iter().all(|d| *d == FREE)
     }
 
-    /// Fail the lost peer's queue and take back the fragments it held.
-    pub(crate) fn peer_lost(&mut self, peer: &SmPeer, reason: &str) {
-        for q in self.queues[peer.local as usize].drain(..) {
-            q.done.complete(Err(Error::PeerLost {
-                rank: peer.rank,
-                reason: reason.to_string(),
-            }));
+    /// Whether anything is queued towards local rank `l`.
+    pub(crate) fn has_queued(&self, l: u32) -> bool {
+        (0..CHANNELS).any(|ch| !self.queues[l as usize * CHANNELS + ch].is_empty())
+    }
+
+    /// Fail the lost peer's queues and take back the fragments it held.
+    pub(crate) fn peer_lost(&mut self, peer: &SmPeer) {
+        for ch in 0..CHANNELS {
+            for q in self.queues[peer.local as usize * CHANNELS + ch].drain(..) {
+                q.done.complete(Err(peer.lost_error()));
+            }
         }
         for i in 0..self.dest.len() {
             if self.dest[i] == peer.local {
@@ -298,11 +378,14 @@ impl TxState {
             }
         }
     }
-}
 
-impl SmTransport {
-    fn local_rank(&self) -> u32 {
-        self.seg.local_rank
+    /// Fail everything still queued (the fabric is closing).
+    pub(crate) fn fail_all(&mut self) {
+        for q in &mut self.queues {
+            for m in q.drain(..) {
+                m.done.complete(Err(Error::Closed));
+            }
+        }
     }
 }
 
@@ -310,19 +393,6 @@ impl SmTransport {
 pub(crate) struct SmLink {
     pub(crate) t: Arc<SmTransport>,
     pub(crate) peer: Arc<SmPeer>,
-}
-
-impl SmLink {
-    fn check_alive(&self) -> Result<()> {
-        if self.peer.is_lost() {
-            Err(Error::PeerLost {
-                rank: self.peer.rank,
-                reason: "it was lost earlier".into(),
-            })
-        } else {
-            Ok(())
-        }
-    }
 }
 
 impl Link for SmLink {
@@ -334,13 +404,14 @@ impl Link for SmLink {
         "sm"
     }
 
+    // A peer caught misbehaving here stays in `misbehaved` until the next
+    // progress call cuts it off: these entry points may run inside the
+    // receive path (answers to RMA requests), where `rx` is held.
     fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
-        self.check_alive()?;
         lock(&self.t.tx).try_send(&self.t, &self.peer, kind, tag, data)
     }
 
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
-        self.check_alive()?;
         lock(&self.t.tx).submit(&self.t, &self.peer, kind, tag, data)
     }
 
@@ -349,14 +420,23 @@ impl Link for SmLink {
         key: &crate::region::RemoteKey,
     ) -> Option<Result<crate::region::MappedRegion>> {
         key.shm_pid?;
+        if self.peer.is_lost() {
+            return Some(Err(self.peer.lost_error()));
+        }
         Some(self.t.map_cached(key))
     }
 
     fn cma_pid(&self) -> Option<u32> {
-        self.peer.cma.then_some(self.peer.seg.pid)
+        self.peer.cma_ok().then_some(self.peer.seg.pid)
+    }
+
+    fn disable_cma(&self) {
+        self.peer
+            .cma
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn has_queued(&self) -> bool {
-        !lock(&self.t.tx).queues[self.peer.local as usize].is_empty()
+        lock(&self.t.tx).has_queued(self.peer.local)
     }
 }

@@ -1,0 +1,160 @@
+//! Regressions found in review, over real shared memory between fabrics of
+//! one process, with tiny pools and receive budgets to reach the edge cases.
+
+use async_btl::{Config, Fabric, FabricBuilder, LocalExchange};
+use bytes::Bytes;
+use std::time::Duration;
+
+async fn job(n: u32, config: Config) -> Vec<Fabric> {
+    let ex = LocalExchange::new(n);
+    let futs = (0..n).map(|r| {
+        let ex = ex.clone();
+        let c = config.clone();
+        async move {
+            FabricBuilder::new(r, n)
+                .job_key([3u8; 32])
+                .config(c)
+                .build(&ex)
+                .await
+        }
+    });
+    futures::future::try_join_all(futs)
+        .await
+        .expect("fabrics open")
+}
+
+fn small() -> Config {
+    let mut c = Config::default();
+    c.sm_eager_count = 4;
+    c.sm_max_count = 1;
+    c.recv_budget = 1024;
+    c
+}
+
+/// An inline send must never push part of a message (it used to, then
+/// queued the whole message again and the receiver cut the sender off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r1_inline_send_never_pushes_part_of_a_message() {
+    let f = job(3, small()).await;
+    let e1 = f[0].endpoint(1).unwrap();
+    let e2 = f[0].endpoint(2).unwrap();
+    let mut rx2 = f[2].receiver(9).unwrap();
+    e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 32744 + 2*4072: max frag + 2 eager, blocked at rank 1 (tag 1 over budget)
+    e1.send(1, Bytes::from(vec![2u8; 32744 + 8144]))
+        .await
+        .unwrap();
+    let data = vec![5u8; 10000];
+    let fut = e2.send_inline(9, &data);
+    let h = {
+        // drain rank 1 later so fragments come home
+        let mut rx1 = f[1].receiver(1).unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            for _ in 0..2 {
+                let _ = rx1.recv().await;
+            }
+            rx1
+        })
+    };
+    let r = tokio::time::timeout(Duration::from_secs(5), fut).await;
+    let _rx1 = h.await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), rx2.recv()).await;
+    assert!(
+        matches!(m, Ok(Ok(ref msg)) if msg.data.len() == 10000),
+        "message lost / peer cut off"
+    );
+}
+
+/// A user message held back by a full tag queue must not block control
+/// traffic (get answers, barriers): those travel on their own ring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r2_full_tag_does_not_block_barrier_or_get() {
+    let f = job(2, small()).await;
+    let e01 = f[0].endpoint(1).unwrap();
+    let e10 = f[1].endpoint(0).unwrap();
+    e01.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    e01.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    let region = f[0].register(vec![7u8; 100]);
+    let key = region.remote_key();
+    let dst = f[1].register(vec![0u8; 100]);
+    let g = tokio::time::timeout(Duration::from_secs(3), e10.get(&dst, 0..100, &key, 0)).await;
+    let (a, b) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(3), f[0].barrier()),
+        tokio::time::timeout(Duration::from_secs(3), f[1].barrier())
+    );
+    assert!(
+        g.is_ok() && b.is_ok(),
+        "control traffic stuck behind a blocked user message"
+    );
+}
+
+/// After the situation of r1, sends to the same peer keep flowing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r3_sends_keep_flowing_after_a_busy_pool() {
+    let f = job(3, small()).await;
+    let e1 = f[0].endpoint(1).unwrap();
+    let e2 = f[0].endpoint(2).unwrap();
+    let mut rx2 = f[2].receiver(9).unwrap();
+    e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    e1.send(1, Bytes::from(vec![2u8; 32744 + 8144]))
+        .await
+        .unwrap();
+    let data = vec![5u8; 10000];
+    let fut = e2.send_inline(9, &data);
+    let mut rx1 = f[1].receiver(1).unwrap();
+    let h = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        loop {
+            if rx1.recv().await.is_err() {
+                break;
+            }
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .expect("inline send completes")
+        .expect("inline send succeeds");
+    // Rank 2 keeps reading: every message arrives intact, nobody is cut off.
+    let reader = tokio::spawn(async move {
+        let first = rx2.recv().await.unwrap();
+        assert_eq!(first.data.len(), 10000);
+        for i in 0..50u8 {
+            let m = rx2.recv().await.unwrap();
+            assert_eq!(m.data, Bytes::from(vec![i; 30000]));
+        }
+    });
+    let r = tokio::time::timeout(Duration::from_secs(10), async {
+        for i in 0..50u8 {
+            e2.send(9, Bytes::from(vec![i; 30000])).await.unwrap();
+        }
+    })
+    .await;
+    assert!(r.is_ok(), "sends to rank 2 hang");
+    tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    h.abort();
+    assert_eq!(f[2].stats().bad_frames, 0);
+    assert_eq!(f[0].stats().peers_lost, 0);
+}
+
+/// A peer that closed its fabric but whose process lives on: operations on
+/// it fail instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r4_get_to_a_closed_peer_fails_instead_of_hanging() {
+    let mut c = Config::default();
+    c.close_timeout = Duration::from_millis(200);
+    let mut f = job(2, c).await;
+    let f1 = f.pop().unwrap();
+    let region = f1.register(vec![7u8; 100]);
+    let key = region.remote_key();
+    let r = f1.close().await;
+    let e = f[0].endpoint(1).unwrap();
+    let dst = f[0].register(vec![0u8; 100]);
+    let g = tokio::time::timeout(Duration::from_secs(3), e.get(&dst, 0..100, &key, 0)).await;
+    assert!(matches!(g, Ok(Err(ref e)) if e.is_peer_lost()), "get to a closed peer: {g:?}");
+}
