@@ -15,6 +15,7 @@ pub(crate) struct Counters {
     pub(crate) emulated_puts: AtomicU64,
     pub(crate) emulated_gets: AtomicU64,
     pub(crate) stale_segments_removed: AtomicU64,
+    pub(crate) foreign_datagrams: AtomicU64,
 }
 
 impl Counters {
@@ -36,6 +37,7 @@ impl Counters {
             emulated_puts: g(&self.emulated_puts),
             emulated_gets: g(&self.emulated_gets),
             stale_segments_removed: g(&self.stale_segments_removed),
+            foreign_datagrams: g(&self.foreign_datagrams),
         }
     }
 }
@@ -64,4 +66,8 @@ pub struct Stats {
     pub emulated_gets: u64,
     /// Shared-memory files of crashed jobs removed at start-up.
     pub stale_segments_removed: u64,
+    /// UDP datagrams dropped before the protocol saw them: from an unknown
+    /// address, not ours (bad magic or version), or carrying another job's
+    /// id or the wrong ranks.
+    pub foreign_datagrams: u64,
 }
