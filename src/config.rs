@@ -68,6 +68,10 @@ pub struct Config {
     /// loopback and to peers on this host, else the smaller of both sides'
     /// interface MTUs). Env: `BTL_UDP_MTU`.
     pub udp_mtu: Option<usize>,
+    /// UDP: the largest send/receive window, in datagrams (it is also
+    /// limited by the receiver's socket buffer). Default 256.
+    /// Env: `BTL_UDP_WINDOW`.
+    pub udp_window: Option<u32>,
     /// UDP: a peer not heard from (data, ACKs or keepalives) for this long is
     /// lost and everything pending on it fails. Env: `BTL_UDP_PEER_TIMEOUT_MS`.
     pub udp_peer_timeout: Duration,
@@ -96,6 +100,7 @@ impl Default for Config {
             close_timeout: Duration::from_secs(10),
             udp_addr: None,
             udp_mtu: None,
+            udp_window: None,
             udp_peer_timeout: Duration::from_secs(5),
             udp_stall_timeout: Duration::from_secs(60),
             transports: Vec::new(),
@@ -145,6 +150,9 @@ impl Config {
                 Some(v.trim().parse().map_err(|_| {
                     Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address"))
                 })?);
+        }
+        if let Some(v) = us("BTL_UDP_WINDOW")? {
+            c.udp_window = Some(v.clamp(4, 1 << 16) as u32);
         }
         if let Some(v) = us("BTL_UDP_MTU")? {
             c.udp_mtu = Some(v as usize);

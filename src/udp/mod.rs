@@ -185,7 +185,12 @@ impl UdpTransport {
         // A window of datagrams must fit in the receiving socket's buffer,
         // counting the kernel's per-datagram overhead (about as much again
         // for small ones) and leaving half for other senders.
-        let window = |rcvbuf: u32| ((rcvbuf as usize / 2) / (dgram + 1024)).clamp(4, 1024) as u32;
+        // Capped at the protocol's default (256): several times a LAN's
+        // bandwidth-delay product; more only adds queueing delay, which
+        // slows loss repair (one hole per round trip).
+        let cap = self.core.config.udp_window.unwrap_or(256).clamp(4, 1 << 16);
+        let window =
+            |rcvbuf: u32| ((rcvbuf as usize / 2) / (dgram + 1024)).clamp(4, cap as usize) as u32;
         let send_window = window(a.rcvbuf);
         let d = proto::Config::default();
         proto::Config {
