@@ -65,6 +65,26 @@ pub struct Config {
     pub boot_timeout: Duration,
     /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
     pub close_timeout: Duration,
+    /// UDP: the local IPv4 address to bind and publish. Default: the first
+    /// non-loopback IPv4 address of the host, else 127.0.0.1. Env: `BTL_UDP_ADDR`.
+    pub udp_addr: Option<std::net::IpAddr>,
+    /// UDP: the IP MTU to assume on every path (datagrams are this minus 28
+    /// bytes of IPv4 and UDP headers). Default: from the interfaces (65536 on
+    /// loopback and to peers on this host, else the smaller of both sides'
+    /// interface MTUs). Env: `BTL_UDP_MTU`.
+    pub udp_mtu: Option<usize>,
+    /// UDP: the largest send/receive window, in datagrams (it is also
+    /// limited by the receiver's socket buffer). Default 256.
+    /// Env: `BTL_UDP_WINDOW`.
+    pub udp_window: Option<u32>,
+    /// UDP: a peer not heard from (data, ACKs or keepalives) for this long is
+    /// lost and everything pending on it fails. Env: `BTL_UDP_PEER_TIMEOUT_MS`.
+    pub udp_peer_timeout: Duration,
+    /// UDP: a peer that still answers keepalives but acknowledges none of
+    /// our outstanding data for this long is lost too (a path that drops
+    /// large datagrams, or a receiver that stopped reading for that long).
+    /// Env: `BTL_UDP_STALL_TIMEOUT_MS`.
+    pub udp_stall_timeout: Duration,
     /// Transports allowed, in preference order (`BTL_TRANSPORTS=sm,udp`, like
     /// `UCX_TLS`). Empty means all.
     pub transports: Vec<String>,
@@ -84,6 +104,11 @@ impl Default for Config {
             recv_budget: 32 << 20,
             boot_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
+            udp_addr: None,
+            udp_mtu: None,
+            udp_window: None,
+            udp_peer_timeout: Duration::from_secs(5),
+            udp_stall_timeout: Duration::from_secs(60),
             transports: Vec::new(),
         }
     }
@@ -119,6 +144,24 @@ impl Config {
         }
         if let Some(v) = us("BTL_CLOSE_TIMEOUT_MS")? {
             c.close_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = us("BTL_UDP_PEER_TIMEOUT_MS")? {
+            c.udp_peer_timeout = Duration::from_millis(v.max(1));
+        }
+        if let Some(v) = us("BTL_UDP_STALL_TIMEOUT_MS")? {
+            c.udp_stall_timeout = Duration::from_millis(v.max(1));
+        }
+        if let Some(v) = get("BTL_UDP_ADDR") {
+            c.udp_addr =
+                Some(v.trim().parse().map_err(|_| {
+                    Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address"))
+                })?);
+        }
+        if let Some(v) = us("BTL_UDP_WINDOW")? {
+            c.udp_window = Some(v.clamp(4, 1 << 16) as u32);
+        }
+        if let Some(v) = us("BTL_UDP_MTU")? {
+            c.udp_mtu = Some(v as usize);
         }
         for (k, f) in [
             ("BTL_SM_EAGER", &mut c.sm_eager_size),
@@ -166,6 +209,20 @@ impl Config {
         }
         if self.sm_max_size > u32::MAX as usize / 2 {
             return Err(Error::Config("sm max fragment size is too large".into()));
+        }
+        if let Some(m) = self.udp_mtu {
+            if !(576..=65_535 + 1).contains(&m) {
+                return Err(Error::Config(format!(
+                    "udp MTU {m} must be between 576 and 65536"
+                )));
+            }
+        }
+        if let Some(a) = self.udp_addr {
+            if a.is_unspecified() || !a.is_ipv4() {
+                return Err(Error::Config(format!(
+                    "udp address {a} must be a concrete IPv4 address of this host"
+                )));
+            }
         }
         for t in &self.transports {
             if !crate::transport::KNOWN.contains(&t.as_str()) {

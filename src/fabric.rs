@@ -22,6 +22,7 @@ use crate::sm::{SmAddr, SmTransport};
 use crate::stats::{Counters, Stats};
 use crate::sync::lock;
 use crate::transport::{Kind, Link, Loss, Transport};
+use crate::udp::{UdpAddr, UdpTransport};
 use crate::{Error, Rank, Result, Tag};
 
 /// A 64-bit FNV-1a hash, used to derive non-secret tags from the job key.
@@ -162,6 +163,7 @@ struct PeerAddr {
     rank: Rank,
     node: String,
     sm: Option<SmAddr>,
+    udp: Option<UdpAddr>,
 }
 
 /// Settings for building a [`Fabric`] by hand (no launcher).
@@ -218,6 +220,7 @@ pub struct Fabric {
     transports: Vec<Arc<dyn Transport>>,
     drivers: Vec<JoinHandle<()>>,
     sm: Option<Arc<SmTransport>>,
+    udp: Option<Arc<UdpTransport>>,
     epoch: AtomicU64,
 }
 
@@ -264,10 +267,16 @@ impl Fabric {
         } else {
             None
         };
+        let udp = if core.config.allows("udp") && b.size > 1 {
+            Some(UdpTransport::new(core.clone())?)
+        } else {
+            None
+        };
         let me = PeerAddr {
             rank: b.rank,
             node: crate::os::node_id(),
             sm: sm.as_ref().map(|s| s.address()),
+            udp: udp.as_ref().map(|u| u.address()),
         };
         let blob = postcard::to_allocvec(&me)
             .map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
@@ -281,6 +290,7 @@ impl Fabric {
         }
         let mut links: Vec<Option<Arc<dyn Link>>> = (0..b.size).map(|_| None).collect();
         let mut sm_peers = Vec::new();
+        let mut udp_peers = Vec::new();
         let mut unreachable = Vec::new();
         for (r, raw) in all.iter().enumerate() {
             let r = r as Rank;
@@ -296,15 +306,16 @@ impl Fabric {
                     a.rank
                 )));
             }
-            match (&sm, a.sm) {
-                (Some(s), Some(sa)) if s.reaches(&sa) => sm_peers.push((r, sa)),
+            match (&sm, a.sm, &udp, a.udp) {
+                (Some(s), Some(sa), _, _) if s.reaches(&sa) => sm_peers.push((r, sa)),
+                (_, _, Some(u), Some(ua)) if u.reaches(&ua) => udp_peers.push((r, ua)),
                 _ => unreachable.push(r),
             }
         }
         if !unreachable.is_empty() {
             return Err(Error::Config(format!(
-                "ranks {unreachable:?} cannot be reached with the allowed transports {:?} (sm needs the same node; udp is not built into this version yet)",
-                if core.config.transports.is_empty() { vec!["sm".to_string()] } else { core.config.transports.clone() }
+                "ranks {unreachable:?} cannot be reached with the allowed transports {:?} (sm needs the same node; udp needs an address they can reach: a loopback BTL_UDP_ADDR reaches only this host)",
+                if core.config.transports.is_empty() { vec!["sm".to_string(), "udp".to_string()] } else { core.config.transports.clone() }
             )));
         }
         let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
@@ -313,6 +324,13 @@ impl Fabric {
                 links[r as usize] = Some(l);
             }
             transports.push(s.clone());
+        }
+        let udp = udp.filter(|_| !udp_peers.is_empty());
+        if let Some(u) = &udp {
+            for (r, l) in u.connect(&udp_peers)? {
+                links[r as usize] = Some(l);
+            }
+            transports.push(u.clone());
         }
         let selfl = SelfLink::new(&core);
         links[b.rank as usize] = Some(selfl.clone());
@@ -342,6 +360,7 @@ impl Fabric {
             transports,
             drivers,
             sm,
+            udp,
             epoch: AtomicU64::new(0),
         })
     }
@@ -431,6 +450,18 @@ impl Fabric {
         self.core.counters.snapshot()
     }
 
+    /// The UDP protocol counters of the connection to `peer`, when `udp`
+    /// reaches it.
+    pub fn udp_stats(&self, peer: Rank) -> Option<crate::udp::proto::Stats> {
+        self.udp.as_ref()?.stats(peer)
+    }
+
+    /// The addresses of this process's UDP sockets (data, priority), when
+    /// `udp` runs (it runs when some peer is reached through it).
+    pub fn udp_addrs(&self) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+        self.udp.as_ref().map(|u| u.local_addrs())
+    }
+
     /// The transports this process runs, by name.
     pub fn transports(&self) -> Vec<&'static str> {
         self.transports.iter().map(|t| t.name()).collect()
@@ -478,8 +509,17 @@ impl Fabric {
         let deadline = tokio::time::Instant::now() + t;
         while !self.transports.iter().all(|t| t.drained()) {
             if tokio::time::Instant::now() >= deadline {
+                let left: Vec<String> =
+                    self.transports.iter().flat_map(|t| t.undrained()).collect();
                 let r = Err(Error::Timeout {
-                    what: "peers to consume our last messages at close".into(),
+                    what: if left.is_empty() {
+                        "peers to consume our last messages at close".into()
+                    } else {
+                        format!(
+                            "peers to consume our last messages at close ({})",
+                            left.join("; ")
+                        )
+                    },
                     after: t,
                 });
                 self.shutdown();
@@ -528,6 +568,7 @@ impl Fabric {
             l.clear();
         }
         self.sm = None;
+        self.udp = None;
     }
 }
 

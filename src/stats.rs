@@ -17,6 +17,7 @@ pub(crate) struct Counters {
     pub(crate) cma_puts: AtomicU64,
     pub(crate) cma_gets: AtomicU64,
     pub(crate) stale_segments_removed: AtomicU64,
+    pub(crate) foreign_datagrams: AtomicU64,
 }
 
 impl Counters {
@@ -40,6 +41,7 @@ impl Counters {
             cma_puts: g(&self.cma_puts),
             cma_gets: g(&self.cma_gets),
             stale_segments_removed: g(&self.stale_segments_removed),
+            foreign_datagrams: g(&self.foreign_datagrams),
         }
     }
 }
@@ -72,4 +74,8 @@ pub struct Stats {
     pub cma_gets: u64,
     /// Shared-memory files of crashed jobs removed at start-up.
     pub stale_segments_removed: u64,
+    /// UDP datagrams dropped before the protocol saw them: from an unknown
+    /// address, not ours (bad magic or version), or carrying another job's
+    /// id or the wrong ranks.
+    pub foreign_datagrams: u64,
 }

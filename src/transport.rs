@@ -150,6 +150,12 @@ pub(crate) trait Transport: Send + Sync {
     /// messages acknowledged).
     fn drained(&self) -> bool;
 
+    /// What keeps [`Transport::drained`] false, one line per peer, for the
+    /// error a close reports when it gives up waiting.
+    fn undrained(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Release OS resources (unlink names); called once at close.
     fn shutdown(&self);
 }

@@ -59,6 +59,7 @@ async fn r1_inline_send_never_pushes_part_of_a_message() {
         })
     };
     let r = tokio::time::timeout(Duration::from_secs(5), fut).await;
+    assert!(matches!(r, Ok(Ok(()))), "inline send: {r:?}");
     let _rx1 = h.await.unwrap();
     let m = tokio::time::timeout(Duration::from_secs(5), rx2.recv()).await;
     assert!(
@@ -85,9 +86,14 @@ async fn r2_full_tag_does_not_block_barrier_or_get() {
         tokio::time::timeout(Duration::from_secs(3), f[1].barrier())
     );
     assert!(
-        g.is_ok() && b.is_ok(),
-        "control traffic stuck behind a blocked user message"
+        matches!(g, Ok(Ok(()))),
+        "get stuck behind a blocked user message: {g:?}"
     );
+    assert!(
+        matches!(a, Ok(Ok(()))) && matches!(b, Ok(Ok(()))),
+        "barrier: {a:?} {b:?}"
+    );
+    assert_eq!(dst.to_vec(), vec![7u8; 100]);
 }
 
 /// After the situation of r1, sends to the same peer keep flowing.
@@ -152,9 +158,14 @@ async fn r4_get_to_a_closed_peer_fails_instead_of_hanging() {
     let f1 = f.pop().unwrap();
     let region = f1.register(vec![7u8; 100]);
     let key = region.remote_key();
-    let r = f1.close().await;
+    // Rank 0 never says goodbye, so this close times out; what matters is
+    // that rank 1's fabric is closed afterwards.
+    let _ = f1.close().await;
     let e = f[0].endpoint(1).unwrap();
     let dst = f[0].register(vec![0u8; 100]);
     let g = tokio::time::timeout(Duration::from_secs(3), e.get(&dst, 0..100, &key, 0)).await;
-    assert!(matches!(g, Ok(Err(ref e)) if e.is_peer_lost()), "get to a closed peer: {g:?}");
+    assert!(
+        matches!(g, Ok(Err(ref e)) if e.is_peer_lost()),
+        "get to a closed peer: {g:?}"
+    );
 }

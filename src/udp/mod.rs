@@ -1,5 +1,477 @@
-//! The `udp` transport: the usNIC reliability protocol carried over plain UDP.
+//! The `udp` transport: the usNIC reliability protocol carried over plain
+//! UDP — the multi-node path, and a loopback one when forced
+//! (`BTL_TRANSPORTS=udp`).
 //!
-//! [`proto`] is the sans-IO protocol engine (no sockets, no clock); a thin
-//! tokio driver on top of it owns the sockets and timers.
+//! [`proto`] is the sans-IO protocol engine (no sockets, no clock); the
+//! driver around it is small:
+//!
+//! - [`net`](self) picks the address (`BTL_UDP_ADDR`, else the first
+//!   non-loopback IPv4, else 127.0.0.1) and binds two sockets, a data one
+//!   and a priority one (ACKs and tiny messages), as in the seed. Both
+//!   ports, a random 64-bit ISN, the interface MTU and the receive buffer
+//!   size are published in the address exchange.
+//! - Per peer, the datagram size comes from the path MTU (loopback's 64 KiB
+//!   to peers on this host, else the smaller interface MTU of both sides,
+//!   or `BTL_UDP_MTU`), and the send window from the *peer's* socket buffer,
+//!   so a window of datagrams fits where they land.
+//! - `frame` puts `(kind, tag)` in front of the data; messages of 32 KiB or
+//!   more travel as a head plus the user's `Bytes` itself (no copy).
+//! - Sends go out from the caller's task (no wake-up of the progress task
+//!   on the latency path); what the protocol's send budget refuses waits in
+//!   an ordered per-peer queue whose `Completion` fires when the protocol
+//!   takes it (local completion: held in retransmit storage).
+//! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness.
+//! - `rx`: filtering (job id, source address and ranks: anything else is
+//!   counted in `Stats::foreign_datagrams`), receive-side backpressure.
+//! - Liveness: every peer hears from us at least every quarter of
+//!   `BTL_UDP_PEER_TIMEOUT_MS` (a keepalive ACK when we have nothing else
+//!   to send); a peer silent for the whole timeout is lost and everything
+//!   pending on it fails. The protocol's own no-progress timer is set to
+//!   `BTL_UDP_STALL_TIMEOUT_MS`, a long guard against a path that passes
+//!   keepalives but not data (a receiver that merely stopped reading must
+//!   not look dead).
+//! - Every 10 s a `tracing` debug line per peer prints the protocol's
+//!   counters (usNIC-stats style).
+//!
+//! Not done yet: UDP GSO/GRO (batching is by `sendmmsg`/`recvmmsg` only),
+//! IPv6.
+
+mod frame;
+mod io;
+mod link;
+mod net;
+mod peer;
 pub mod proto;
+mod rx;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::fabric::Core;
+use crate::sync::lock;
+use crate::transport::{Link, Transport};
+use crate::{Error, Rank, Result};
+use peer::{Peer, PeerState, Sockets};
+use rx::RxState;
+
+/// What a process publishes about its `udp` transport.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct UdpAddr {
+    pub(crate) ip: IpAddr,
+    pub(crate) data_port: u16,
+    pub(crate) prio_port: u16,
+    /// Random initial sequence number (mixed with the peer's rank per pair).
+    pub(crate) isn: u64,
+    /// MTU of the interface holding `ip`.
+    pub(crate) mtu: u32,
+    /// Receive buffer of our sockets as the kernel reports it.
+    pub(crate) rcvbuf: u32,
+}
+
+/// How often the per-peer statistics line is logged.
+const REPORT_EVERY: Duration = Duration::from_secs(10);
+
+/// The `udp` transport of one process.
+pub(crate) struct UdpTransport {
+    pub(crate) core: Arc<Core>,
+    pub(crate) io: Sockets,
+    me: UdpAddr,
+    ifs: Vec<net::Iface>,
+    pub(crate) job: u64,
+    peers: OnceLock<Vec<Option<Arc<Peer>>>>,
+    pub(crate) by_addr: OnceLock<HashMap<SocketAddr, Rank>>,
+    rx: Mutex<RxState>,
+    keepalive: Duration,
+    /// Wakes a parked progress task (a send made an earlier deadline).
+    kick: Notify,
+    armed: AtomicBool,
+    /// When the parked task must wake, in ns since `epoch` (MAX: none).
+    wake_at: AtomicU64,
+    /// Some peer has datagrams the kernel refused: wait for writability.
+    backlog: AtomicBool,
+    epoch: Instant,
+    last_report: Mutex<Instant>,
+}
+
+fn mix(isn: u64, rank: Rank) -> u64 {
+    isn ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+impl UdpTransport {
+    /// Bind our two sockets. Must run inside a tokio runtime.
+    pub(crate) fn new(core: Arc<Core>) -> Result<Arc<UdpTransport>> {
+        let ifs = net::interfaces();
+        let ip = core
+            .config
+            .udp_addr
+            .unwrap_or_else(|| net::default_addr(&ifs));
+        let (data, rcv) = net::bind(ip)?;
+        let (prio, _) = net::bind(ip)?;
+        let port = |s: &std::net::UdpSocket| s.local_addr().map(|a| a.port());
+        let os = |what: &str| {
+            let what = what.to_string();
+            move |e| Error::Os {
+                context: format!("udp: {what}"),
+                source: e,
+            }
+        };
+        let me = UdpAddr {
+            ip,
+            data_port: port(&data).map_err(os("reading the data port"))?,
+            prio_port: port(&prio).map_err(os("reading the priority port"))?,
+            isn: u64::from_le_bytes(crate::os::random_bytes::<8>()),
+            mtu: core.config.udp_mtu.unwrap_or_else(|| net::mtu_of(&ifs, ip)) as u32,
+            rcvbuf: u32::try_from(rcv).unwrap_or(u32::MAX),
+        };
+        let io = Sockets {
+            data: tokio::net::UdpSocket::from_std(data)
+                .map_err(os("registering the data socket"))?,
+            prio: tokio::net::UdpSocket::from_std(prio)
+                .map_err(os("registering the priority socket"))?,
+        };
+        let now = Instant::now();
+        Ok(Arc::new(UdpTransport {
+            job: core.job_tag[0] ^ core.job_tag[1].rotate_left(17),
+            keepalive: peer::keepalive_every(core.config.udp_peer_timeout),
+            rx: Mutex::new(RxState::new(core.size as usize)),
+            core,
+            io,
+            me,
+            ifs,
+            peers: OnceLock::new(),
+            by_addr: OnceLock::new(),
+            kick: Notify::new(),
+            armed: AtomicBool::new(false),
+            wake_at: AtomicU64::new(u64::MAX),
+            backlog: AtomicBool::new(false),
+            epoch: now,
+            last_report: Mutex::new(now),
+        }))
+    }
+
+    /// Our address for the exchange.
+    pub(crate) fn address(&self) -> UdpAddr {
+        self.me.clone()
+    }
+
+    /// Whether a peer with this address can be reached: a loopback address
+    /// reaches only this host.
+    pub(crate) fn reaches(&self, a: &UdpAddr) -> bool {
+        let local = net::is_local(&self.ifs, a.ip);
+        a.ip.is_ipv4()
+            && !a.ip.is_unspecified()
+            && a.data_port != 0
+            && a.prio_port != 0
+            && (local || !self.me.ip.is_loopback())
+    }
+
+    /// Protocol settings towards a peer.
+    fn proto_config(&self, a: &UdpAddr) -> proto::Config {
+        let mtu = match self.core.config.udp_mtu {
+            Some(m) => m,
+            None if net::is_local(&self.ifs, a.ip) => {
+                net::mtu_of(&self.ifs, IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+            }
+            None => (self.me.mtu.min(a.mtu)) as usize,
+        };
+        let dgram = net::payload_for_mtu(mtu);
+        // A window of datagrams must fit in the receiving socket's buffer,
+        // counting the kernel's per-datagram overhead (about as much again
+        // for small ones) and leaving half for other senders.
+        // Capped at the protocol's default (256): several times a LAN's
+        // bandwidth-delay product; more only adds queueing delay, which
+        // slows loss repair (one hole per round trip).
+        let cap = self.core.config.udp_window.unwrap_or(256).clamp(4, 1 << 16);
+        let window =
+            |rcvbuf: u32| ((rcvbuf as usize / 2) / (dgram + 1024)).clamp(4, cap as usize) as u32;
+        let send_window = window(a.rcvbuf);
+        let d = proto::Config::default();
+        proto::Config {
+            max_datagram: dgram,
+            send_window,
+            recv_window: window(self.me.rcvbuf),
+            send_budget: (4 << 20).max(2 * send_window as usize * dgram),
+            peer_timeout: self.core.config.udp_stall_timeout,
+            ..d
+        }
+    }
+
+    /// Create a connection per peer; returns a link per peer rank.
+    pub(crate) fn connect(
+        self: &Arc<Self>,
+        peers: &[(Rank, UdpAddr)],
+    ) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let now = Instant::now();
+        let me = self.core.rank;
+        let mut table: Vec<Option<Arc<Peer>>> = (0..self.core.size).map(|_| None).collect();
+        let mut by_addr = HashMap::new();
+        let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
+        for (rank, a) in peers {
+            let cfg = self.proto_config(a);
+            let stash_limit = cfg.recv_window as usize + 64;
+            let ids = proto::ConnIds {
+                job: self.job,
+                local_rank: me,
+                peer_rank: *rank,
+            };
+            let conn =
+                proto::Connection::new(cfg, ids, mix(self.me.isn, *rank), mix(a.isn, me), now)
+                    .map_err(|e| Error::Config(e.to_string()))?;
+            let peer = Arc::new(Peer {
+                rank: *rank,
+                data_addr: SocketAddr::new(a.ip, a.data_port),
+                prio_addr: SocketAddr::new(a.ip, a.prio_port),
+                stash_limit,
+                lost: AtomicBool::new(false),
+                st: Mutex::new(PeerState::new(conn, now)),
+            });
+            for addr in [peer.data_addr, peer.prio_addr] {
+                if by_addr.insert(addr, *rank).is_some() {
+                    return Err(Error::Bootstrap(format!(
+                        "two ranks published the udp address {addr}"
+                    )));
+                }
+            }
+            let slot = table
+                .get_mut(*rank as usize)
+                .ok_or_else(|| Error::Bootstrap(format!("udp peer rank {rank} out of range")))?;
+            *slot = Some(peer.clone());
+            links.push((
+                *rank,
+                Arc::new(link::UdpLink {
+                    t: self.clone(),
+                    peer,
+                }),
+            ));
+        }
+        self.peers
+            .set(table)
+            .map_err(|_| Error::Misuse("udp transport connected twice".into()))?;
+        let _ = self.by_addr.set(by_addr);
+        Ok(links)
+    }
+
+    pub(crate) fn peer(&self, rank: Rank) -> Option<&Arc<Peer>> {
+        self.peers.get()?.get(rank as usize)?.as_ref()
+    }
+
+    fn peer_list(&self) -> impl Iterator<Item = &Arc<Peer>> {
+        self.peers.get().into_iter().flatten().flatten()
+    }
+
+    /// Our sockets' addresses: (data, priority).
+    pub(crate) fn local_addrs(&self) -> (SocketAddr, SocketAddr) {
+        (
+            SocketAddr::new(self.me.ip, self.me.data_port),
+            SocketAddr::new(self.me.ip, self.me.prio_port),
+        )
+    }
+
+    /// The protocol counters of the connection to `rank`.
+    pub(crate) fn stats(&self, rank: Rank) -> Option<proto::Stats> {
+        self.peer(rank).map(|p| lock(&p.st).conn.stats())
+    }
+
+    fn stall_reason(&self) -> String {
+        format!(
+            "it acknowledged none of our data for {:?} though it answers keepalives (does the path drop large datagrams? set BTL_UDP_MTU)",
+            self.core.config.udp_stall_timeout
+        )
+    }
+
+    /// Declare a peer lost: fail its queue, tell the core.
+    pub(crate) fn lose(&self, rank: Rank, reason: &str) {
+        let Some(peer) = self.peer(rank) else {
+            return;
+        };
+        // Pairs with the Acquire load in `Peer::is_lost`.
+        if peer.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(peer = rank, "udp peer lost: {reason}");
+        lock(&peer.st).fail_queue(rank, reason);
+        // Nothing of ours is exposed to a udp peer's memory operations: any
+        // loss releases everything.
+        self.core
+            .on_peer_lost(rank, reason, crate::transport::Loss::Crashed);
+    }
+
+    fn nanos(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// After a send from a user task: wake a parked progress task if the
+    /// connection now needs it sooner than it planned to wake.
+    pub(crate) fn after_send(&self, st: &PeerState) {
+        // Pairs with the SeqCst store in `arm`: either we see the task armed,
+        // or it computes its wake time after our change.
+        if !self.armed.load(Ordering::SeqCst) {
+            return;
+        }
+        let due = st.conn.poll_timeout().map_or(u64::MAX, |t| self.nanos(t));
+        if st.has_backlog() || due < self.wake_at.load(Ordering::Relaxed) {
+            self.kick.notify_one();
+        }
+    }
+
+    /// Timers, queues, transmissions, keepalives and liveness of every
+    /// peer. Returns work done.
+    fn service(&self, now: Instant) -> usize {
+        let mut work = 0;
+        let mut lost: Vec<(Rank, String)> = Vec::new();
+        let mut next = u64::MAX;
+        let mut backlog = false;
+        let timeout = self.core.config.udp_peer_timeout;
+        for p in self.peer_list() {
+            if p.is_lost() {
+                continue;
+            }
+            let mut st = lock(&p.st);
+            if st.conn.poll_timeout().is_some_and(|t| t <= now) {
+                st.conn.handle_timeout(now);
+            }
+            while let Some(ev) = st.conn.poll_event() {
+                if ev == proto::Event::PeerLost {
+                    lost.push((p.rank, self.stall_reason()));
+                }
+            }
+            work += st.push_queue(now, p.rank);
+            work += st.flush(now, &self.io, p, usize::MAX);
+            if now.saturating_duration_since(st.last_sent) >= self.keepalive {
+                st.keepalive(&self.io, p, self.job, self.core.rank);
+            }
+            if now.saturating_duration_since(st.last_heard) > timeout {
+                lost.push((
+                    p.rank,
+                    format!("nothing heard from it for {timeout:?} (BTL_UDP_PEER_TIMEOUT_MS)"),
+                ));
+            }
+            backlog |= st.has_backlog();
+            for t in [
+                st.conn.poll_timeout(),
+                Some(st.last_sent + self.keepalive),
+                Some(st.last_heard + timeout),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                next = next.min(self.nanos(t));
+            }
+        }
+        self.wake_at.store(next, Ordering::Relaxed);
+        self.backlog.store(backlog, Ordering::Relaxed);
+        for (r, why) in lost {
+            self.lose(r, &why);
+        }
+        work
+    }
+
+    fn report(&self) {
+        if !tracing::enabled!(tracing::Level::DEBUG) {
+            return;
+        }
+        let now = Instant::now();
+        {
+            let mut last = lock(&self.last_report);
+            if now.saturating_duration_since(*last) < REPORT_EVERY {
+                return;
+            }
+            *last = now;
+        }
+        for p in self.peer_list() {
+            let s = lock(&p.st).conn.stats();
+            tracing::debug!(peer = p.rank, lost = p.is_lost(), "udp stats: {s}");
+        }
+    }
+}
+
+#[async_trait]
+impl Transport for UdpTransport {
+    fn name(&self) -> &'static str {
+        "udp"
+    }
+
+    fn progress(&self) -> usize {
+        let now = Instant::now();
+        let mut work = 0;
+        if let Ok(mut rx) = self.rx.try_lock() {
+            work += self.rx_progress(&mut rx, now);
+        }
+        work + self.service(now)
+    }
+
+    fn arm(&self) -> bool {
+        // Pairs with the SeqCst load in `after_send`.
+        self.armed.store(true, Ordering::SeqCst);
+        // Sockets need no arming: tokio's readiness is only cleared by a
+        // receive that found nothing, so data that came after our last
+        // receive wakes `wait`. Held messages wait for the dispatcher's
+        // `space` signal, which the driver also waits on.
+        self.service(Instant::now());
+        true
+    }
+
+    fn disarm(&self) {
+        self.armed.store(false, Ordering::SeqCst);
+    }
+
+    async fn wait(&self, timeout: Duration) {
+        let due = self.wake_at.load(Ordering::Relaxed);
+        let now = self.nanos(Instant::now());
+        let until = Duration::from_nanos(due.saturating_sub(now)).min(timeout);
+        let backlog = self.backlog.load(Ordering::Relaxed);
+        tokio::select! {
+            _ = self.io.data.readable() => {}
+            _ = self.io.prio.readable() => {}
+            _ = self.io.data.writable(), if backlog => {}
+            _ = self.io.prio.writable(), if backlog => {}
+            _ = self.kick.notified() => {}
+            _ = tokio::time::sleep(until) => {}
+        }
+    }
+
+    fn check_peers(&self) {
+        self.service(Instant::now());
+        self.report();
+    }
+
+    fn drained(&self) -> bool {
+        self.peer_list()
+            .all(|p| p.is_lost() || lock(&p.st).is_idle())
+    }
+
+    fn undrained(&self) -> Vec<String> {
+        self.peer_list()
+            .filter(|p| !p.is_lost())
+            .filter_map(|p| {
+                let st = lock(&p.st);
+                let ids = st.conn.unacked_messages();
+                (!st.is_idle()).then(|| {
+                    format!(
+                        "udp rank {}: {} messages unacknowledged (ids {:?}{})",
+                        p.rank,
+                        ids.len(),
+                        &ids[..ids.len().min(8)],
+                        if ids.len() > 8 { ", ..." } else { "" }
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn shutdown(&self) {
+        for s in self.undrained() {
+            tracing::warn!("closing with {s}");
+        }
+        for p in self.peers.get().into_iter().flatten().flatten() {
+            lock(&p.st).fail_queue(p.rank, "this fabric closed");
+        }
+    }
+}

@@ -13,13 +13,32 @@ pub struct Job {
 }
 
 pub fn spawn_job(n: u32, scenario: &str, env: &[(&str, &str)]) -> Job {
+    spawn_job_wrapped(n, scenario, env, &|_| Vec::new())
+}
+
+/// Like [`spawn_job`], each rank's command prefixed by `wrap(rank)` (for
+/// example `ip netns exec NS env VAR=...`).
+pub fn spawn_job_wrapped(
+    n: u32,
+    scenario: &str,
+    env: &[(&str, &str)],
+    wrap: &dyn Fn(u32) -> Vec<String>,
+) -> Job {
     let dir = std::env::temp_dir().join(format!("abtl-test-{}-{}", std::process::id(), rand_hex()));
     std::fs::create_dir_all(&dir).unwrap();
     let key = rand_hex() + &rand_hex();
     let exe = std::env::current_exe().unwrap();
     let children = (0..n)
         .map(|r| {
-            let mut c = Command::new(&exe);
+            let prefix = wrap(r);
+            let mut c = match prefix.split_first() {
+                Some((first, rest)) => {
+                    let mut c = Command::new(first);
+                    c.args(rest).arg(&exe);
+                    c
+                }
+                None => Command::new(&exe),
+            };
             c.args(["rank_main", "--exact", "--nocapture", "--test-threads=1"])
                 .env("BTL_TEST_SCENARIO", scenario)
                 .env("BTL_RANK", r.to_string())

@@ -81,7 +81,8 @@ mod send;
 pub mod seq;
 mod stats;
 
-#[cfg(test)]
+// Compiled outside tests too, for the `bench_transfer` helper.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod sim;
 #[cfg(test)]
 mod tests;
@@ -91,3 +92,26 @@ pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
 pub use header::{decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds};
 pub use seq::Seq;
 pub use stats::Stats;
+
+/// For `benches/udp_proto.rs`: push `count` messages of `len` bytes from
+/// one simulated connection to the other over a link losing `loss` of the
+/// datagrams each way, to completion, and return the protocol's counters
+/// (sender, receiver). Not a stable API.
+#[doc(hidden)]
+pub fn bench_transfer(
+    seed: u64,
+    cfg: Config,
+    loss: f64,
+    count: usize,
+    len: usize,
+) -> (Stats, Stats) {
+    let link = sim::Link {
+        loss,
+        ..sim::Link::default()
+    };
+    let mut s = sim::Sim::new(seed, cfg, link);
+    let sizes = vec![len; count];
+    s.queue_sizes(0, 0, &sizes);
+    s.run_to_completion(std::time::Duration::from_secs(3600));
+    (s.stats(0), s.stats(1))
+}

@@ -1,0 +1,170 @@
+//! Batched datagram I/O on the two sockets: `recvmmsg` and `sendmmsg`
+//! through tokio's readiness (`try_io`), so a `WouldBlock` clears readiness
+//! and `readable()`/`writable()` wake us when there is more to do.
+//!
+//! GSO/GRO are not used: on loopback a datagram is already 64 KiB (the
+//! largest a GSO super-packet may be), so batching syscalls is what helps
+//! there; on a 1500-byte path GSO would cut the per-datagram cost further
+//! (left for later, see the module docs of `udp`).
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+
+use socket2::SockAddr;
+use tokio::io::Interest;
+use tokio::net::UdpSocket;
+
+/// Datagrams moved per system call.
+pub(crate) const BATCH: usize = 16;
+/// Size of a receive buffer: the largest UDP payload fits.
+const RECV_BUF: usize = 65_536;
+
+/// Receive buffers for one `recvmmsg` call, reused across calls.
+pub(crate) struct RecvBatch {
+    bufs: Vec<Vec<u8>>,
+    lens: [usize; BATCH],
+    from: [Option<SocketAddr>; BATCH],
+    n: usize,
+}
+
+impl RecvBatch {
+    pub(crate) fn new() -> RecvBatch {
+        RecvBatch {
+            bufs: (0..BATCH).map(|_| vec![0u8; RECV_BUF]).collect(),
+            lens: [0; BATCH],
+            from: [None; BATCH],
+            n: 0,
+        }
+    }
+
+    /// The datagrams of the last call, with their source addresses.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (Option<SocketAddr>, &[u8])> {
+        (0..self.n).map(|i| (self.from[i], &self.bufs[i][..self.lens[i]]))
+    }
+}
+
+/// Receive up to [`BATCH`] datagrams without blocking; `Ok(0)` when none.
+pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    b.n = 0;
+    let fd = sock.as_raw_fd();
+    let r = sock.try_io(Interest::READABLE, || {
+        // SAFETY: all-zero bytes are a valid value of these plain C structs.
+        let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+        for i in 0..BATCH {
+            iovs[i].iov_base = b.bufs[i].as_mut_ptr().cast();
+            iovs[i].iov_len = b.bufs[i].len();
+            hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+            hdrs[i].msg_hdr.msg_namelen =
+                std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
+            hdrs[i].msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: every header points at one iovec covering a live buffer
+        // of iov_len bytes and at a sockaddr_storage of msg_namelen bytes,
+        // all of which outlive the call; the kernel writes at most that.
+        let n = unsafe {
+            libc::recvmmsg(
+                fd,
+                hdrs.as_mut_ptr(),
+                BATCH as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = n as usize;
+        for i in 0..n {
+            b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
+            b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
+        }
+        Ok(n)
+    });
+    match r {
+        Ok(n) => {
+            b.n = n;
+            Ok(n)
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
+    let len = len as usize;
+    match i32::from(s.ss_family) {
+        libc::AF_INET if len >= std::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which
+            // is smaller than sockaddr_storage and less strictly aligned.
+            let a = unsafe { &*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+            Some(SocketAddr::from((ip, u16::from_be(a.sin_port))))
+        }
+        libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: as above, for sockaddr_in6.
+            let a = unsafe { &*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
+            Some(SocketAddr::from((ip, u16::from_be(a.sin6_port))))
+        }
+        _ => None,
+    }
+}
+
+/// Send datagrams to `dst` without blocking. Returns how many left (a prefix
+/// of `bufs`); fewer than asked when the socket buffer is full. A datagram
+/// the kernel refuses for another reason is skipped (counted as sent): the
+/// protocol retransmits what matters.
+pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[&[u8]]) -> usize {
+    let addr = SockAddr::from(dst);
+    let fd = sock.as_raw_fd();
+    let mut done = 0;
+    while done < bufs.len() {
+        let chunk = &bufs[done..bufs.len().min(done + BATCH)];
+        let r = sock.try_io(Interest::WRITABLE, || {
+            // SAFETY: all-zero bytes are a valid value of these C structs.
+            let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            for (i, b) in chunk.iter().enumerate() {
+                iovs[i].iov_base = b.as_ptr() as *mut libc::c_void;
+                iovs[i].iov_len = b.len();
+                hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+                hdrs[i].msg_hdr.msg_namelen = addr.len();
+                hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
+                hdrs[i].msg_hdr.msg_iovlen = 1;
+            }
+            // SAFETY: each header points at one iovec over a live buffer and
+            // at the destination address, all outliving the call; sendmmsg
+            // only reads them (and writes msg_len in the headers).
+            let n = unsafe {
+                libc::sendmmsg(
+                    fd,
+                    hdrs.as_mut_ptr(),
+                    chunk.len() as libc::c_uint,
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(n as usize)
+            }
+        });
+        match r {
+            Ok(n) => done += n.max(1).min(chunk.len()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                tracing::debug!("udp: datagram to {dst} refused by the kernel: {e}");
+                done += 1;
+            }
+        }
+    }
+    done
+}

@@ -1,0 +1,282 @@
+//! One remote rank as the `udp` driver sees it: the protocol connection,
+//! the ordered queue of messages the protocol refused for now, datagrams
+//! the kernel refused for now, and the liveness clocks.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::io;
+use super::proto::{self, Connection, Event, SendError};
+use crate::completion::Completion;
+use crate::{Error, Rank, Result};
+
+/// A message (one or two protocol messages) waiting for send budget.
+struct Pending {
+    parts: VecDeque<Bytes>,
+    done: Arc<Completion>,
+}
+
+/// Mutable state of one peer (behind [`Peer::st`]).
+pub(crate) struct PeerState {
+    pub(crate) conn: Connection,
+    queue: VecDeque<Pending>,
+    /// Datagrams the kernel had no room for, sent first next time.
+    backlog: VecDeque<(bool, Vec<u8>)>,
+    /// Recycled transmit buffers.
+    spare: Vec<Vec<u8>>,
+    pub(crate) last_sent: Instant,
+    pub(crate) last_heard: Instant,
+    /// Datagrams the connection accepted as well-formed and ours, so far.
+    valid_seen: u64,
+}
+
+/// One remote rank.
+pub(crate) struct Peer {
+    pub(crate) rank: Rank,
+    pub(crate) data_addr: SocketAddr,
+    pub(crate) prio_addr: SocketAddr,
+    /// Most raw datagrams kept while the peer is paused (receive backpressure).
+    pub(crate) stash_limit: usize,
+    pub(crate) lost: AtomicBool,
+    pub(crate) st: Mutex<PeerState>,
+}
+
+/// What a `send`-like call did.
+pub(crate) enum Queued {
+    /// Every part was accepted by the protocol: locally complete.
+    Done,
+    /// Some parts wait in the queue; the completion fires when they go.
+    Waiting(Arc<Completion>),
+}
+
+/// Datagrams the connection took as valid: received minus every kind of
+/// rejection.
+fn valid(s: &proto::Stats) -> u64 {
+    s.datagrams_received
+        .saturating_sub(s.checksum_errors + s.decode_errors + s.misdirected)
+}
+
+impl PeerState {
+    pub(crate) fn new(conn: Connection, now: Instant) -> PeerState {
+        PeerState {
+            conn,
+            queue: VecDeque::new(),
+            backlog: VecDeque::new(),
+            spare: Vec::new(),
+            last_sent: now,
+            last_heard: now,
+            valid_seen: 0,
+        }
+    }
+
+    pub(crate) fn queue_is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Whether nothing is queued, unsent or unacknowledged either way.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.backlog.is_empty() && self.conn.is_idle()
+    }
+
+    pub(crate) fn has_backlog(&self) -> bool {
+        !self.backlog.is_empty()
+    }
+
+    /// Feed one datagram; events go to `out`. Refreshes the liveness clock
+    /// when the connection found the datagram valid.
+    pub(crate) fn feed(&mut self, now: Instant, dgram: &[u8], out: &mut Vec<Event>) {
+        self.conn.handle_datagram(now, dgram);
+        let v = valid(&self.conn.stats());
+        if v > self.valid_seen {
+            self.valid_seen = v;
+            self.last_heard = now;
+        }
+        out.extend(std::iter::from_fn(|| self.conn.poll_event()));
+    }
+
+    /// Offer queued messages to the protocol, in order. Returns how many
+    /// messages completed locally.
+    pub(crate) fn push_queue(&mut self, now: Instant, rank: Rank) -> usize {
+        let mut n = 0;
+        while let Some(head) = self.queue.front_mut() {
+            while let Some(part) = head.parts.pop_front() {
+                match self.conn.send(now, part) {
+                    Ok(_) => {}
+                    Err(SendError::WouldBlock(b)) => {
+                        head.parts.push_front(b);
+                        return n;
+                    }
+                    Err(e) => {
+                        let err = to_error(e, rank);
+                        if let Some(h) = self.queue.pop_front() {
+                            h.done.complete(Err(err));
+                        }
+                        return n;
+                    }
+                }
+            }
+            if let Some(h) = self.queue.pop_front() {
+                h.done.complete(Ok(()));
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Queue a message's parts: what the protocol accepts now goes at once
+    /// (nothing may overtake the queue), the rest waits.
+    pub(crate) fn submit(&mut self, now: Instant, rank: Rank, parts: Vec<Bytes>) -> Result<Queued> {
+        let mut parts: VecDeque<Bytes> = parts.into();
+        if self.queue.is_empty() {
+            while let Some(p) = parts.pop_front() {
+                match self.conn.send(now, p) {
+                    Ok(_) => {}
+                    Err(SendError::WouldBlock(b)) => {
+                        parts.push_front(b);
+                        break;
+                    }
+                    Err(e) => return Err(to_error(e, rank)),
+                }
+            }
+            if parts.is_empty() {
+                return Ok(Queued::Done);
+            }
+        }
+        let done = Completion::new();
+        self.queue.push_back(Pending {
+            parts,
+            done: done.clone(),
+        });
+        Ok(Queued::Waiting(done))
+    }
+
+    /// Fail every queued message (the peer is lost).
+    pub(crate) fn fail_queue(&mut self, rank: Rank, reason: &str) {
+        for p in self.queue.drain(..) {
+            p.done.complete(Err(Error::PeerLost {
+                rank,
+                reason: reason.to_string(),
+            }));
+        }
+        self.backlog.clear();
+    }
+
+    /// Send everything the connection has to send now. Returns datagrams sent.
+    pub(crate) fn flush(&mut self, now: Instant, io: &Sockets, peer: &Peer, max: usize) -> usize {
+        let mut sent = 0;
+        loop {
+            sent += self.send_backlog(io, peer);
+            if !self.backlog.is_empty() || sent >= max {
+                return sent;
+            }
+            let mut n = 0;
+            while n < io::BATCH {
+                let mut buf = self.spare.pop().unwrap_or_default();
+                match self.conn.poll_transmit(now, &mut buf) {
+                    Some(t) => {
+                        self.backlog.push_back((t.priority, buf));
+                        n += 1;
+                    }
+                    None => {
+                        self.spare.push(buf);
+                        break;
+                    }
+                }
+            }
+            if n == 0 {
+                return sent;
+            }
+        }
+    }
+
+    /// Send queued datagrams, grouped by channel, until the kernel says full.
+    fn send_backlog(&mut self, io: &Sockets, peer: &Peer) -> usize {
+        let mut sent = 0;
+        while let Some((prio, _)) = self.backlog.front() {
+            let prio = *prio;
+            let run = self
+                .backlog
+                .iter()
+                .take(io::BATCH)
+                .take_while(|(p, _)| *p == prio)
+                .count();
+            let bufs: Vec<&[u8]> = self.backlog.iter().take(run).map(|(_, b)| &b[..]).collect();
+            let (sock, dst) = if prio {
+                (&io.prio, peer.prio_addr)
+            } else {
+                (&io.data, peer.data_addr)
+            };
+            let n = io::send(sock, dst, &bufs);
+            for (_, b) in self.backlog.drain(..n) {
+                if self.spare.len() < io::BATCH {
+                    self.spare.push(b);
+                }
+            }
+            sent += n;
+            if n > 0 {
+                self.last_sent = Instant::now();
+            }
+            if n < run {
+                break;
+            }
+        }
+        sent
+    }
+
+    /// A keepalive: an ACK-only datagram carrying our current cumulative
+    /// ACK, which the peer's connection takes as a harmless (possibly
+    /// repeated) acknowledgement. Proves we are alive when we have nothing
+    /// else to say.
+    pub(crate) fn keepalive(&mut self, io: &Sockets, peer: &Peer, job: u64, me: Rank) {
+        let s = self.conn.stats();
+        let h = proto::Header {
+            job,
+            src: me,
+            dst: peer.rank,
+            flags: proto::Flags::NONE,
+            seq: s.send_next,
+            ack: s.recv_base,
+            kind: proto::Kind::Ack,
+        };
+        let mut buf = Vec::new();
+        h.encode(&[], &mut buf);
+        self.backlog.push_back((true, buf));
+        self.send_backlog(io, peer);
+    }
+}
+
+fn to_error(e: SendError, rank: Rank) -> Error {
+    match e {
+        SendError::PeerLost => Error::PeerLost {
+            rank,
+            reason: "the udp connection to it failed earlier".into(),
+        },
+        other => Error::Exhausted {
+            what: format!("udp send to rank {rank}: {other}"),
+            hint: "send smaller messages (split them) over udp".into(),
+        },
+    }
+}
+
+/// The two sockets of a process.
+pub(crate) struct Sockets {
+    pub(crate) data: tokio::net::UdpSocket,
+    pub(crate) prio: tokio::net::UdpSocket,
+}
+
+impl Peer {
+    pub(crate) fn is_lost(&self) -> bool {
+        // Pairs with the AcqRel swap in `UdpTransport::lose`.
+        self.lost.load(Ordering::Acquire)
+    }
+}
+
+/// How long a peer may be silent before we prove we are alive.
+pub(crate) fn keepalive_every(peer_timeout: Duration) -> Duration {
+    (peer_timeout / 4).max(Duration::from_millis(1))
+}

@@ -1,0 +1,224 @@
+//! Receive side of the `udp` driver: batch-receive from both sockets, drop
+//! what is not from a known peer of this job, feed the protocol, decode
+//! frames and hand messages to the core.
+//!
+//! Receive-side backpressure. The protocol acknowledges what it receives,
+//! so it cannot slow a sender by itself. When a user message finds its
+//! tag's queue full (`Dispatcher::has_room`), it and everything after it
+//! from the same peer is *held* here (order is per peer), and from then on
+//! that peer's DATA datagrams are *not fed* to the protocol: they are kept
+//! raw in a small stash (at most a receive window of them; further ones are
+//! dropped and will be retransmitted). Unacknowledged, the sender's window
+//! closes and its futures wait. ACK-only datagrams still go in, so our own
+//! sends to that peer keep flowing (no deadlock when both sides send). When
+//! the application makes room, held messages go out first, then the stash
+//! is fed in arrival order, so nothing is lost and there is no burst of
+//! retransmissions. Memory: one window of datagrams plus what one datagram
+//! can complete.
+//!
+//! Stalling the sender this way would make its protocol declare us lost
+//! after its peer timeout, which is why liveness is driven by keepalives
+//! (see [`super`]) and the protocol's own timer is only a long stall guard.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::frame::Decoder;
+use super::io::{self, RecvBatch};
+use super::proto::{self, Event};
+use super::UdpTransport;
+use crate::stats::Counters;
+use crate::sync::lock;
+use crate::transport::Kind;
+use crate::Rank;
+
+/// Receive-side state of one peer.
+#[derive(Default)]
+pub(crate) struct PeerRx {
+    dec: Decoder,
+    held: VecDeque<(Kind, u64, Bytes)>,
+    stash: VecDeque<Vec<u8>>,
+}
+
+impl PeerRx {
+    fn paused(&self) -> bool {
+        !self.held.is_empty() || !self.stash.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.dec.reset();
+        self.held.clear();
+        self.stash.clear();
+    }
+}
+
+/// State of the receive path (behind the transport's `rx` mutex: one
+/// thread receives at a time, so messages reach the core in order).
+pub(crate) struct RxState {
+    batch: RecvBatch,
+    peers: Vec<PeerRx>,
+    events: Vec<Event>,
+}
+
+impl RxState {
+    pub(crate) fn new(size: usize) -> RxState {
+        RxState {
+            batch: RecvBatch::new(),
+            peers: (0..size).map(|_| PeerRx::default()).collect(),
+            events: Vec::new(),
+        }
+    }
+}
+
+/// Rounds of `recvmmsg` per socket per progress call, so one socket cannot
+/// starve the rest of the driver.
+const ROUNDS: usize = 4;
+
+impl UdpTransport {
+    /// Receive and dispatch. Returns datagrams and messages handled.
+    pub(crate) fn rx_progress(&self, rx: &mut RxState, now: Instant) -> usize {
+        let RxState {
+            batch,
+            peers,
+            events,
+        } = rx;
+        let mut work = 0;
+        for (rank, prx) in peers.iter_mut().enumerate() {
+            if prx.paused() {
+                work += self.release(prx, rank as Rank, now, events);
+            }
+        }
+        for sock in [&self.io.prio, &self.io.data] {
+            for _ in 0..ROUNDS {
+                let n = match io::recv(sock, batch) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        tracing::debug!("udp: receive failed: {e}");
+                        0
+                    }
+                };
+                work += n;
+                for (from, d) in batch.iter() {
+                    self.on_datagram(peers, from, d, now, events);
+                }
+                if n < io::BATCH {
+                    break;
+                }
+            }
+        }
+        work
+    }
+
+    fn on_datagram(
+        &self,
+        peers: &mut [PeerRx],
+        from: Option<std::net::SocketAddr>,
+        d: &[u8],
+        now: Instant,
+        events: &mut Vec<Event>,
+    ) {
+        let rank = from.and_then(|a| self.by_addr.get().and_then(|m| m.get(&a).copied()));
+        let ids = proto::peek(d).ok();
+        let (Some(rank), Some(ids)) = (rank, ids) else {
+            return self.foreign();
+        };
+        if ids.job != self.job || ids.src != rank || ids.dst != self.core.rank {
+            return self.foreign();
+        }
+        let (Some(peer), Some(prx)) = (self.peer(rank), peers.get_mut(rank as usize)) else {
+            return self.foreign();
+        };
+        if peer.is_lost() {
+            prx.clear();
+            return;
+        }
+        if prx.paused() {
+            match proto::decode(d) {
+                Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank => {
+                    if let proto::Kind::Data(_) = h.kind {
+                        let mut st = lock(&peer.st);
+                        st.last_heard = now;
+                        drop(st);
+                        if prx.stash.len() < peer.stash_limit {
+                            prx.stash.push_back(d.to_vec());
+                        }
+                        return;
+                    }
+                }
+                // Corrupt: let the connection count it.
+                _ => {}
+            }
+        }
+        lock(&peer.st).feed(now, d, events);
+        self.on_events(prx, rank, events);
+    }
+
+    fn foreign(&self) {
+        Counters::bump(&self.core.counters.foreign_datagrams);
+    }
+
+    fn on_events(&self, prx: &mut PeerRx, rank: Rank, events: &mut Vec<Event>) {
+        for ev in events.drain(..) {
+            match ev {
+                Event::Message(m) => match prx.dec.push(m) {
+                    Ok(Some((kind, tag, data))) => {
+                        let fits =
+                            kind != Kind::User || self.core.dispatcher.has_room(tag, data.len());
+                        if prx.held.is_empty() && fits {
+                            self.dispatch(rank, kind, tag, data);
+                        } else {
+                            prx.held.push_back((kind, tag, data));
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        Counters::bump(&self.core.counters.bad_frames);
+                        tracing::warn!(peer = rank, "udp: dropped a malformed frame: {e:?}");
+                    }
+                },
+                Event::Acked(_) => {}
+                Event::PeerLost => self.lose(rank, &self.stall_reason()),
+            }
+        }
+    }
+
+    fn dispatch(&self, rank: Rank, kind: Kind, tag: u64, data: Bytes) {
+        if let Some(link) = self.core.link(rank) {
+            self.core.on_message(&*link, rank, kind, tag, data);
+        }
+    }
+
+    /// Deliver held messages that now fit, then feed the stash.
+    fn release(
+        &self,
+        prx: &mut PeerRx,
+        rank: Rank,
+        now: Instant,
+        events: &mut Vec<Event>,
+    ) -> usize {
+        let mut work = 0;
+        while let Some((kind, tag, data)) = prx.held.front() {
+            if *kind == Kind::User && !self.core.dispatcher.has_room(*tag, data.len()) {
+                return work;
+            }
+            if let Some((kind, tag, data)) = prx.held.pop_front() {
+                self.dispatch(rank, kind, tag, data);
+                work += 1;
+            }
+        }
+        let Some(peer) = self.peer(rank) else {
+            return work;
+        };
+        while prx.held.is_empty() {
+            let Some(d) = prx.stash.pop_front() else {
+                break;
+            };
+            lock(&peer.st).feed(now, &d, events);
+            self.on_events(prx, rank, events);
+            work += 1;
+        }
+        work
+    }
+}

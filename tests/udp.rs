@@ -1,0 +1,445 @@
+//! The `udp` transport between real processes on loopback, forced with
+//! `BTL_TRANSPORTS=udp` (each test re-executes this binary as the ranks).
+
+mod common;
+
+use std::time::Duration;
+
+use async_btl::udp::proto;
+use async_btl::{Error, Fabric, RemoteKey};
+use bytes::Bytes;
+use common::*;
+use futures::StreamExt;
+
+fn pattern(len: usize, seed: u64) -> Bytes {
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed) >> 7) as u8)
+        .collect::<Vec<_>>()
+        .into()
+}
+
+/// Launch variables of every udp test: udp only, on loopback, with a short
+/// peer timeout.
+const UDP: [(&str, &str); 3] = [
+    ("BTL_TRANSPORTS", "udp"),
+    ("BTL_UDP_ADDR", "127.0.0.1"),
+    ("BTL_UDP_PEER_TIMEOUT_MS", "1000"),
+];
+
+fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
+    let env: Vec<(&str, &str)> = UDP.iter().chain(extra).copied().collect();
+    spawn_job(n, scenario, &env)
+}
+
+/// The child side: runs the scenario named in BTL_TEST_SCENARIO.
+#[test]
+fn rank_main() {
+    let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
+        return; // the parent test process: nothing to do here
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let f = Fabric::from_env().await.expect("fabric from launcher env");
+        for r in (0..f.size()).filter(|r| *r != f.rank()) {
+            assert_eq!(f.transport_for(r), Some("udp"));
+        }
+        match scenario.as_str() {
+            "sizes" => sizes(f).await,
+            "order" => order(f).await,
+            "alltoall" => alltoall(f).await,
+            "putget" => putget(f).await,
+            "stall" => stall(f).await,
+            "kill" => kill(f).await,
+            "foreign" => foreign(f).await,
+            other => panic!("unknown scenario {other}"),
+        }
+    });
+}
+
+/// Around the frame split (32 KiB), one datagram's payload (65507 - 72),
+/// the send budget (4 MiB) and beyond.
+const SIZES: [usize; 14] = [
+    0,
+    1,
+    8,
+    1000,
+    32 * 1024 - 1,
+    32 * 1024,
+    65_435 - 9,
+    65_435 - 8,
+    65_436,
+    1 << 20,
+    (4 << 20) + 1,
+    9_999_991,
+    16 << 20,
+    3,
+];
+
+async fn sizes(f: Fabric) {
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for (i, s) in SIZES.iter().enumerate() {
+            ep.send(3, pattern(*s, i as u64)).await.unwrap();
+        }
+        for s in [0usize, 1, 100, 4072, 40_000] {
+            ep.send_inline(4, &pattern(s, 99)).await.unwrap();
+        }
+    } else {
+        let mut rx = f.receiver(3).unwrap();
+        for (i, s) in SIZES.iter().enumerate() {
+            let m = rx.recv().await.unwrap();
+            assert_eq!((m.src, m.data.len()), (0, *s));
+            assert!(
+                m.data == pattern(*s, i as u64),
+                "content mismatch at size {s}"
+            );
+        }
+        let mut rx4 = f.receiver(4).unwrap();
+        for s in [0usize, 1, 100, 4072, 40_000] {
+            assert_eq!(rx4.recv().await.unwrap().data, pattern(s, 99));
+        }
+        let st = f.udp_stats(0).unwrap();
+        println!("udp_stats={st}");
+    }
+    f.close().await.unwrap();
+}
+
+async fn order(f: Fabric) {
+    let n: u64 = std::env::var("ORDER_N").map_or(20_000, |v| v.parse().unwrap());
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..n {
+            ep.send_inline(10 + i % 2, &i.to_le_bytes()).await.unwrap();
+        }
+    } else {
+        let (mut a, mut b) = (f.receiver(10).unwrap(), f.receiver(11).unwrap());
+        let (mut na, mut nb) = (0u64, 1u64);
+        while na < n || nb < n {
+            tokio::select! {
+                m = a.next(), if na < n => {
+                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
+                    assert_eq!(v, na, "tag 10 out of order");
+                    na += 2;
+                }
+                m = b.next(), if nb < n => {
+                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
+                    assert_eq!(v, nb, "tag 11 out of order");
+                    nb += 2;
+                }
+            }
+        }
+        println!("udp_stats={}", f.udp_stats(0).unwrap());
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn alltoall(f: Fabric) {
+    const K: u64 = 500;
+    let (me, n) = (f.rank(), f.size());
+    let mut rx = f.receiver(1).unwrap();
+    let eps: Vec<_> = (0..n).map(|r| f.endpoint(r).unwrap()).collect();
+    let send = async {
+        for i in 0..K {
+            for ep in &eps {
+                let len = (i as usize * 337) % 70_000;
+                ep.send(1, pattern(len, (u64::from(me) << 32) | i))
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let recv = async {
+        let mut next = vec![0u64; n as usize];
+        for _ in 0..K * u64::from(n) {
+            let m = rx.recv().await.unwrap();
+            let i = next[m.src as usize];
+            let len = (i as usize * 337) % 70_000;
+            assert_eq!(
+                m.data,
+                pattern(len, (u64::from(m.src) << 32) | i),
+                "from {}",
+                m.src
+            );
+            next[m.src as usize] += 1;
+        }
+        assert!(next.iter().all(|c| *c == K));
+    };
+    futures::join!(send, recv);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn putget(f: Fabric) {
+    if f.rank() == 1 {
+        let heap = f.register(vec![0u8; 1 << 20]);
+        let ep = f.endpoint(0).unwrap();
+        ep.send(1, heap.remote_key().to_bytes()).await.unwrap();
+        f.barrier().await.unwrap(); // rank 0 is done
+        let mut got = vec![0u8; 200_000];
+        heap.read(12345, &mut got).unwrap();
+        assert_eq!(
+            got,
+            pattern(200_000, 1).to_vec(),
+            "put into the registered region"
+        );
+        assert!(heap.to_vec()[(1 << 20) - 64..].iter().all(|b| *b == 0));
+        println!("refused={}", f.stats().access_refused);
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let heap = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        let src = f.register(pattern(200_000, 1).to_vec());
+        ep.put(&src, 0..200_000, &heap, 12345).await.unwrap();
+        let back = f.register(vec![0u8; 200_000]);
+        ep.get(&back, 0..200_000, &heap, 12345).await.unwrap();
+        assert_eq!(back.to_vec(), pattern(200_000, 1).to_vec());
+        ep.flush().await.unwrap();
+        let e = ep
+            .put(&src, 0..64, &heap, (1 << 20) - 10)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        // A forged key claiming a huge length: the target refuses it.
+        let mut big = heap.to_bytes();
+        big.truncate(17);
+        big.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
+        let forged = RemoteKey::from_bytes(&big).unwrap();
+        let e = ep
+            .put(&src, 0..64, &forged, (1 << 20) - 32)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "forged length: {e}");
+        // A forged id: unknown at the target.
+        let mut bad = heap.to_bytes();
+        bad[5] ^= 0x55;
+        let forged = RemoteKey::from_bytes(&bad).unwrap();
+        let e = ep.get(&back, 0..64, &forged, 0).await.unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "forged id: {e}");
+        let s = f.stats();
+        println!(
+            "direct_puts={}\nemulated_puts={}",
+            s.direct_puts, s.emulated_puts
+        );
+        f.barrier().await.unwrap();
+    }
+    f.close().await.unwrap();
+}
+
+/// The receiver does not read for three peer timeouts: the sender must wait
+/// (bounded memory), not declare it lost, then everything arrives.
+async fn stall(f: Fabric) {
+    const MSGS: usize = 120;
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        let msg = pattern(1 << 20, 5);
+        let before = rss_kib();
+        let mut peak = before;
+        for i in 0..MSGS {
+            ep.send(1, msg.clone()).await.unwrap();
+            if i % 10 == 0 {
+                peak = peak.max(rss_kib());
+            }
+        }
+        println!("rss_before_kib={before}");
+        println!("rss_peak_kib={peak}");
+    } else {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let mut rx = f.receiver(1).unwrap();
+        for _ in 0..MSGS {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(1 << 20, 5));
+        }
+    }
+    assert_eq!(f.stats().peers_lost, 0);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn kill(f: Fabric) {
+    if f.rank() == 1 {
+        let _rx = f.receiver(1).unwrap();
+        let region = f.register(vec![0u8; 4096]);
+        f.endpoint(0)
+            .unwrap()
+            .send(2, region.remote_key().to_bytes())
+            .await
+            .unwrap();
+        println!("ready");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return;
+    }
+    let mut keys = f.receiver(2).unwrap();
+    let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
+    let ep = f.endpoint(1).unwrap();
+    let mut rx = f.receiver(3).unwrap();
+    let big = pattern(1 << 20, 1);
+    let sends: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(ep.send(1, big.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (done, pending): (Vec<_>, Vec<_>) = sends.into_iter().partition(|s| s.is_finished());
+    for d in done {
+        d.await.unwrap().unwrap();
+    }
+    assert!(!pending.is_empty(), "sends never blocked");
+    let local = f.register(vec![0u8; 64]);
+    let get = tokio::spawn(ep.get(&local, 0..64, &key, 0));
+    println!("blocked={}", pending.len());
+    println!("armed_ms={}", now_ms());
+    for p in pending {
+        let e = p.await.unwrap().unwrap_err();
+        assert!(e.is_peer_lost(), "send: {e}");
+    }
+    let e = get.await.unwrap().unwrap_err();
+    assert!(e.is_peer_lost(), "get: {e}");
+    let e = rx.recv().await.unwrap_err();
+    assert!(e.is_peer_lost(), "receiver: {e}");
+    println!("failed_ms={}", now_ms());
+    assert!(ep.send(1, Bytes::new()).await.unwrap_err().is_peer_lost());
+    drop(f);
+}
+
+/// Datagrams that are not ours reach rank 1's ports: garbage, and a
+/// well-formed datagram with another job's id. They are counted and
+/// dropped; the job carries on.
+async fn foreign(f: Fabric) {
+    if f.rank() == 1 {
+        let (data, prio) = f.udp_addrs().unwrap();
+        let ep = f.endpoint(0).unwrap();
+        ep.send(1, format!("{data} {prio}").into_bytes())
+            .await
+            .unwrap();
+        let mut rx = f.receiver(2).unwrap();
+        for i in 0..100u64 {
+            assert_eq!(rx.recv().await.unwrap().data, pattern(5000, i));
+        }
+        let s = f.stats();
+        println!("foreign={}", s.foreign_datagrams);
+        assert!(s.foreign_datagrams >= 4, "{s:?}");
+        assert_eq!(s.peers_lost, 0);
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let m = rx.recv().await.unwrap();
+        let text = String::from_utf8(m.data.to_vec()).unwrap();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let ep = f.endpoint(1).unwrap();
+        for addr in text.split(' ') {
+            sock.send_to(b"definitely not a datagram of ours", addr)
+                .unwrap();
+            let h = proto::Header {
+                job: 0x0bad_0bad,
+                src: 0,
+                dst: 1,
+                flags: proto::Flags::NONE,
+                seq: 1,
+                ack: 1,
+                kind: proto::Kind::Ack,
+            };
+            let mut buf = Vec::new();
+            h.encode(&[], &mut buf);
+            sock.send_to(&buf, addr).unwrap();
+        }
+        for i in 0..100u64 {
+            ep.send(2, pattern(5000, i)).await.unwrap();
+        }
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+#[test]
+fn udp_sizes_between_processes() {
+    let outs = job(2, "sizes", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+}
+
+#[test]
+fn udp_per_tag_order() {
+    assert_ok(&job(2, "order", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn udp_four_processes_all_to_all() {
+    assert_ok(&job(4, "alltoall", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn udp_put_get_emulated_with_bounds_and_forged_keys() {
+    let outs = job(2, "putget", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
+    assert!(refused >= 2, "target counted {refused} refusals");
+    assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("0"));
+}
+
+#[test]
+fn udp_stalled_receiver_slows_sender_without_false_loss() {
+    let outs = job(2, "stall", &[("BTL_RECV_BUDGET", "4194304")]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let before: u64 = value(&outs[0], "rss_before_kib").unwrap().parse().unwrap();
+    let peak: u64 = value(&outs[0], "rss_peak_kib").unwrap().parse().unwrap();
+    // 120 MiB were sent while the receiver slept; the sender may hold its
+    // send budget and a window more, not the stream.
+    assert!(
+        peak < before + 48 * 1024,
+        "sender RSS grew from {before} KiB to {peak} KiB"
+    );
+}
+
+#[test]
+fn udp_foreign_datagrams_are_dropped_and_counted() {
+    assert_ok(&job(2, "foreign", &[]).wait(Duration::from_secs(60)));
+}
+
+#[test]
+fn udp_killed_peer_fails_pending_futures_within_the_timeout() {
+    let mut job = job(2, "kill", &[("BTL_RECV_BUDGET", "4194304")]);
+    let start = std::time::Instant::now();
+    let mut out0 = String::new();
+    use std::io::{BufRead, BufReader};
+    let stdout = job.children[0].stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    while let Some(Ok(l)) = lines.next() {
+        out0.push_str(&l);
+        out0.push('\n');
+        if l.contains("armed_ms=") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "rank 0 never blocked"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let killed_at = now_ms();
+    job.children[1].kill().unwrap();
+    let _ = job.children[1].wait();
+    for l in lines.map_while(Result::ok) {
+        out0.push_str(&l);
+        out0.push('\n');
+    }
+    let outs = job.wait(Duration::from_secs(30));
+    if !outs[0].status.success() {
+        eprintln!("{out0}");
+        dump(&outs);
+        panic!("rank 0 failed");
+    }
+    let failed: u128 = out0
+        .lines()
+        .find_map(|l| l.split_once("failed_ms=").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Timeout 1 s; detection runs on the heartbeat (100 ms): allow slack
+    // for a loaded machine, but far below the 5 s default.
+    assert!(
+        failed - killed_at < 2500,
+        "peer loss took {} ms",
+        failed - killed_at
+    );
+}
