@@ -28,7 +28,7 @@ pub(crate) const KNOWN: &[&str] = &["self", "sm", "udp", "smcuda", "rdma"];
 /// Names of the transports compiled into this build, a subset of [`KNOWN`]:
 /// a transport adds its name here when it lands (`btl-info` reports the
 /// others as not built).
-pub(crate) const BUILT: &[&str] = &["self", "sm"];
+pub(crate) const BUILT: &[&str] = &["self", "sm", "udp"];
 
 /// What a message is for. Travels in every transport's frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,11 +24,12 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
 }
 
 fn small() -> Config {
-    let mut c = Config::default();
-    c.sm_eager_count = 4;
-    c.sm_max_count = 1;
-    c.recv_budget = 1024;
-    c
+    Config {
+        sm_eager_count: 4,
+        sm_max_count: 1,
+        recv_budget: 1024,
+        ..Config::default()
+    }
 }
 
 /// An inline send must never push part of a message (it used to, then
@@ -152,8 +153,10 @@ async fn r3_sends_keep_flowing_after_a_busy_pool() {
 /// it fail instead of hanging.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r4_get_to_a_closed_peer_fails_instead_of_hanging() {
-    let mut c = Config::default();
-    c.close_timeout = Duration::from_millis(200);
+    let c = Config {
+        close_timeout: Duration::from_millis(200),
+        ..Config::default()
+    };
     let mut f = job(2, c).await;
     let f1 = f.pop().unwrap();
     let region = f1.register(vec![7u8; 100]);
