@@ -98,7 +98,7 @@ impl Default for Config {
             heartbeat: Duration::from_millis(100),
             sm_eager_size: 4096,
             sm_eager_count: 64,
-            sm_max_size: 32 * 1024,
+            sm_max_size: 128 * 1024,
             sm_max_count: 16,
             sm_cma_min: 64 * 1024,
             recv_budget: 32 << 20,

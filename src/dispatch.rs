@@ -48,6 +48,9 @@ pub(crate) struct Dispatcher {
     budget: usize,
     /// Signalled when a full queue drains, so progress tasks resume reading.
     pub(crate) space: Arc<Notify>,
+    /// Signalled when a future stops polling inline (traffic went cold), so a
+    /// progress task that stood back takes over at once.
+    pub(crate) cold: Arc<Notify>,
     /// Set by a receiver poll that found nothing: try progress inline.
     progress_hook: OnceLock<Arc<dyn Fn() -> usize + Send + Sync>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
@@ -93,6 +96,7 @@ impl Dispatcher {
             tags: Mutex::new(HashMap::new()),
             budget: budget.max(1),
             space: Arc::new(Notify::new()),
+            cold: Arc::new(Notify::new()),
             progress_hook: OnceLock::new(),
             policy: Hot {
                 mode,
@@ -126,10 +130,14 @@ impl Dispatcher {
     /// task, no cross-thread wake-up) and tell the progress task it may stand
     /// back.
     pub(crate) fn stay_hot(&self, cx: &Context<'_>) {
-        if self.policy.is_hot() {
-            let p = &self.policy;
+        let p = &self.policy;
+        if p.is_hot() {
             p.inline.store(p.now_ns(), Ordering::Relaxed);
             cx.waker().wake_by_ref();
+        } else if p.inline.swap(0, Ordering::Relaxed) != 0 {
+            // We were polling inline and stop now: hand over to the
+            // progress task, which may be standing back.
+            self.cold.notify_one();
         }
     }
 

@@ -54,8 +54,10 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
                 // spinning here too would only compete for the core. Check
                 // back soon (the timer wheel's 1 ms tick).
                 let closing = core.closing.clone();
+                let cold = core.dispatcher.cold.clone();
                 tokio::select! {
                     _ = tokio::time::sleep(STAND_BACK) => {}
+                    _ = cold.notified() => {}
                     _ = closing.notified() => {}
                 }
             } else {

@@ -26,6 +26,7 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
 fn small() -> Config {
     Config {
         sm_eager_count: 4,
+        sm_max_size: 32 * 1024,
         sm_max_count: 1,
         recv_budget: 1024,
         ..Config::default()
