@@ -1,9 +1,6 @@
 //! Micro-benchmarks of the pieces on every message's path: the FIFO ring
-//! push/pop and the `sm` fragment header encode/decode.
-//!
-//! The udp protocol's header and ACK codecs belong here too; whoever
-//! integrates `udp` adds them (its sans-IO module exposes what it needs
-//! through `bench_support` the same way).
+//! push/pop, the `sm` fragment header and the `udp` datagram header (with
+//! its CRC32C) encode/decode.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -49,12 +46,45 @@ fn frag_header(c: &mut Criterion) {
     g.finish();
 }
 
+fn udp_header(c: &mut Criterion) {
+    use async_btl::udp::proto::{decode, Chunk, Flags, Header, Kind};
+    let h = Header {
+        job: 0x1234_5678,
+        src: 1,
+        dst: 2,
+        flags: Flags::NONE,
+        seq: 1 << 40,
+        ack: (1 << 40) - 7,
+        kind: Kind::Data(Chunk {
+            msg_id: 9,
+            offset: 0,
+            total_len: 1400,
+        }),
+    };
+    let payload = vec![7u8; 1400];
+    let mut g = c.benchmark_group("udp_datagram_header");
+    g.throughput(Throughput::Bytes(payload.len() as u64));
+    let mut out = Vec::with_capacity(1500);
+    g.bench_function("encode 1400 B", |b| {
+        b.iter(|| {
+            out.clear();
+            black_box(&h).encode(black_box(&payload), &mut out);
+        })
+    });
+    out.clear();
+    h.encode(&payload, &mut out);
+    g.bench_function("decode 1400 B", |b| {
+        b.iter(|| decode(black_box(&out)).is_ok())
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1))
         .sample_size(20);
-    targets = fifo, frag_header
+    targets = fifo, frag_header, udp_header
 }
 criterion_main!(benches);
