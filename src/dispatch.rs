@@ -58,6 +58,9 @@ pub(crate) struct Dispatcher {
     policy: Hot,
 }
 
+/// See [`Hot::spinning_idle`].
+const OS_YIELD_AFTER_NS: u64 = 20_000;
+
 /// When a waiting receiver polls again at once instead of sleeping.
 struct Hot {
     mode: ProgressMode,
@@ -77,6 +80,18 @@ impl Hot {
     fn touch(&self) {
         self.last.store(self.now_ns(), Ordering::Relaxed);
     }
+    /// Spinning for this long without work, a poller also yields the CPU to
+    /// the OS between polls: if the peer runs on the same core (the kernel
+    /// likes to wake a process next to its waker), spinning would only keep
+    /// it from answering. On separate cores the yield returns at once.
+    fn spinning_idle(&self) -> bool {
+        self.mode != ProgressMode::Interrupt
+            && self
+                .now_ns()
+                .saturating_sub(self.last.load(Ordering::Relaxed))
+                > OS_YIELD_AFTER_NS
+    }
+
     fn is_hot(&self) -> bool {
         match self.mode {
             ProgressMode::BusyPoll => true,
@@ -133,6 +148,9 @@ impl Dispatcher {
         let p = &self.policy;
         if p.is_hot() {
             p.inline.store(p.now_ns(), Ordering::Relaxed);
+            if p.spinning_idle() {
+                std::thread::yield_now();
+            }
             cx.waker().wake_by_ref();
         } else if p.inline.swap(0, Ordering::Relaxed) != 0 {
             // We were polling inline and stop now: hand over to the

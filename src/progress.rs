@@ -16,6 +16,9 @@ use crate::transport::Transport;
 /// How recent an inline poll by a receiver makes the progress task stand back.
 const STAND_BACK: Duration = Duration::from_micros(50);
 
+/// Spinning this long without work, also yield the CPU to the OS.
+const OS_YIELD_AFTER: Duration = Duration::from_micros(20);
+
 /// Progress polls between two yields to the runtime while hot.
 const SPIN_TURNS: usize = 64;
 
@@ -69,6 +72,11 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
                 }) {
                     last_work = Instant::now();
                     continue;
+                }
+                if now.duration_since(last_work) > OS_YIELD_AFTER {
+                    // Idle for a while: let a peer that shares this core run
+                    // (returns at once when it does not).
+                    std::thread::yield_now();
                 }
                 tokio::task::yield_now().await;
             }
