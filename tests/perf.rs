@@ -207,3 +207,25 @@ fn bad_options_are_refused_with_a_message() {
         assert!(!out.stderr.is_empty());
     }
 }
+
+#[test]
+fn compare_measures_one_series_per_transport() {
+    let out = run(Command::new(PERF)
+        .args([
+            "--compare",
+            "sm,udp",
+            "--test",
+            "lat",
+            "--baseline",
+            "unix",
+            "--json",
+        ])
+        .args(QUICK));
+    let s = series(&json(&out));
+    for want in ["async-btl/sm", "async-btl/udp", "unix"] {
+        assert!(
+            s.iter().any(|(_, w)| w == want),
+            "no {want} series in {s:?}"
+        );
+    }
+}

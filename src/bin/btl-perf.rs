@@ -48,6 +48,12 @@ struct Args {
     #[arg(long, value_name = "NAMES")]
     transport: Option<String>,
 
+    /// Measure async-btl once per listed transport, each forced alone
+    /// (e.g. `sm,udp`): one series per transport in the table and plot,
+    /// all beside the same baselines.
+    #[arg(long, value_name = "NAMES", conflicts_with = "transport")]
+    compare: Option<String>,
+
     /// Progress mode: busy, adaptive or interrupt (default: BTL_PROGRESS,
     /// else adaptive).
     #[arg(long, value_name = "MODE", value_parser = progress)]
@@ -210,6 +216,13 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
     let settings = Settings {
         tests: args.test.clone(),
         transport: args.transport.clone(),
+        compare: args
+            .compare
+            .iter()
+            .flat_map(|c| c.split(','))
+            .map(|s| s.trim().to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .collect(),
         progress: args.progress,
         min_size: args.min_size,
         max_size: args.max_size,

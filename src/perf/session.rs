@@ -32,6 +32,9 @@ pub struct Settings {
     pub tests: Vec<Test>,
     /// `BTL_TRANSPORTS` for the ranks (`None`: the environment's, or all).
     pub transport: Option<String>,
+    /// Transports to measure one after the other, each forced alone (empty:
+    /// one run under `transport`).
+    pub compare: Vec<String>,
     /// Progress mode (`None`: the environment's, or the default).
     pub progress: Option<ProgressMode>,
     /// Smallest message size.
@@ -54,7 +57,7 @@ impl Settings {
     /// Number of measurements one rank makes (for a progress bar).
     pub fn steps(&self) -> u64 {
         let per = |t: &Test| t.sizes(self.min_size, self.max_size).len() as u64;
-        let btl: u64 = self.tests.iter().map(per).sum();
+        let btl: u64 = self.tests.iter().map(per).sum::<u64>() * self.compare.len().max(1) as u64;
         let base: u64 = self
             .baselines
             .iter()
@@ -107,76 +110,39 @@ pub async fn run(
     }
     let launcher = format!("{:?}", job.launcher);
     let config = s.config()?;
-    let fabric = Fabric::from_job(job, config.clone()).await?;
-    let rank = fabric.rank();
-    let peer = 1 - rank;
-    let transport = fabric.transport_for(peer).unwrap_or("none");
-    let label = btl_label(transport);
-    let max_len = s.max_len();
-
-    let mut sockets = connect_baselines(&fabric, TAG_SETUP, &s.baselines, max_len).await?;
-    let ep = fabric.endpoint(peer)?;
-    let mut btl = BtlWire::new(ep.clone(), fabric.receiver(TAG_DATA)?, TAG_DATA, max_len);
-
-    let rma = s.tests.iter().any(|t| is_rma(*t));
-    let mut ctrl = fabric.receiver(TAG_CTRL)?;
-    // Rank 1 owns the target region; rank 0 learns its key.
-    let (target, key, local) = if !rma {
-        (None, None, None)
-    } else if rank == 1 {
-        let r = fabric.alloc_region(max_len)?;
-        ep.send(TAG_CTRL, r.remote_key().to_bytes()).await?;
-        (Some(r), None, None)
+    // One async-btl run per compared transport (or one under `transport`).
+    let runs: Vec<Config> = if s.compare.is_empty() {
+        vec![config.clone()]
     } else {
-        let k = RemoteKey::from_bytes(&ctrl.recv().await?.data)?;
-        (None, Some(k), Some(fabric.register(vec![7u8; max_len])))
+        s.compare
+            .iter()
+            .map(|t| {
+                let mut c = config.clone();
+                c.transports = vec![t.clone()];
+                c.validate().map(|()| c)
+            })
+            .collect::<Result<_>>()?
     };
-
+    let mut sockets = Vec::new();
     let mut samples = Vec::new();
+    let mut names = Vec::new();
+    for (i, cfg) in runs.into_iter().enumerate() {
+        let fabric = Fabric::from_job(job.clone(), cfg).await?;
+        if i == 0 {
+            sockets = connect_baselines(&fabric, TAG_SETUP, &s.baselines, s.max_len()).await?;
+        }
+        let transport = fabric.transport_for(1 - fabric.rank()).unwrap_or("none");
+        names.push(transport);
+        measure(s, fabric, transport, &mut samples, tick).await?;
+    }
+    let rank = job.rank;
+    let transport = names.join(",");
     let guard = |what: String| {
         move |_| Error::Timeout {
             what,
             after: s.watchdog,
         }
     };
-    for &test in &s.tests {
-        for size in test.sizes(s.min_size, s.max_size) {
-            let plan = s.counts.plan(test, size);
-            let what = format!("{test} at {size} B over {label}");
-            let v = if is_rma(test) {
-                match (&key, &local) {
-                    (Some(key), Some(local)) => {
-                        let side = RmaSide {
-                            ep: &ep,
-                            local,
-                            key,
-                        };
-                        let f = rma_timed(&side, test, size, &plan);
-                        let v = tokio::time::timeout(s.watchdog, f)
-                            .await
-                            .map_err(guard(what.clone()))??;
-                        Some(v)
-                    }
-                    _ => None, // rank 1: the target only serves
-                }
-            } else {
-                let f = on_wire(&mut btl, rank, test, size, &plan);
-                tokio::time::timeout(s.watchdog, f)
-                    .await
-                    .map_err(guard(what.clone()))??
-            };
-            if let Some(value) = v {
-                samples.push(sample(test, &label, size, value, &plan));
-            }
-            tick(&what);
-        }
-    }
-    // Rank 1's region must outlive rank 0's last put/get.
-    fabric.barrier().await?;
-    drop(target);
-    drop((btl, ctrl));
-    fabric.close().await?;
-
     for (b, w) in &mut sockets {
         for &test in s.tests.iter().filter(|t| b.measures(**t)) {
             for size in test.sizes(s.min_size, s.max_size) {
@@ -196,7 +162,7 @@ pub async fn run(
     if rank != 0 {
         return Ok(None);
     }
-    let header = header(s, &config, transport, &launcher, core);
+    let header = header(s, &config, &transport, &launcher, core);
     Ok(Some(Report::new(header, samples)))
 }
 
@@ -313,4 +279,80 @@ fn header(
         settings: m,
         notes,
     }
+}
+
+/// Measure async-btl over `fabric` (whose peer link uses `transport`), then
+/// close the fabric.
+async fn measure(
+    s: &Settings,
+    fabric: Fabric,
+    transport: &str,
+    samples: &mut Vec<Sample>,
+    tick: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let rank = fabric.rank();
+    let peer = 1 - rank;
+    let label = btl_label(transport);
+    let max_len = s.max_len();
+    let ep = fabric.endpoint(peer)?;
+    let mut btl = BtlWire::new(ep.clone(), fabric.receiver(TAG_DATA)?, TAG_DATA, max_len);
+
+    let rma = s.tests.iter().any(|t| is_rma(*t));
+    let mut ctrl = fabric.receiver(TAG_CTRL)?;
+    // Rank 1 owns the target region; rank 0 learns its key.
+    let (target, key, local) = if !rma {
+        (None, None, None)
+    } else if rank == 1 {
+        let r = fabric.alloc_region(max_len)?;
+        ep.send(TAG_CTRL, r.remote_key().to_bytes()).await?;
+        (Some(r), None, None)
+    } else {
+        let k = RemoteKey::from_bytes(&ctrl.recv().await?.data)?;
+        (None, Some(k), Some(fabric.register(vec![7u8; max_len])))
+    };
+
+    let guard = |what: String| {
+        move |_| Error::Timeout {
+            what,
+            after: s.watchdog,
+        }
+    };
+    for &test in &s.tests {
+        for size in test.sizes(s.min_size, s.max_size) {
+            let plan = s.counts.plan(test, size);
+            let what = format!("{test} at {size} B over {label}");
+            let v = if is_rma(test) {
+                match (&key, &local) {
+                    (Some(key), Some(local)) => {
+                        let side = RmaSide {
+                            ep: &ep,
+                            local,
+                            key,
+                        };
+                        let f = rma_timed(&side, test, size, &plan);
+                        let v = tokio::time::timeout(s.watchdog, f)
+                            .await
+                            .map_err(guard(what.clone()))??;
+                        Some(v)
+                    }
+                    _ => None, // rank 1: the target only serves
+                }
+            } else {
+                let f = on_wire(&mut btl, rank, test, size, &plan);
+                tokio::time::timeout(s.watchdog, f)
+                    .await
+                    .map_err(guard(what.clone()))??
+            };
+            if let Some(value) = v {
+                samples.push(sample(test, &label, size, value, &plan));
+            }
+            tick(&what);
+        }
+    }
+    // Rank 1's region must outlive rank 0's last put/get.
+    fabric.barrier().await?;
+    drop(target);
+    drop((btl, ctrl));
+    fabric.close().await?;
+    Ok(())
 }
