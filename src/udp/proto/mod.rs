@@ -89,7 +89,9 @@ mod tests;
 
 pub use config::{Config, ConfigError};
 pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
-pub use header::{decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds};
+pub use header::{
+    decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack, SackBlock,
+};
 pub use seq::Seq;
 pub use stats::Stats;
 

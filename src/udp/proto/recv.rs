@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::Config;
 use super::conn::Event;
-use super::header::{Chunk, Flags, Header};
+use super::header::{Chunk, Flags, Header, Sack, SackBlock, MAX_SACK_BLOCKS};
 use super::seq::Seq;
 use super::stats::Stats;
 
@@ -122,6 +122,10 @@ pub(super) struct RecvSide {
     /// are the duplicate ACKs that drive the peer's fast retransmit.
     owed_acks: u32,
     owed_cap: u32,
+    /// Whether ACK-only packets carry SACK blocks ([`Config::sack`]).
+    sack: bool,
+    /// The most recently buffered out-of-order segment.
+    last_stored: Option<Seq>,
 }
 
 impl RecvSide {
@@ -142,6 +146,8 @@ impl RecvSide {
             since_ack: 0,
             owed_acks: 0,
             owed_cap: cfg.dup_ack_threshold,
+            sack: cfg.sack,
+            last_stored: None,
         }
     }
 
@@ -237,6 +243,7 @@ impl RecvSide {
                     payload: Bytes::copy_from_slice(payload),
                 });
                 self.buffered += 1;
+                self.last_stored = Some(Seq(hdr.seq));
                 stats.data_received += 1;
                 stats.out_of_order += 1;
             }
@@ -269,6 +276,58 @@ impl RecvSide {
             filled = true;
         }
         filled
+    }
+
+    /// SACK blocks for an ACK-only packet: the runs of buffered segments
+    /// past the hole, at most [`MAX_SACK_BLOCKS`]. The first block is the
+    /// run holding the most recently buffered segment, so every arrival is
+    /// reported by the ACK it triggers, however far up the window it is;
+    /// the rest are the lowest other runs, which name the holes the sender
+    /// must fill first and repeat what a lost ACK said. Empty when SACK is
+    /// off or nothing is buffered. Costs one pass over the receive window.
+    pub fn sack_blocks(&self) -> Sack {
+        let mut out = Sack::EMPTY;
+        if !self.sack || self.buffered == 0 {
+            return out;
+        }
+        let mut runs = [SackBlock::default(); MAX_SACK_BLOCKS];
+        let mut n = 0;
+        let mut recent = None;
+        let last = self
+            .last_stored
+            .and_then(|s| usize::try_from(s.diff(self.nxt)).ok());
+        let mut i = 0;
+        while i < self.slots.len() {
+            if self.slots[i].is_none() {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while self.slots.get(i).is_some_and(Option::is_some) {
+                i += 1;
+            }
+            let block = SackBlock {
+                start: self.nxt.wrapping_add(start as u64).0,
+                // Runs are shorter than the receive window (at most 2^20).
+                len: u32::try_from(i - start).unwrap_or(u32::MAX),
+            };
+            if last.is_some_and(|l| (start..i).contains(&l)) {
+                recent = Some(block);
+            } else if n < MAX_SACK_BLOCKS {
+                runs[n] = block;
+                n += 1;
+            }
+            if recent.is_some() && n >= MAX_SACK_BLOCKS - 1 {
+                break;
+            }
+        }
+        if let Some(block) = recent {
+            out.push(block);
+        }
+        for block in &runs[..n] {
+            out.push(*block);
+        }
+        out
     }
 
     /// Whether an ACK-only packet owed for out-of-order data is pending;
