@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::Config;
 use super::conn::Event;
-use super::header::{Chunk, Flags, Header, Sack, SackBlock, MAX_SACK_BLOCKS};
+use super::header::{Chunk, Flags, Header, Sack, SackBlock};
 use super::seq::Seq;
 use super::stats::Stats;
 
@@ -124,8 +124,6 @@ pub(super) struct RecvSide {
     owed_cap: u32,
     /// Whether ACK-only packets carry SACK blocks ([`Config::sack`]).
     sack: bool,
-    /// The most recently buffered out-of-order segment.
-    last_stored: Option<Seq>,
 }
 
 impl RecvSide {
@@ -147,7 +145,6 @@ impl RecvSide {
             owed_acks: 0,
             owed_cap: cfg.dup_ack_threshold,
             sack: cfg.sack,
-            last_stored: None,
         }
     }
 
@@ -243,7 +240,6 @@ impl RecvSide {
                     payload: Bytes::copy_from_slice(payload),
                 });
                 self.buffered += 1;
-                self.last_stored = Some(Seq(hdr.seq));
                 stats.data_received += 1;
                 stats.out_of_order += 1;
             }
@@ -278,24 +274,20 @@ impl RecvSide {
         filled
     }
 
-    /// SACK blocks for an ACK-only packet: the runs of buffered segments
-    /// past the hole, at most [`MAX_SACK_BLOCKS`]. The first block is the
-    /// run holding the most recently buffered segment, so every arrival is
-    /// reported by the ACK it triggers, however far up the window it is;
-    /// the rest are the lowest other runs, which name the holes the sender
-    /// must fill first and repeat what a lost ACK said. Empty when SACK is
-    /// off or nothing is buffered. Costs one pass over the receive window.
+    /// SACK blocks for an ACK-only packet: the lowest runs of buffered
+    /// segments past the hole, in ascending order, at most
+    /// [`MAX_SACK_BLOCKS`](super::header::MAX_SACK_BLOCKS). Lowest first, and consecutive, so that every
+    /// sequence number between the cumulative ACK and the end of the last
+    /// block that no block covers is certainly missing: the sender can
+    /// resend exactly those, never one the receiver holds but did not
+    /// mention. Those are also the holes that hold the window back. Empty
+    /// when SACK is off or nothing is buffered. Costs at most one pass over
+    /// the receive window.
     pub fn sack_blocks(&self) -> Sack {
         let mut out = Sack::EMPTY;
         if !self.sack || self.buffered == 0 {
             return out;
         }
-        let mut runs = [SackBlock::default(); MAX_SACK_BLOCKS];
-        let mut n = 0;
-        let mut recent = None;
-        let last = self
-            .last_stored
-            .and_then(|s| usize::try_from(s.diff(self.nxt)).ok());
         let mut i = 0;
         while i < self.slots.len() {
             if self.slots[i].is_none() {
@@ -311,21 +303,9 @@ impl RecvSide {
                 // Runs are shorter than the receive window (at most 2^20).
                 len: u32::try_from(i - start).unwrap_or(u32::MAX),
             };
-            if last.is_some_and(|l| (start..i).contains(&l)) {
-                recent = Some(block);
-            } else if n < MAX_SACK_BLOCKS {
-                runs[n] = block;
-                n += 1;
-            }
-            if recent.is_some() && n >= MAX_SACK_BLOCKS - 1 {
+            if !out.push(block) {
                 break;
             }
-        }
-        if let Some(block) = recent {
-            out.push(block);
-        }
-        for block in &runs[..n] {
-            out.push(*block);
         }
         out
     }

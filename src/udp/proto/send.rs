@@ -45,9 +45,10 @@ struct Segment {
     /// The peer reported holding it (SACK); it is never resent, unless the
     /// peer's cumulative ACK stops at it when the timer fires.
     sacked: bool,
-    /// Send-next when it was last transmitted: once the peer SACKs anything
-    /// from there on, this transmission was overtaken and is presumed lost.
-    sent_nxt: Seq,
+    /// Serial number of its latest transmission: once the peer SACKs a
+    /// segment transmitted later on the data channel, this transmission
+    /// was overtaken and is presumed lost.
+    serial: u64,
     /// First sent on the priority channel.
     priority: bool,
 }
@@ -147,6 +148,10 @@ pub(super) struct SendSide {
     /// One past the highest sequence number the peer has SACKed; `una` when
     /// it has SACKed nothing above the cumulative ACK.
     sack_high: Seq,
+    /// Serial number of the latest DATA transmission.
+    serial: u64,
+    /// Highest serial of a data-channel transmission the peer SACKed.
+    sacked_serial: u64,
 }
 
 impl SendSide {
@@ -176,6 +181,8 @@ impl SendSide {
             recovery: None,
             last_progress: now,
             sack_high: Seq(isn),
+            serial: 0,
+            sacked_serial: 0,
         }
     }
 
@@ -227,7 +234,6 @@ impl SendSide {
             let Ok(idx) = usize::try_from(seq.diff(self.una)) else {
                 continue; // acknowledged meanwhile
             };
-            let nxt = self.una.wrapping_add(self.inflight.len() as u64);
             let Some(seg) = self.inflight.get_mut(idx) else {
                 continue;
             };
@@ -237,7 +243,8 @@ impl SendSide {
             }
             seg.transmissions += 1;
             seg.sent_at = now;
-            seg.sent_nxt = nxt;
+            self.serial += 1;
+            seg.serial = self.serial;
             stats.resends += 1;
             return Some(Outgoing {
                 seq: seq.0,
@@ -274,6 +281,7 @@ impl SendSide {
             self.rto_deadline = now.checked_add(self.rto());
         }
         let priority = len <= self.priority_threshold;
+        self.serial += 1;
         self.inflight.push_back(Segment {
             chunk,
             payload: payload.clone(),
@@ -281,7 +289,7 @@ impl SendSide {
             transmissions: 1,
             resend_queued: false,
             sacked: false,
-            sent_nxt: seq.wrapping_add(1),
+            serial: self.serial,
             priority,
         });
         stats.data_sent += 1;
@@ -408,15 +416,21 @@ impl SendSide {
     }
 
     /// Marks the segments the peer SACKed, then queues up to
-    /// [`SACK_RESENDS_PER_ACK`] holes below the highest SACKed segment,
-    /// lowest first. A hole sent once is presumed lost when at least
-    /// `dup_ack_threshold` segments above it are SACKed (fewer may be
-    /// reordering); a resent hole, when something sent after its latest
-    /// transmission is SACKed. Only segments whose latest transmission went
-    /// on the data channel count as evidence: priority packets overtake
-    /// the data channel by design. Blocks outside the window are ignored.
+    /// [`SACK_RESENDS_PER_ACK`] holes, lowest first. The peer lists its
+    /// lowest runs in order, so an unSACKed segment below the end of this
+    /// ACK's last block is missing. One sent once is presumed lost when at
+    /// least `dup_ack_threshold` segments above it are SACKed (fewer may be
+    /// reordering); one already resent, when a segment transmitted after its
+    /// latest transmission is SACKed, resent or new, anywhere in the window
+    /// (so a lost resend is resent in the next round trip, without waiting
+    /// for the timer). Only segments whose latest
+    /// transmission went on the data channel count as evidence: priority
+    /// packets overtake the data channel by design. Blocks outside the
+    /// window are ignored.
     fn on_sack(&mut self, sack: &Sack, stats: &mut Stats) {
         let len = self.inflight.len() as u64;
+        // One past the highest segment this ACK SACKs (an index).
+        let mut top = 0u64;
         for b in sack.blocks() {
             let Ok(first) = u64::try_from(Seq(b.start).diff(self.una)) else {
                 continue;
@@ -429,29 +443,29 @@ impl SendSide {
                 // In range: i < len, the length of `inflight`.
                 let seg = &mut self.inflight[i as usize];
                 seg.sacked = true;
-                let after = self.una.wrapping_add(i + 1);
-                if seg.on_data_channel() && self.sack_high.is_before(after) {
-                    self.sack_high = after;
+                top = top.max(i + 1);
+                if seg.on_data_channel() {
+                    self.sacked_serial = self.sacked_serial.max(seg.serial);
                 }
             }
         }
-        let Ok(high) = usize::try_from(self.sack_high.diff(self.una)) else {
-            return;
-        };
-        let high = high.min(self.inflight.len());
+        let after = self.una.wrapping_add(top);
+        if self.sack_high.is_before(after) {
+            self.sack_high = after;
+        }
+        let top = top as usize;
         let mut above = self
             .inflight
             .iter()
-            .take(high)
+            .take(top)
             .filter(|s| s.sacked && s.on_data_channel())
             .count();
         let threshold = self.dup_threshold as usize;
         let mut queued = 0;
-        for i in 0..high {
+        for i in 0..top {
             if queued >= SACK_RESENDS_PER_ACK || above == 0 {
                 break;
             }
-            let sack_high = self.sack_high;
             let seg = &mut self.inflight[i];
             if seg.sacked {
                 if seg.on_data_channel() {
@@ -462,7 +476,7 @@ impl SendSide {
             let lost = if seg.transmissions == 1 {
                 above >= threshold
             } else {
-                seg.sent_nxt.is_before(sack_high)
+                seg.serial < self.sacked_serial
             };
             if lost && !seg.resend_queued {
                 seg.resend_queued = true;
@@ -494,13 +508,15 @@ impl SendSide {
             }
             self.resend_front();
             if self.sack {
-                // Every hole below the highest SACKed segment is resent
-                // too (its earlier resends were lost as well): at most one
-                // window per timeout, and the timeout backs off.
+                // Holes below the highest SACKed segment that have waited a
+                // whole timeout since their latest transmission are resent
+                // too: at most one window per timeout, which backs off.
+                let rto = self.rto();
                 let high = usize::try_from(self.sack_high.diff(self.una)).unwrap_or(0);
                 for i in 1..high.min(self.inflight.len()) {
                     let seg = &mut self.inflight[i];
-                    if !seg.sacked && !seg.resend_queued {
+                    let waited = now.saturating_duration_since(seg.sent_at) >= rto;
+                    if !seg.sacked && !seg.resend_queued && waited {
                         seg.resend_queued = true;
                         self.resend.push_back(self.una.wrapping_add(i as u64));
                     }
