@@ -338,7 +338,7 @@ async fn foreign(f: Fabric) {
                 flags: proto::Flags::NONE,
                 seq: 1,
                 ack: 1,
-                kind: proto::Kind::Ack,
+                kind: proto::Kind::Ack(proto::Sack::EMPTY),
             };
             let mut buf = Vec::new();
             h.encode(&[], &mut buf);

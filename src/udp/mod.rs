@@ -187,7 +187,7 @@ impl UdpTransport {
         // for small ones) and leaving half for other senders.
         // Capped at the protocol's default (256): several times a LAN's
         // bandwidth-delay product; more only adds queueing delay, which
-        // slows loss repair (one hole per round trip).
+        // slows loss repair (a round trip per wave of holes).
         let cap = self.core.config.udp_window.unwrap_or(256).clamp(4, 1 << 16);
         let window =
             |rcvbuf: u32| ((rcvbuf as usize / 2) / (dgram + 1024)).clamp(4, cap as usize) as u32;

@@ -241,7 +241,7 @@ impl PeerState {
             flags: proto::Flags::NONE,
             seq: s.send_next,
             ack: s.recv_base,
-            kind: proto::Kind::Ack,
+            kind: proto::Kind::Ack(proto::Sack::EMPTY),
         };
         let mut buf = Vec::new();
         h.encode(&[], &mut buf);

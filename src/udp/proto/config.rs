@@ -66,6 +66,12 @@ pub struct Config {
     /// Largest message accepted, on send and on receive. Default 1 GiB. The
     /// receiver never reserves more than this for one message.
     pub max_message: u64,
+    /// Selective acknowledgement. Default on: ACK-only packets list the
+    /// runs held past the hole, and the sender resends every hole they
+    /// reveal at once, instead of one hole per round trip. Off, the
+    /// receiver sends no SACK blocks and the sender ignores any it gets,
+    /// leaving duplicate-ACK fast retransmit and partial-ACK recovery.
+    pub sack: bool,
 }
 
 impl Default for Config {
@@ -84,6 +90,7 @@ impl Default for Config {
             dup_ack_threshold: 3,
             priority_threshold: 256,
             max_message: 1 << 30,
+            sack: true,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
-use super::header::{decode, DecodeError, Flags, Header, Kind};
+use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
 use super::recv::RecvSide;
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
@@ -195,7 +195,11 @@ impl Connection {
         let ack = AckInfo {
             ack: hdr.ack,
             gap: hdr.flags.contains(Flags::GAP),
-            ack_only: hdr.kind == Kind::Ack,
+            ack_only: matches!(hdr.kind, Kind::Ack(_)),
+            sack: match hdr.kind {
+                Kind::Ack(sack) => sack,
+                Kind::Data(_) => Sack::EMPTY,
+            },
         };
         self.send
             .on_ack(now, ack, &mut self.events, &mut self.stats);
@@ -204,7 +208,7 @@ impl Connection {
                 self.recv
                     .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
             }
-            Kind::Ack => self.stats.acks_received += 1,
+            Kind::Ack(_) => self.stats.acks_received += 1,
         }
     }
 
@@ -264,7 +268,12 @@ impl Connection {
     }
 
     fn write_ack(&mut self, buf: &mut Vec<u8>) -> Transmit {
-        let hdr = self.header(self.send.nxt().0, self.gap_flag(Flags::NONE), Kind::Ack);
+        let sack = self.recv.sack_blocks();
+        let hdr = self.header(
+            self.send.nxt().0,
+            self.gap_flag(Flags::NONE),
+            Kind::Ack(sack),
+        );
         hdr.encode(&[], buf);
         self.recv.ack_sent();
         self.stats.datagrams_sent += 1;

@@ -1,13 +1,13 @@
 //! Datagram wire format.
 //!
 //! Every datagram is a fixed header, an optional chunk header (DATA only),
-//! the payload, and a CRC32C of everything before it. All integers are
-//! little-endian.
+//! the payload (DATA) or a list of SACK blocks (ACK-only), and a CRC32C of
+//! everything before it. All integers are little-endian.
 //!
 //! ```text
 //! offset size field
 //!      0    4 magic "BTLu"
-//!      4    1 version (1)
+//!      4    1 version (2; version 1 had no SACK blocks)
 //!      5    1 kind: 1 = DATA, 2 = ACK-only
 //!      6    2 flags (see Flags)
 //!      8    8 job id
@@ -15,7 +15,10 @@
 //!     20    4 destination rank
 //!     24    8 sequence number (ACK-only: the sender's next sequence number)
 //!     32    8 cumulative ACK: next sequence number expected from the peer
-//!     40    4 payload length
+//!     40    4 payload length (ACK-only: bytes of SACK blocks)
+//!   ACK-only: 0 to MAX_SACK_BLOCKS SACK blocks of 12 bytes each,
+//!      0    8 first sequence number of a run the sender holds
+//!      8    4 length of the run (at least 1)
 //!   DATA only:
 //!     44    8 message id
 //!     52    8 chunk offset within the message
@@ -28,7 +31,7 @@ use crate::Rank;
 /// The four magic bytes every datagram starts with.
 pub const MAGIC: [u8; 4] = *b"BTLu";
 /// The wire-format version this code speaks.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Length of the header every datagram carries.
 pub const COMMON_LEN: usize = 44;
 /// Length of a DATA datagram's headers (common header plus chunk header).
@@ -39,6 +42,10 @@ pub const CRC_LEN: usize = 4;
 pub const MIN_DATAGRAM: usize = COMMON_LEN + CRC_LEN;
 /// Bytes a DATA datagram spends on headers and checksum.
 pub const DATA_OVERHEAD: usize = DATA_HEADER_LEN + CRC_LEN;
+/// Most SACK blocks one ACK-only packet carries.
+pub const MAX_SACK_BLOCKS: usize = 8;
+/// Encoded length of one SACK block.
+pub const SACK_BLOCK_LEN: usize = 12;
 
 const KIND_DATA: u8 = 1;
 const KIND_ACK: u8 = 2;
@@ -54,13 +61,63 @@ pub struct Chunk {
     pub total_len: u64,
 }
 
+/// A run of consecutive sequence numbers the sender of an ACK holds past
+/// its cumulative ACK (selective acknowledgement).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct SackBlock {
+    /// First sequence number of the run.
+    pub start: u64,
+    /// Number of sequence numbers in the run; at least 1 on the wire.
+    pub len: u32,
+}
+
+/// Up to [`MAX_SACK_BLOCKS`] SACK blocks, stored inline (no allocation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Sack {
+    n: u8,
+    blocks: [SackBlock; MAX_SACK_BLOCKS],
+}
+
+impl Sack {
+    /// No blocks.
+    pub const EMPTY: Sack = Sack {
+        n: 0,
+        blocks: [SackBlock { start: 0, len: 0 }; MAX_SACK_BLOCKS],
+    };
+
+    /// Appends a block; false (and nothing added) when full or `len` is 0.
+    pub fn push(&mut self, block: SackBlock) -> bool {
+        let n = usize::from(self.n);
+        if n >= MAX_SACK_BLOCKS || block.len == 0 {
+            return false;
+        }
+        self.blocks[n] = block;
+        self.n += 1;
+        true
+    }
+
+    /// The blocks, in the order they were pushed.
+    pub fn blocks(&self) -> &[SackBlock] {
+        &self.blocks[..usize::from(self.n)]
+    }
+
+    /// Whether there is no block.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    fn encoded_len(&self) -> usize {
+        usize::from(self.n) * SACK_BLOCK_LEN
+    }
+}
+
 /// What a datagram carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
     /// A chunk of a message; consumes one sequence number.
     Data(Chunk),
-    /// Only the cumulative ACK; consumes no sequence number.
-    Ack,
+    /// The cumulative ACK plus SACK blocks; consumes no sequence number.
+    Ack(Sack),
 }
 
 /// Header flag bits.
@@ -244,8 +301,9 @@ pub fn peek(buf: &[u8]) -> Result<PacketIds, DecodeError> {
 ///
 /// Never panics. Rejects short or long datagrams (trailing bytes included),
 /// a wrong magic or version, a checksum mismatch
-/// ([`DecodeError::BadChecksum`]), unknown kinds or flags, an ACK with a
-/// payload, and a chunk that does not fit in its message.
+/// ([`DecodeError::BadChecksum`]), unknown kinds or flags, an ACK whose
+/// SACK list is not whole blocks, holds more than [`MAX_SACK_BLOCKS`] or an
+/// empty block, and a chunk that does not fit in its message.
 pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
     let mut r = preamble(buf)?;
     let body_len = buf.len() - CRC_LEN;
@@ -267,6 +325,14 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
         KIND_ACK => COMMON_LEN,
         other => return Err(DecodeError::UnknownKind(other)),
     };
+    // Checked before the length comparison so that a huge claimed SACK
+    // list is reported as such.
+    if kind == KIND_ACK
+        && (payload_len as usize % SACK_BLOCK_LEN != 0
+            || payload_len as usize > MAX_SACK_BLOCKS * SACK_BLOCK_LEN)
+    {
+        return Err(DecodeError::Invalid("malformed SACK block list"));
+    }
     let expected = (header_len + CRC_LEN) as u64 + u64::from(payload_len);
     if expected != buf.len() as u64 {
         return Err(DecodeError::LengthMismatch {
@@ -291,14 +357,24 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
         }
         Kind::Data(chunk)
     } else {
-        if payload_len != 0 {
-            return Err(DecodeError::Invalid("ACK-only packet with a payload"));
+        let mut sack = Sack::EMPTY;
+        for _ in 0..payload_len as usize / SACK_BLOCK_LEN {
+            let block = SackBlock {
+                start: r.u64()?,
+                len: r.u32()?,
+            };
+            if !sack.push(block) {
+                return Err(DecodeError::Invalid("empty SACK block"));
+            }
         }
-        Kind::Ack
+        Kind::Ack(sack)
     };
-    let payload = body
-        .get(header_len..)
-        .ok_or(DecodeError::TooShort { len: buf.len() })?;
+    let payload = match kind {
+        Kind::Data(_) => body
+            .get(header_len..)
+            .ok_or(DecodeError::TooShort { len: buf.len() })?,
+        Kind::Ack(_) => &[],
+    };
     let header = Header {
         job,
         src,
@@ -316,30 +392,35 @@ impl Header {
     pub fn encoded_len(&self, payload_len: usize) -> usize {
         let header = match self.kind {
             Kind::Data(_) => DATA_HEADER_LEN,
-            Kind::Ack => COMMON_LEN,
+            Kind::Ack(sack) => COMMON_LEN + sack.encoded_len(),
         };
         header + payload_len + CRC_LEN
     }
 
-    /// Appends the datagram (header, `payload`, checksum) to `out`.
+    /// Appends the datagram (header, `payload` or SACK blocks, checksum) to
+    /// `out`.
     ///
     /// # Panics
     ///
     /// If `payload` is longer than `u32::MAX`, or non-empty on an ACK-only
     /// header: both are bugs in the caller, never caused by peer input.
     pub fn encode(&self, payload: &[u8], out: &mut Vec<u8>) {
-        let payload_len = u32::try_from(payload.len()).expect("payload longer than u32::MAX");
         assert!(
             matches!(self.kind, Kind::Data(_)) || payload.is_empty(),
             "ACK-only packets carry no payload"
         );
+        let payload_len = match self.kind {
+            Kind::Data(_) => payload.len(),
+            Kind::Ack(sack) => sack.encoded_len(),
+        };
+        let payload_len = u32::try_from(payload_len).expect("payload longer than u32::MAX");
         let start = out.len();
         out.reserve(self.encoded_len(payload.len()));
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
         out.push(match self.kind {
             Kind::Data(_) => KIND_DATA,
-            Kind::Ack => KIND_ACK,
+            Kind::Ack(_) => KIND_ACK,
         });
         out.extend_from_slice(&self.flags.bits().to_le_bytes());
         out.extend_from_slice(&self.job.to_le_bytes());
@@ -348,10 +429,18 @@ impl Header {
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.ack.to_le_bytes());
         out.extend_from_slice(&payload_len.to_le_bytes());
-        if let Kind::Data(c) = self.kind {
-            out.extend_from_slice(&c.msg_id.to_le_bytes());
-            out.extend_from_slice(&c.offset.to_le_bytes());
-            out.extend_from_slice(&c.total_len.to_le_bytes());
+        match self.kind {
+            Kind::Data(c) => {
+                out.extend_from_slice(&c.msg_id.to_le_bytes());
+                out.extend_from_slice(&c.offset.to_le_bytes());
+                out.extend_from_slice(&c.total_len.to_le_bytes());
+            }
+            Kind::Ack(sack) => {
+                for b in sack.blocks() {
+                    out.extend_from_slice(&b.start.to_le_bytes());
+                    out.extend_from_slice(&b.len.to_le_bytes());
+                }
+            }
         }
         out.extend_from_slice(payload);
         let crc = crc32c::crc32c(&out[start..]);
@@ -386,7 +475,15 @@ mod tests {
                     payload,
                 )
             }),
-            Just((Kind::Ack, Vec::new())),
+            proptest::collection::vec((any::<u64>(), 1u32..), 0..=MAX_SACK_BLOCKS).prop_map(
+                |blocks| {
+                    let mut sack = Sack::EMPTY;
+                    for (start, len) in blocks {
+                        assert!(sack.push(SackBlock { start, len }));
+                    }
+                    (Kind::Ack(sack), Vec::new())
+                }
+            ),
         ];
         (any::<(u64, u32, u32, u64, u64)>(), 0u16..16, kind).prop_map(
             |((job, src, dst, seq, ack), flags, (kind, payload))| {
@@ -414,6 +511,33 @@ mod tests {
     proptest! {
         #[test]
         fn any_bytes_decode_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&bytes);
+            let _ = peek(&bytes);
+        }
+
+        #[test]
+        fn any_bytes_behind_a_valid_ack_preamble_decode_without_panic(
+            flags in 0u16..16, claimed in any::<u32>(), blocks in proptest::collection::vec(any::<u8>(), 0..120),
+        ) {
+            // A well-formed start and a correct checksum, so that the SACK
+            // list parser itself sees arbitrary bytes and lengths.
+            let mut bytes = Vec::new();
+            bytes.extend_from_slice(&MAGIC);
+            bytes.push(VERSION);
+            bytes.push(KIND_ACK);
+            bytes.extend_from_slice(&flags.to_le_bytes());
+            bytes.extend_from_slice(&[0u8; 32]);
+            let claimed = if claimed % 2 == 0 { blocks.len() as u32 } else { claimed };
+            bytes.extend_from_slice(&claimed.to_le_bytes());
+            bytes.extend_from_slice(&blocks);
+            let crc = crc32c::crc32c(&bytes);
+            bytes.extend_from_slice(&crc.to_le_bytes());
+            if let Ok((h, payload)) = decode(&bytes) {
+                prop_assert!(payload.is_empty());
+                let Kind::Ack(sack) = h.kind else { panic!("not an ACK") };
+                prop_assert_eq!(sack.blocks().len() * SACK_BLOCK_LEN, blocks.len());
+                prop_assert!(sack.blocks().iter().all(|b| b.len > 0));
+            }
             let _ = decode(&bytes);
             let _ = peek(&bytes);
         }
@@ -528,5 +652,40 @@ mod tests {
         let mut bad = good;
         bad[52..60].copy_from_slice(&u64::MAX.to_le_bytes()); // offset overflows
         assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+
+        // ACK-only packets: SACK list length and block contents.
+        let mut sack = Sack::EMPTY;
+        for i in 0..MAX_SACK_BLOCKS as u64 {
+            assert!(sack.push(SackBlock {
+                start: 10 * i + 5,
+                len: 2
+            }));
+        }
+        assert!(!sack.push(SackBlock { start: 99, len: 1 }), "full");
+        let ack = Header {
+            kind: Kind::Ack(sack),
+            ..h
+        };
+        let good = encoded(&ack, &[]);
+        assert_eq!(good.len(), MIN_DATAGRAM + MAX_SACK_BLOCKS * SACK_BLOCK_LEN);
+        assert_eq!(decode(&good).unwrap().0, ack);
+        let mut bad = good.clone();
+        bad[COMMON_LEN + 8..COMMON_LEN + 12].copy_from_slice(&0u32.to_le_bytes()); // empty block
+        assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+        let mut bad = good.clone();
+        bad[40..44].copy_from_slice(&13u32.to_le_bytes()); // not whole blocks
+        assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+        // One block too many, with the bytes to back it.
+        let mut bad = good[..good.len() - CRC_LEN].to_vec();
+        bad.extend_from_slice(&[1u8; SACK_BLOCK_LEN + CRC_LEN]);
+        let n = ((MAX_SACK_BLOCKS + 1) * SACK_BLOCK_LEN) as u32;
+        bad[40..44].copy_from_slice(&n.to_le_bytes());
+        assert!(matches!(decode(&reseal(bad)), Err(DecodeError::Invalid(_))));
+        let mut bad = good;
+        bad[4] = 1; // the previous wire version
+        assert_eq!(
+            decode(&reseal(bad)),
+            Err(DecodeError::UnsupportedVersion(1))
+        );
     }
 }

@@ -31,7 +31,8 @@
 //!   nothing to carry them, and ACK-only packets on a priority channel, which
 //!   also carries tiny sends.
 //! - Retransmission on timeout and fast retransmit after duplicate ACKs, with
-//!   retransmissions sent before new data.
+//!   retransmissions sent before new data (the latter when SACK is off, or
+//!   the peer sends no SACK blocks).
 //! - Messages larger than a datagram are cut into chunks carrying a message
 //!   id, the chunk's offset and the message's total length.
 //! - The statistics the seed printed (sends, resends split by cause, ACKs,
@@ -44,10 +45,22 @@
 //!   plain state plus `poll_*` methods; completions are [`Event`]s.
 //! - One retransmission timer per connection, armed on the oldest
 //!   unacknowledged segment (RFC 6298 style) with an RTT estimate, Karn's rule
-//!   and capped exponential backoff, instead of a timer per segment. Holes
-//!   after the first are repaired one per round trip by partial-ACK recovery
-//!   (NewReno style), so a per-segment timer is not needed to recover from
-//!   burst loss, and the driver only ever has one deadline to arm.
+//!   (RTT samples only from cumulative ACKs of segments sent once) and
+//!   capped exponential backoff, instead of a timer per segment, so the
+//!   driver only ever has one deadline to arm.
+//! - Selective acknowledgement ([`Config::sack`], on by default; wire
+//!   version 2). ACK-only packets carry up to
+//!   [`header::MAX_SACK_BLOCKS`] (start, length) blocks: the receiver's
+//!   lowest runs of out-of-order data, in order, so every gap below the last
+//!   block is a real hole. The sender marks SACKed segments (never resent)
+//!   and resends holes at once, a few per ACK: a hole sent once when
+//!   `dup_ack_threshold` data-channel segments above it are SACKed, a
+//!   resent hole when a segment transmitted after it is SACKed. A whole
+//!   window of holes is repaired in a round trip or two, and a lost resend
+//!   needs no timeout; under 20% loss the simulation delivers well over ten
+//!   times faster than without SACK. Without SACK blocks, holes after the
+//!   first are repaired one per round trip by partial-ACK recovery
+//!   (NewReno style).
 //! - ACK-only packets carry a `GAP` flag when the receiver holds
 //!   out-of-order data; only those count as duplicate ACKs, so duplicated or
 //!   spuriously retransmitted packets do not trigger fast retransmits.
@@ -89,7 +102,9 @@ mod tests;
 
 pub use config::{Config, ConfigError};
 pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
-pub use header::{decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds};
+pub use header::{
+    decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack, SackBlock,
+};
 pub use seq::Seq;
 pub use stats::Stats;
 

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::Config;
 use super::conn::Event;
-use super::header::{Chunk, Flags, Header};
+use super::header::{Chunk, Flags, Header, Sack, SackBlock};
 use super::seq::Seq;
 use super::stats::Stats;
 
@@ -122,6 +122,8 @@ pub(super) struct RecvSide {
     /// are the duplicate ACKs that drive the peer's fast retransmit.
     owed_acks: u32,
     owed_cap: u32,
+    /// Whether ACK-only packets carry SACK blocks ([`Config::sack`]).
+    sack: bool,
 }
 
 impl RecvSide {
@@ -142,6 +144,7 @@ impl RecvSide {
             since_ack: 0,
             owed_acks: 0,
             owed_cap: cfg.dup_ack_threshold,
+            sack: cfg.sack,
         }
     }
 
@@ -269,6 +272,42 @@ impl RecvSide {
             filled = true;
         }
         filled
+    }
+
+    /// SACK blocks for an ACK-only packet: the lowest runs of buffered
+    /// segments past the hole, in ascending order, at most
+    /// [`MAX_SACK_BLOCKS`](super::header::MAX_SACK_BLOCKS). Lowest first, and consecutive, so that every
+    /// sequence number between the cumulative ACK and the end of the last
+    /// block that no block covers is certainly missing: the sender can
+    /// resend exactly those, never one the receiver holds but did not
+    /// mention. Those are also the holes that hold the window back. Empty
+    /// when SACK is off or nothing is buffered. Costs at most one pass over
+    /// the receive window.
+    pub fn sack_blocks(&self) -> Sack {
+        let mut out = Sack::EMPTY;
+        if !self.sack || self.buffered == 0 {
+            return out;
+        }
+        let mut i = 0;
+        while i < self.slots.len() {
+            if self.slots[i].is_none() {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while self.slots.get(i).is_some_and(Option::is_some) {
+                i += 1;
+            }
+            let block = SackBlock {
+                start: self.nxt.wrapping_add(start as u64).0,
+                // Runs are shorter than the receive window (at most 2^20).
+                len: u32::try_from(i - start).unwrap_or(u32::MAX),
+            };
+            if !out.push(block) {
+                break;
+            }
+        }
+        out
     }
 
     /// Whether an ACK-only packet owed for out-of-order data is pending;

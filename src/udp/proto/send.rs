@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::config::Config;
 use super::conn::{Event, MsgId, SendError};
-use super::header::{Chunk, Flags};
+use super::header::{Chunk, Flags, Sack};
 use super::seq::Seq;
 use super::stats::Stats;
 
@@ -19,6 +19,11 @@ pub(super) const MSG_OVERHEAD: usize = 64;
 
 /// Largest backoff exponent; far beyond any `rto_max / rto_min` ratio.
 const MAX_BACKOFF: u32 = 20;
+
+/// Most holes one ACK's SACK blocks may queue for resending. ACK-only
+/// packets come one per out-of-order arrival, so this still repairs a whole
+/// window of holes per round trip, while one ACK never sets off a burst.
+const SACK_RESENDS_PER_ACK: usize = 4;
 
 /// A message not yet fully cut into segments.
 struct Queued {
@@ -37,9 +42,25 @@ struct Segment {
     sent_at: Instant,
     transmissions: u32,
     resend_queued: bool,
+    /// The peer reported holding it (SACK); it is never resent, unless the
+    /// peer's cumulative ACK stops at it when the timer fires.
+    sacked: bool,
+    /// Serial number of its latest transmission: once the peer SACKs a
+    /// segment transmitted later on the data channel, this transmission
+    /// was overtaken and is presumed lost.
+    serial: u64,
+    /// First sent on the priority channel.
+    priority: bool,
 }
 
 impl Segment {
+    /// Whether its latest transmission went on the data channel, which
+    /// keeps order; priority packets may overtake it, so the peer holding
+    /// one says nothing about the data-channel packets sent before it.
+    fn on_data_channel(&self) -> bool {
+        !self.priority || self.transmissions > 1
+    }
+
     fn is_last(&self) -> bool {
         self.chunk.offset + self.payload.len() as u64 == self.chunk.total_len
     }
@@ -63,6 +84,8 @@ pub(super) struct AckInfo {
     pub gap: bool,
     /// The packet was ACK-only (only those count as duplicate ACKs).
     pub ack_only: bool,
+    /// Its SACK blocks (none on DATA packets).
+    pub sack: Sack,
 }
 
 /// RFC 6298 round-trip estimator.
@@ -102,6 +125,7 @@ pub(super) struct SendSide {
     rto_max: Duration,
     peer_timeout: Duration,
     dup_threshold: u32,
+    sack: bool,
 
     next_msg: u64,
     queue: VecDeque<Queued>,
@@ -121,6 +145,13 @@ pub(super) struct SendSide {
     recovery: Option<Seq>,
     /// Last ACK progress, or when data went out with nothing outstanding.
     last_progress: Instant,
+    /// One past the highest sequence number the peer has SACKed; `una` when
+    /// it has SACKed nothing above the cumulative ACK.
+    sack_high: Seq,
+    /// Serial number of the latest DATA transmission.
+    serial: u64,
+    /// Highest serial of a data-channel transmission the peer SACKed.
+    sacked_serial: u64,
 }
 
 impl SendSide {
@@ -136,6 +167,7 @@ impl SendSide {
             rto_max: cfg.rto_max,
             peer_timeout: cfg.peer_timeout,
             dup_threshold: cfg.dup_ack_threshold,
+            sack: cfg.sack,
             next_msg: 0,
             queue: VecDeque::new(),
             inflight: VecDeque::new(),
@@ -148,6 +180,9 @@ impl SendSide {
             dup_acks: 0,
             recovery: None,
             last_progress: now,
+            sack_high: Seq(isn),
+            serial: 0,
+            sacked_serial: 0,
         }
     }
 
@@ -203,8 +238,13 @@ impl SendSide {
                 continue;
             };
             seg.resend_queued = false;
+            if seg.sacked {
+                continue; // the peer has it after all
+            }
             seg.transmissions += 1;
             seg.sent_at = now;
+            self.serial += 1;
+            seg.serial = self.serial;
             stats.resends += 1;
             return Some(Outgoing {
                 seq: seq.0,
@@ -241,12 +281,16 @@ impl SendSide {
             self.rto_deadline = now.checked_add(self.rto());
         }
         let priority = len <= self.priority_threshold;
+        self.serial += 1;
         self.inflight.push_back(Segment {
             chunk,
             payload: payload.clone(),
             sent_at: now,
             transmissions: 1,
             resend_queued: false,
+            sacked: false,
+            serial: self.serial,
+            priority,
         });
         stats.data_sent += 1;
         // Ask for a prompt ACK when this is the tail of what we can send.
@@ -287,9 +331,24 @@ impl SendSide {
         events: &mut VecDeque<Event>,
         stats: &mut Stats,
     ) {
-        let AckInfo { ack, gap, ack_only } = ack;
+        let AckInfo {
+            ack,
+            gap,
+            ack_only,
+            sack,
+        } = ack;
+        // With SACK, the blocks say which holes to resend; duplicate-ACK
+        // counting and partial-ACK recovery only run without them.
+        let use_sack = self.sack && !sack.is_empty();
         let n = Seq(ack).diff(self.una);
         if n == 0 {
+            if use_sack {
+                if gap && ack_only && !self.inflight.is_empty() {
+                    stats.dup_acks += 1;
+                }
+                self.on_sack(&sack, stats);
+                return;
+            }
             if gap && ack_only && !self.inflight.is_empty() {
                 self.dup_acks += 1;
                 stats.dup_acks += 1;
@@ -326,6 +385,9 @@ impl SendSide {
             newest = Some(seg.sent_at);
         }
         self.una = self.una.wrapping_add(n as u64);
+        if self.sack_high.is_before(self.una) {
+            self.sack_high = self.una;
+        }
         if let (true, Some(sent_at)) = (clean, newest) {
             self.rtt.update(now.saturating_duration_since(sent_at));
         }
@@ -336,7 +398,7 @@ impl SendSide {
             if self.una.is_before(point) {
                 // Partial ACK pointing at a hole: resend the hole now
                 // rather than wait for duplicate ACKs or the timer.
-                if gap && self.resend_front() {
+                if gap && !use_sack && self.resend_front() {
                     stats.fast_retransmits += 1;
                 }
             } else {
@@ -348,6 +410,81 @@ impl SendSide {
         } else {
             now.checked_add(self.rto())
         };
+        if use_sack {
+            self.on_sack(&sack, stats);
+        }
+    }
+
+    /// Marks the segments the peer SACKed, then queues up to
+    /// [`SACK_RESENDS_PER_ACK`] holes, lowest first. The peer lists its
+    /// lowest runs in order, so an unSACKed segment below the end of this
+    /// ACK's last block is missing. One sent once is presumed lost when at
+    /// least `dup_ack_threshold` segments above it are SACKed (fewer may be
+    /// reordering); one already resent, when a segment transmitted after its
+    /// latest transmission is SACKed, resent or new, anywhere in the window
+    /// (so a lost resend is resent in the next round trip, without waiting
+    /// for the timer). Only segments whose latest
+    /// transmission went on the data channel count as evidence: priority
+    /// packets overtake the data channel by design. Blocks outside the
+    /// window are ignored.
+    fn on_sack(&mut self, sack: &Sack, stats: &mut Stats) {
+        let len = self.inflight.len() as u64;
+        // One past the highest segment this ACK SACKs (an index).
+        let mut top = 0u64;
+        for b in sack.blocks() {
+            let Ok(first) = u64::try_from(Seq(b.start).diff(self.una)) else {
+                continue;
+            };
+            // Index 0 is the hole the cumulative ACK points at.
+            let first = first.max(1);
+            let end = Seq(b.start).diff(self.una).saturating_add(i64::from(b.len));
+            let end = u64::try_from(end).unwrap_or(0).min(len);
+            for i in first..end {
+                // In range: i < len, the length of `inflight`.
+                let seg = &mut self.inflight[i as usize];
+                seg.sacked = true;
+                top = top.max(i + 1);
+                if seg.on_data_channel() {
+                    self.sacked_serial = self.sacked_serial.max(seg.serial);
+                }
+            }
+        }
+        let after = self.una.wrapping_add(top);
+        if self.sack_high.is_before(after) {
+            self.sack_high = after;
+        }
+        let top = top as usize;
+        let mut above = self
+            .inflight
+            .iter()
+            .take(top)
+            .filter(|s| s.sacked && s.on_data_channel())
+            .count();
+        let threshold = self.dup_threshold as usize;
+        let mut queued = 0;
+        for i in 0..top {
+            if queued >= SACK_RESENDS_PER_ACK || above == 0 {
+                break;
+            }
+            let seg = &mut self.inflight[i];
+            if seg.sacked {
+                if seg.on_data_channel() {
+                    above -= 1;
+                }
+                continue;
+            }
+            let lost = if seg.transmissions == 1 {
+                above >= threshold
+            } else {
+                seg.serial < self.sacked_serial
+            };
+            if lost && !seg.resend_queued {
+                seg.resend_queued = true;
+                self.resend.push_back(self.una.wrapping_add(i as u64));
+                stats.fast_retransmits += 1;
+                queued += 1;
+            }
+        }
     }
 
     /// Fires due timers. Returns true when the peer is to be declared lost.
@@ -364,7 +501,27 @@ impl SendSide {
         }
         if self.rto_deadline.is_some_and(|t| t <= now) {
             stats.timeout_retransmits += 1;
+            if let Some(front) = self.inflight.front_mut() {
+                // The cumulative ACK still stops here: whatever a SACK said,
+                // the peer does not hold it now.
+                front.sacked = false;
+            }
             self.resend_front();
+            if self.sack {
+                // Holes below the highest SACKed segment that have waited a
+                // whole timeout since their latest transmission are resent
+                // too: at most one window per timeout, which backs off.
+                let rto = self.rto();
+                let high = usize::try_from(self.sack_high.diff(self.una)).unwrap_or(0);
+                for i in 1..high.min(self.inflight.len()) {
+                    let seg = &mut self.inflight[i];
+                    let waited = now.saturating_duration_since(seg.sent_at) >= rto;
+                    if !seg.sacked && !seg.resend_queued && waited {
+                        seg.resend_queued = true;
+                        self.resend.push_back(self.una.wrapping_add(i as u64));
+                    }
+                }
+            }
             self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
             self.dup_acks = 0;
             self.recovery = Some(self.nxt());

@@ -224,7 +224,7 @@ impl Sim {
         }
         let link = s.link.clone();
         if self.rng.random_bool(link.loss)
-            || (hdr.kind == Kind::Ack && self.rng.random_bool(link.ack_loss))
+            || (matches!(hdr.kind, Kind::Ack(_)) && self.rng.random_bool(link.ack_loss))
         {
             return;
         }

@@ -16,10 +16,12 @@ pub struct Stats {
     pub data_sent: u64,
     /// DATA segments sent again (fast plus timeout-driven resends).
     pub resends: u64,
-    /// Resends triggered by duplicate ACKs or by a partial ACK during
-    /// recovery.
+    /// Resends triggered by SACK blocks, duplicate ACKs or a partial ACK
+    /// during recovery.
     pub fast_retransmits: u64,
-    /// Retransmission-timer expiries (each resends the oldest segment).
+    /// Retransmission-timer expiries (each resends the oldest segment, and
+    /// with SACK the holes below the highest SACKed segment that waited a
+    /// whole timeout).
     pub timeout_retransmits: u64,
     /// ACK-only datagrams sent.
     pub acks_sent: u64,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use proptest::prelude::*;
 
-use super::super::header::{Chunk, Flags, Header, Kind};
+use super::super::header::{Chunk, Flags, Header, Kind, Sack, SackBlock};
 use super::super::sim::{message, JOB};
 use super::super::{decode, Config, ConnIds, Connection, Event, MsgId, SendError};
 use super::scenarios::lossy;
@@ -84,7 +84,7 @@ fn ack_policy_delayed_every_n_and_immediate_on_gap() {
     let tx = c.poll_transmit(t1, &mut buf).expect("delayed ACK");
     assert!(tx.priority);
     let (h, _) = decode(&buf).unwrap();
-    assert_eq!((h.kind, h.ack), (Kind::Ack, 1));
+    assert_eq!((h.kind, h.ack), (Kind::Ack(Sack::EMPTY), 1));
     // ack_every in-order segments: ACK at once.
     for i in 1..=u64::from(cfg.ack_every) {
         c.handle_datagram(t1, &data(i, i, Flags::NONE));
@@ -95,7 +95,12 @@ fn ack_policy_delayed_every_n_and_immediate_on_gap() {
     c.handle_datagram(t1, &data(next + 1, next + 1, Flags::NONE));
     assert!(c.poll_transmit(t1, &mut buf).is_some());
     let (h, _) = decode(&buf).unwrap();
-    assert_eq!(h.kind, Kind::Ack);
+    let mut sack = Sack::EMPTY;
+    sack.push(SackBlock {
+        start: next + 1,
+        len: 1,
+    });
+    assert_eq!(h.kind, Kind::Ack(sack), "the SACK block names what is held");
     assert_eq!(h.ack, next);
     assert!(h.flags.contains(Flags::GAP));
     // Filling the hole delivers both, in order, and ACKs at once.
@@ -177,7 +182,13 @@ fn arb_datagram() -> impl Strategy<Value = Vec<u8>> {
                 seq,
                 ack,
                 kind: if ack_only {
-                    Kind::Ack
+                    // A SACK block anywhere near the window, of any size.
+                    let mut sack = Sack::EMPTY;
+                    sack.push(SackBlock {
+                        start: ack.wrapping_add(offset % 600).wrapping_sub(300),
+                        len: len as u32 % 1000 + 1,
+                    });
+                    Kind::Ack(sack)
                 } else {
                     Kind::Data(Chunk {
                         msg_id,
