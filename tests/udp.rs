@@ -9,14 +9,6 @@ use async_btl::udp::proto;
 use async_btl::{Error, Fabric, RemoteKey};
 use bytes::Bytes;
 use common::*;
-use futures::StreamExt;
-
-fn pattern(len: usize, seed: u64) -> Bytes {
-    (0..len)
-        .map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed) >> 7) as u8)
-        .collect::<Vec<_>>()
-        .into()
-}
 
 /// Launch variables of every udp test: udp only, on loopback, with a short
 /// peer timeout.
@@ -110,28 +102,8 @@ async fn sizes(f: Fabric) {
 
 async fn order(f: Fabric) {
     let n: u64 = std::env::var("ORDER_N").map_or(20_000, |v| v.parse().unwrap());
-    if f.rank() == 0 {
-        let ep = f.endpoint(1).unwrap();
-        for i in 0..n {
-            ep.send_inline(10 + i % 2, &i.to_le_bytes()).await.unwrap();
-        }
-    } else {
-        let (mut a, mut b) = (f.receiver(10).unwrap(), f.receiver(11).unwrap());
-        let (mut na, mut nb) = (0u64, 1u64);
-        while na < n || nb < n {
-            tokio::select! {
-                m = a.next(), if na < n => {
-                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
-                    assert_eq!(v, na, "tag 10 out of order");
-                    na += 2;
-                }
-                m = b.next(), if nb < n => {
-                    let v = u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap());
-                    assert_eq!(v, nb, "tag 11 out of order");
-                    nb += 2;
-                }
-            }
-        }
+    order_check(&f, n).await;
+    if f.rank() == 1 {
         println!("udp_stats={}", f.udp_stats(0).unwrap());
     }
     f.barrier().await.unwrap();
@@ -139,37 +111,7 @@ async fn order(f: Fabric) {
 }
 
 async fn alltoall(f: Fabric) {
-    const K: u64 = 500;
-    let (me, n) = (f.rank(), f.size());
-    let mut rx = f.receiver(1).unwrap();
-    let eps: Vec<_> = (0..n).map(|r| f.endpoint(r).unwrap()).collect();
-    let send = async {
-        for i in 0..K {
-            for ep in &eps {
-                let len = (i as usize * 337) % 70_000;
-                ep.send(1, pattern(len, (u64::from(me) << 32) | i))
-                    .await
-                    .unwrap();
-            }
-        }
-    };
-    let recv = async {
-        let mut next = vec![0u64; n as usize];
-        for _ in 0..K * u64::from(n) {
-            let m = rx.recv().await.unwrap();
-            let i = next[m.src as usize];
-            let len = (i as usize * 337) % 70_000;
-            assert_eq!(
-                m.data,
-                pattern(len, (u64::from(m.src) << 32) | i),
-                "from {}",
-                m.src
-            );
-            next[m.src as usize] += 1;
-        }
-        assert!(next.iter().all(|c| *c == K));
-    };
-    futures::join!(send, recv);
+    all_to_all_check(&f, 500, |i| (i as usize * 337) % 70_000).await;
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }

@@ -151,3 +151,70 @@ pub fn now_ms() -> u128 {
         .unwrap()
         .as_millis()
 }
+
+/// The bytes every scenario sends: a function of length and seed, so the
+/// receiver can check content without being told it.
+pub fn pattern(len: usize, seed: u64) -> bytes::Bytes {
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed) >> 7) as u8)
+        .collect::<Vec<_>>()
+        .into()
+}
+
+/// Rank 0 sends `n` small messages alternating between tags 10 and 11;
+/// rank 1 checks that each tag's messages arrive in send order.
+pub async fn order_check(f: &async_btl::Fabric, n: u64) {
+    use futures::StreamExt;
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..n {
+            ep.send_inline(10 + i % 2, &i.to_le_bytes()).await.unwrap();
+        }
+    } else {
+        let (mut a, mut b) = (f.receiver(10).unwrap(), f.receiver(11).unwrap());
+        let (mut na, mut nb) = (0u64, 1u64);
+        let value = |m: Option<async_btl::Result<async_btl::Message>>| {
+            u64::from_le_bytes(m.unwrap().unwrap().data[..].try_into().unwrap())
+        };
+        while na < n || nb < n {
+            tokio::select! {
+                m = a.next(), if na < n => {
+                    assert_eq!(value(m), na, "tag 10 out of order");
+                    na += 2;
+                }
+                m = b.next(), if nb < n => {
+                    assert_eq!(value(m), nb, "tag 11 out of order");
+                    nb += 2;
+                }
+            }
+        }
+    }
+}
+
+/// Every rank sends `k` messages of `len(i)` bytes to every rank (itself
+/// included) at once, and checks content and per-sender order.
+pub async fn all_to_all_check(f: &async_btl::Fabric, k: u64, len: fn(u64) -> usize) {
+    let (me, n) = (f.rank(), f.size());
+    let mut rx = f.receiver(1).unwrap();
+    let eps: Vec<_> = (0..n).map(|r| f.endpoint(r).unwrap()).collect();
+    let send = async {
+        for i in 0..k {
+            for ep in &eps {
+                let data = pattern(len(i), (u64::from(me) << 32) | i);
+                ep.send(1, data).await.unwrap();
+            }
+        }
+    };
+    let recv = async {
+        let mut next = vec![0u64; n as usize];
+        for _ in 0..k * u64::from(n) {
+            let m = rx.recv().await.unwrap();
+            let i = next[m.src as usize];
+            let want = pattern(len(i), (u64::from(m.src) << 32) | i);
+            assert_eq!(m.data, want, "message {i} from {}", m.src);
+            next[m.src as usize] += 1;
+        }
+        assert!(next.iter().all(|c| *c == k));
+    };
+    futures::join!(send, recv);
+}
