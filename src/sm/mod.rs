@@ -28,7 +28,6 @@ pub(crate) mod tx;
 
 use std::collections::HashMap;
 use std::os::unix::net::UnixDatagram as StdDatagram;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -308,12 +307,6 @@ impl SmTransport {
             maps.insert(key.id, m.clone());
         }
         m
-    }
-
-    /// Path of our segment (tests).
-    #[allow(dead_code)]
-    pub(crate) fn segment_path(&self) -> PathBuf {
-        crate::shm::shm_dir().join(self.seg.file_name())
     }
 }
 
