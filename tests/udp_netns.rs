@@ -283,7 +283,7 @@ fn netns_corrupt_5_percent() {
          meta l4proto udp numgen random mod 100 < 5 @th,800,8 set 0x5a;\n }\n}\n",
     )
     .unwrap();
-    let outs = net.run(50_000);
+    let outs = net.run(100_000);
     assert!(
         num(&outs[1], "checksum_errors") > 0,
         "no corrupted datagram reached the CRC check"
