@@ -23,6 +23,9 @@ before=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
 
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
+# The example tests run the example binaries (target/debug/examples/NAME),
+# which a test build alone does not leave there on a fresh checkout.
+cargo build --examples --bins
 cargo test --all-targets
 cargo test --doc
 RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test --lib loom
