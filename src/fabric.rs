@@ -79,13 +79,16 @@ impl Core {
         lock(&self.sync).lost.get(&rank).cloned()
     }
 
+    /// A complete user message arrived from `src` (no link needed).
+    pub(crate) fn deliver(&self, src: Rank, tag: u64, data: Bytes) {
+        Counters::bump(&self.counters.recvs);
+        self.dispatcher.deliver(Message { src, tag, data });
+    }
+
     /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {
-            Kind::User => {
-                Counters::bump(&self.counters.recvs);
-                self.dispatcher.deliver(Message { src, tag, data });
-            }
+            Kind::User => self.deliver(src, tag, data),
             Kind::PutReq
             | Kind::PutAck
             | Kind::GetReq

@@ -177,7 +177,9 @@ impl RxState {
                 return Step::Bad("message shorter than announced");
             }
             let data: Bytes = t.core.buffers.freeze(part.buf);
-            if let Some(link) = t.core.link(p.rank) {
+            if part.kind == Kind::User {
+                t.core.deliver(p.rank, part.tag, data);
+            } else if let Some(link) = t.core.link(p.rank) {
                 t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
             }
         }
