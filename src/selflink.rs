@@ -104,6 +104,9 @@ impl Transport for SelfLink {
     }
 
     fn progress(&self) -> usize {
+        if lock(&self.queue).0.is_empty() {
+            return 0;
+        }
         let Ok(core) = self.core() else { return 0 };
         let mut n = 0;
         loop {
