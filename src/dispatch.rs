@@ -98,7 +98,9 @@ impl Hot {
         match self.mode {
             ProgressMode::BusyPoll => true,
             ProgressMode::Interrupt => false,
-            ProgressMode::Adaptive => now.saturating_sub(self.last.load(Ordering::Relaxed)) < self.spin_ns,
+            ProgressMode::Adaptive => {
+                now.saturating_sub(self.last.load(Ordering::Relaxed)) < self.spin_ns
+            }
         }
     }
 }

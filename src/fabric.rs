@@ -25,6 +25,9 @@ use crate::transport::{Kind, Link, Loss, Transport};
 use crate::udp::{UdpAddr, UdpTransport};
 use crate::{Error, Rank, Result, Tag};
 
+/// How long `close` lets its goodbye messages be acknowledged.
+const CLOSE_GRACE: Duration = Duration::from_millis(200);
+
 /// A 64-bit FNV-1a hash, used to derive non-secret tags from the job key.
 fn fnv(seed: u64, data: &[u8]) -> u64 {
     data.iter().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| {
@@ -550,6 +553,13 @@ impl Fabric {
                 |_| false,
             )
             .await;
+        // A short grace for our goodbye itself to be acknowledged (udp) or
+        // consumed (sm) before the progress tasks stop: a peer that lost it
+        // would otherwise wait out its own close timeout.
+        let grace = tokio::time::Instant::now() + CLOSE_GRACE.min(t);
+        while !self.transports.iter().all(|t| t.drained()) && tokio::time::Instant::now() < grace {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
         self.shutdown();
         res
     }

@@ -82,15 +82,21 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
             }
             continue;
         }
+        // Register for the local notifications before arming, so one sent
+        // between the arming and the wait is not missed.
+        let (space, closing) = (core.dispatcher.space.clone(), core.closing.clone());
+        let space = space.notified();
+        let closing = closing.notified();
+        tokio::pin!(space, closing);
+        space.as_mut().enable();
+        closing.as_mut().enable();
         if !t.arm() {
             continue;
         }
-        let space = core.dispatcher.space.clone();
-        let closing = core.closing.clone();
         tokio::select! {
             _ = t.wait(cfg.heartbeat) => {}
-            _ = space.notified() => {}
-            _ = closing.notified() => {}
+            _ = space => {}
+            _ = closing => {}
         }
         t.disarm();
         last_work = Instant::now();

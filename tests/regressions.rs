@@ -173,3 +173,33 @@ async fn r4_get_to_a_closed_peer_fails_instead_of_hanging() {
         "get to a closed peer: {g:?}"
     );
 }
+
+/// An endpoint that outlives its fabric fails at once instead of queueing a
+/// message nobody will send (sm and udp alike).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r5_sends_after_the_fabric_is_gone_fail_with_closed() {
+    for transport in ["sm", "udp"] {
+        let c = Config {
+            transports: vec![transport.to_string()],
+            ..Config::default()
+        };
+        let mut f = job(2, c).await;
+        let ep = f[0].endpoint(1).unwrap();
+        assert_eq!(ep.transport(), transport);
+        drop(f.remove(0));
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            ep.send(1, Bytes::from(vec![1u8; 100_000])),
+        )
+        .await;
+        assert!(
+            matches!(r, Ok(Err(async_btl::Error::Closed))),
+            "{transport}: {r:?}"
+        );
+        let r = tokio::time::timeout(Duration::from_secs(5), ep.send_inline(1, b"x")).await;
+        assert!(
+            matches!(r, Ok(Err(async_btl::Error::Closed))),
+            "{transport}: {r:?}"
+        );
+    }
+}

@@ -248,6 +248,11 @@ impl TxState {
         tag: u64,
         data: &[u8],
     ) -> Result<bool> {
+        // Under `tx`: the fabric marks itself closed before its shutdown
+        // takes `tx` to fail the queues, so nothing queued here is missed.
+        if t.core.is_closed() {
+            return Err(Error::Closed);
+        }
         if peer.is_lost() {
             return Err(peer.lost_error());
         }
@@ -288,6 +293,11 @@ impl TxState {
         tag: u64,
         data: Bytes,
     ) -> Result<Option<Arc<Completion>>> {
+        // Under `tx`: the fabric marks itself closed before its shutdown
+        // takes `tx` to fail the queues, so nothing queued here is missed.
+        if t.core.is_closed() {
+            return Err(Error::Closed);
+        }
         if peer.is_lost() {
             return Err(peer.lost_error());
         }

@@ -21,7 +21,9 @@ pub(crate) struct UdpLink {
 
 impl UdpLink {
     fn check_alive(&self) -> Result<()> {
-        if self.peer.is_lost() {
+        if self.t.core.is_closed() {
+            Err(Error::Closed)
+        } else if self.peer.is_lost() {
             Err(Error::PeerLost {
                 rank: self.peer.rank,
                 reason: "it was lost earlier".into(),
@@ -42,9 +44,11 @@ impl Link for UdpLink {
     }
 
     fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
-        self.check_alive()?;
         let now = Instant::now();
         let mut st = lock(&self.peer.st);
+        // Checked under `st`: `lose` and `shutdown` set their flags before
+        // they take `st` to fail the queue, so nothing queued here is missed.
+        self.check_alive()?;
         if !st.queue_is_empty() || !st.conn.can_send(data.len() + frame::PREFIX) {
             return Ok(false);
         }
@@ -61,10 +65,20 @@ impl Link for UdpLink {
     }
 
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
-        self.check_alive()?;
         let now = Instant::now();
-        let parts = frame::encode(kind, tag, data);
         let mut st = lock(&self.peer.st);
+        self.check_alive()?;
+        // Refuse what the protocol would refuse before any part goes out: a
+        // head sent without its body would make the peer drop the next
+        // message.
+        let max = st.conn.max_message();
+        if data.len() as u64 + frame::PREFIX as u64 + 32 > max {
+            return Err(Error::Misuse(format!(
+                "a {}-byte message is larger than the udp limit of {max} bytes",
+                data.len()
+            )));
+        }
+        let parts = frame::encode(kind, tag, data);
         let r = st.submit(now, self.peer.rank, parts)?;
         st.flush(now, &self.t.io, &self.peer, usize::MAX);
         self.t.after_send(&st);

@@ -86,7 +86,11 @@ impl UdpTransport {
         } = rx;
         let mut work = 0;
         for (rank, prx) in peers.iter_mut().enumerate() {
-            if prx.paused() {
+            if self.peer(rank as Rank).is_some_and(|p| p.is_lost()) {
+                // Nothing from a lost peer is delivered after its loss was
+                // announced; drop what was held for it.
+                prx.clear();
+            } else if prx.paused() {
                 work += self.release(prx, rank as Rank, now, events);
             }
         }

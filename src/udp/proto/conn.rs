@@ -161,6 +161,13 @@ impl Connection {
     }
 
     /// Whether `send` would accept a message of `len` bytes now.
+    /// The largest message [`Connection::send`] accepts
+    /// ([`Config::max_message`]).
+    pub fn max_message(&self) -> u64 {
+        self.send.max_message()
+    }
+
+    /// Whether a message of `len` bytes would be accepted now.
     pub fn can_send(&self, len: usize) -> bool {
         !self.lost && self.send.can_send(len)
     }

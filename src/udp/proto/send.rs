@@ -155,6 +155,11 @@ pub(super) struct SendSide {
 }
 
 impl SendSide {
+    /// The largest message `send` accepts.
+    pub fn max_message(&self) -> u64 {
+        self.max_message
+    }
+
     pub fn new(cfg: &Config, isn: u64, now: Instant) -> Self {
         SendSide {
             window: cfg.send_window as usize,
