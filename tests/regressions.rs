@@ -203,3 +203,41 @@ async fn r5_sends_after_the_fabric_is_gone_fail_with_closed() {
         );
     }
 }
+
+/// r2 over udp: a full tag must not block a get answer or a barrier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r6_udp_full_tag_does_not_block_barrier_or_get() {
+    let c = Config {
+        transports: vec!["udp".into()],
+        recv_budget: 1024,
+        ..Config::default()
+    };
+    let f = job(2, c).await;
+    let e01 = f[0].endpoint(1).unwrap();
+    let e10 = f[1].endpoint(0).unwrap();
+    assert_eq!(e01.transport(), "udp");
+    e01.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    e01.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    let region = f[0].register(vec![7u8; 100]);
+    let key = region.remote_key();
+    let dst = f[1].register(vec![0u8; 100]);
+    let g = tokio::time::timeout(Duration::from_secs(3), e10.get(&dst, 0..100, &key, 0)).await;
+    assert!(
+        matches!(g, Ok(Ok(()))),
+        "get stuck behind a held user message: {g:?}"
+    );
+    assert_eq!(dst.to_vec(), vec![7u8; 100]);
+    let (a, b) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(3), f[0].barrier()),
+        tokio::time::timeout(Duration::from_secs(3), f[1].barrier())
+    );
+    assert!(
+        matches!(a, Ok(Ok(()))) && matches!(b, Ok(Ok(()))),
+        "barrier: {a:?} {b:?}"
+    );
+    // The held messages are all there, in order, once the tag is read.
+    let mut rx = f[1].receiver(1).unwrap();
+    for _ in 0..2 {
+        assert_eq!(rx.recv().await.unwrap().data.len(), 2000);
+    }
+}

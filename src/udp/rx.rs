@@ -38,18 +38,32 @@ use crate::Rank;
 #[derive(Default)]
 pub(crate) struct PeerRx {
     dec: Decoder,
+    /// User messages waiting for room in their tag (only user messages:
+    /// control messages are never held, so a full tag never blocks an RMA
+    /// answer, a barrier or a goodbye).
     held: VecDeque<(Kind, u64, Bytes)>,
+    held_bytes: usize,
     stash: VecDeque<Vec<u8>>,
 }
 
+/// Held user bytes per peer beyond which that peer's data datagrams are
+/// stashed unprocessed (so the sender's window closes). Below it, datagrams
+/// are still processed: ACKs and control messages keep flowing.
+const HOLD_LIMIT: usize = 4 << 20;
+
 impl PeerRx {
     fn paused(&self) -> bool {
+        self.held_bytes > HOLD_LIMIT || !self.stash.is_empty()
+    }
+
+    fn has_held(&self) -> bool {
         !self.held.is_empty() || !self.stash.is_empty()
     }
 
     fn clear(&mut self) {
         self.dec.reset();
         self.held.clear();
+        self.held_bytes = 0;
         self.stash.clear();
     }
 }
@@ -90,7 +104,7 @@ impl UdpTransport {
                 // Nothing from a lost peer is delivered after its loss was
                 // announced; drop what was held for it.
                 prx.clear();
-            } else if prx.paused() {
+            } else if prx.has_held() {
                 work += self.release(prx, rank as Rank, now, events);
             }
         }
@@ -168,11 +182,13 @@ impl UdpTransport {
             match ev {
                 Event::Message(m) => match prx.dec.push(m) {
                     Ok(Some((kind, tag, data))) => {
-                        let fits =
-                            kind != Kind::User || self.core.dispatcher.has_room(tag, data.len());
-                        if prx.held.is_empty() && fits {
+                        if kind != Kind::User
+                            || (prx.held.is_empty()
+                                && self.core.dispatcher.has_room(tag, data.len()))
+                        {
                             self.dispatch(rank, kind, tag, data);
                         } else {
+                            prx.held_bytes += data.len();
                             prx.held.push_back((kind, tag, data));
                         }
                     }
@@ -205,9 +221,10 @@ impl UdpTransport {
         let mut work = 0;
         while let Some((kind, tag, data)) = prx.held.front() {
             if *kind == Kind::User && !self.core.dispatcher.has_room(*tag, data.len()) {
-                return work;
+                break;
             }
             if let Some((kind, tag, data)) = prx.held.pop_front() {
+                prx.held_bytes -= data.len();
                 self.dispatch(rank, kind, tag, data);
                 work += 1;
             }
@@ -215,7 +232,7 @@ impl UdpTransport {
         let Some(peer) = self.peer(rank) else {
             return work;
         };
-        while prx.held.is_empty() {
+        while prx.held_bytes <= HOLD_LIMIT {
             let Some(d) = prx.stash.pop_front() else {
                 break;
             };
