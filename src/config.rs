@@ -176,14 +176,19 @@ impl Config {
             }
         }
         if let Some(v) = get("BTL_TRANSPORTS") {
-            c.transports = v
-                .split(',')
-                .map(|s| s.trim().to_ascii_lowercase())
-                .filter(|s| !s.is_empty())
-                .collect();
+            c.transports = Self::parse_transports(&v);
         }
         c.validate()?;
         Ok(c)
+    }
+
+    /// Split a transport list like `BTL_TRANSPORTS` (`"sm, UDP"` →
+    /// `["sm", "udp"]`).
+    pub fn parse_transports(list: &str) -> Vec<String> {
+        list.split(',')
+            .map(|s| s.trim().to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .collect()
     }
 
     /// Check that the settings make sense together.

@@ -218,11 +218,9 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
         transport: args.transport.clone(),
         compare: args
             .compare
-            .iter()
-            .flat_map(|c| c.split(','))
-            .map(|s| s.trim().to_ascii_lowercase())
-            .filter(|s| !s.is_empty())
-            .collect(),
+            .as_deref()
+            .map(async_btl::Config::parse_transports)
+            .unwrap_or_default(),
         progress: args.progress,
         min_size: args.min_size,
         max_size: args.max_size,

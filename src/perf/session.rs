@@ -79,11 +79,7 @@ impl Settings {
             c.progress = p;
         }
         if let Some(t) = &self.transport {
-            c.transports = t
-                .split(',')
-                .map(|s| s.trim().to_ascii_lowercase())
-                .filter(|s| !s.is_empty())
-                .collect();
+            c.transports = Config::parse_transports(t);
         }
         c.validate()?;
         Ok(c)

@@ -25,6 +25,11 @@ use crate::transport::{Kind, Link};
 use crate::{Error, Rank, Result};
 
 const FREE: u32 = u32::MAX;
+/// The user-message channel.
+const USER: usize = 0;
+/// Eager fragments only control messages may take (at most; an eighth of
+/// the eager pool when that is smaller, so tiny pools keep working).
+const CONTROL_RESERVE: usize = 4;
 
 /// The channel a message kind travels on.
 pub(crate) fn channel(kind: Kind) -> usize {
@@ -51,6 +56,8 @@ pub(crate) struct TxState {
     /// Most fragments one destination may hold, so one slow receiver cannot
     /// take the whole pool from the others.
     cap: usize,
+    /// Eager fragments kept for control messages.
+    reserve: usize,
     /// Our producer state on each peer's inbound rings (peer * CHANNELS + ch).
     prod: Vec<ProducerState>,
     /// Our consumer state on each return ring in our segment.
@@ -84,6 +91,7 @@ impl TxState {
             dest: vec![FREE; frags],
             inflight: vec![0; n],
             cap: if n > 2 { (frags * 3 / 4).max(1) } else { frags },
+            reserve: (ec as usize / 8).min(CONTROL_RESERVE),
             prod: vec![ProducerState::default(); n * CHANNELS],
             ret: vec![ConsumerState::default(); n],
             queues: (0..n * CHANNELS).map(|_| VecDeque::new()).collect(),
@@ -149,22 +157,27 @@ impl TxState {
         }
     }
 
-    fn take(&mut self, d: u32, want_eager: bool) -> Option<usize> {
+    fn take(&mut self, d: u32, want_eager: bool, ch: usize) -> Option<usize> {
         if self.inflight[d as usize] >= self.cap {
             return None;
         }
-        let (a, b) = if want_eager {
-            (&mut self.free_eager, &mut self.free_max)
+        // User messages leave the last few eager fragments to control
+        // messages, so a receiver that holds back a full tag (and with it
+        // our whole pool) cannot starve put/get answers or barriers.
+        let eager_ok = ch != USER || self.free_eager.len() > self.reserve;
+        let eager = |s: &mut Self| if eager_ok { s.free_eager.pop() } else { None };
+        let i = if want_eager {
+            eager(self).or_else(|| self.free_max.pop())
         } else {
-            (&mut self.free_max, &mut self.free_eager)
+            self.free_max.pop().or_else(|| eager(self))
         };
-        a.pop().or_else(|| b.pop()).map(|i| i as usize)
+        i.map(|i| i as usize)
     }
 
-    fn alloc(&mut self, t: &SmTransport, d: u32, want_eager: bool) -> Option<usize> {
-        self.take(d, want_eager).or_else(|| {
+    fn alloc(&mut self, t: &SmTransport, d: u32, want_eager: bool, ch: usize) -> Option<usize> {
+        self.take(d, want_eager, ch).or_else(|| {
             self.reclaim(t);
-            self.take(d, want_eager)
+            self.take(d, want_eager, ch)
         })
     }
 
@@ -191,7 +204,7 @@ impl TxState {
                 break Ok(Pushed::Done);
             }
             let rem = total - at.sent;
-            let Some(i) = self.alloc(t, peer.local, rem <= self.eager_payload()) else {
+            let Some(i) = self.alloc(t, peer.local, rem <= self.eager_payload(), ch) else {
                 break Ok(Pushed::Blocked);
             };
             let (off, size) = self.layout.frag(i);
@@ -261,12 +274,17 @@ impl TxState {
             return Ok(false);
         }
         let need_max = data.len() > self.eager_payload();
+        let reserve = if channel(kind) == USER {
+            self.reserve
+        } else {
+            0
+        };
         let fits = |s: &Self| {
             s.inflight[peer.local as usize] < s.cap
                 && if need_max {
                     !s.free_max.is_empty()
                 } else {
-                    !s.free_eager.is_empty() || !s.free_max.is_empty()
+                    s.free_eager.len() > reserve || !s.free_max.is_empty()
                 }
         };
         if !fits(self) {
