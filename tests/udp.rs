@@ -321,7 +321,13 @@ fn udp_put_get_emulated_with_bounds_and_forged_keys() {
 
 #[test]
 fn udp_stalled_receiver_slows_sender_without_false_loss() {
-    let outs = job(2, "stall", &[("BTL_RECV_BUDGET", "4194304")]).wait(Duration::from_secs(120));
+    // The stall guard (no ACK progress) is set below the 3 s the receiver
+    // sleeps: its keepalives must say it is busy, not gone.
+    let extra = [
+        ("BTL_RECV_BUDGET", "4194304"),
+        ("BTL_UDP_STALL_TIMEOUT_MS", "1000"),
+    ];
+    let outs = job(2, "stall", &extra).wait(Duration::from_secs(120));
     assert_ok(&outs);
     let before: u64 = value(&outs[0], "rss_before_kib").unwrap().parse().unwrap();
     let peak: u64 = value(&outs[0], "rss_peak_kib").unwrap().parse().unwrap();

@@ -230,6 +230,7 @@ impl UdpTransport {
                 prio_addr: SocketAddr::new(a.ip, a.prio_port),
                 stash_limit,
                 lost: AtomicBool::new(false),
+                busy: AtomicBool::new(false),
                 st: Mutex::new(PeerState::new(conn, now)),
             });
             for addr in [peer.data_addr, peer.prio_addr] {

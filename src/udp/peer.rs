@@ -43,6 +43,9 @@ pub(crate) struct Peer {
     /// Most raw datagrams kept while the peer is paused (receive backpressure).
     pub(crate) stash_limit: usize,
     pub(crate) lost: AtomicBool,
+    /// Our receive side holds this peer's data back (its tag is full): our
+    /// keepalives say so (`Flags::BUSY`). Relaxed: a hint for keepalives.
+    pub(crate) busy: AtomicBool,
     pub(crate) st: Mutex<PeerState>,
 }
 
@@ -238,7 +241,11 @@ impl PeerState {
             job,
             src: me,
             dst: peer.rank,
-            flags: proto::Flags::NONE,
+            flags: if peer.busy.load(std::sync::atomic::Ordering::Relaxed) {
+                proto::Flags::BUSY
+            } else {
+                proto::Flags::NONE
+            },
             seq: s.send_next,
             ack: s.recv_base,
             kind: proto::Kind::Ack(proto::Sack::EMPTY),

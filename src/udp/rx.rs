@@ -107,6 +107,10 @@ impl UdpTransport {
             } else if prx.has_held() {
                 work += self.release(prx, rank as Rank, now, events);
             }
+            if let Some(p) = self.peer(rank as Rank) {
+                p.busy
+                    .store(prx.has_held(), std::sync::atomic::Ordering::Relaxed);
+            }
         }
         for sock in [&self.io.prio, &self.io.data] {
             for _ in 0..ROUNDS {

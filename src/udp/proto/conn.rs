@@ -210,6 +210,9 @@ impl Connection {
         };
         self.send
             .on_ack(now, ack, &mut self.events, &mut self.stats);
+        if matches!(hdr.kind, Kind::Ack(_)) && hdr.flags.contains(Flags::BUSY) {
+            self.send.peer_busy(now);
+        }
         match hdr.kind {
             Kind::Data(chunk) => {
                 self.recv

@@ -31,7 +31,7 @@ use crate::Rank;
 /// The four magic bytes every datagram starts with.
 pub const MAGIC: [u8; 4] = *b"BTLu";
 /// The wire-format version this code speaks.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Length of the header every datagram carries.
 pub const COMMON_LEN: usize = 44;
 /// Length of a DATA datagram's headers (common header plus chunk header).
@@ -141,7 +141,11 @@ impl Flags {
     /// channel; arriving early is expected, so on its own it does not make
     /// the receiver send duplicate ACKs.
     pub const PRIORITY: Flags = Flags(8);
-    const KNOWN: u16 = 1 | 2 | 4 | 8;
+    /// ACK-only: the sender is alive but holds back this connection's data
+    /// (its application is not reading). The receiver of this packet must
+    /// not take the missing ACK progress for a dead path.
+    pub const BUSY: Flags = Flags(16);
+    const KNOWN: u16 = 1 | 2 | 4 | 8 | 16;
 
     /// The raw bits.
     pub fn bits(self) -> u16 {

@@ -155,6 +155,12 @@ pub(super) struct SendSide {
 }
 
 impl SendSide {
+    /// The peer says it is alive but holding our data back: restart the
+    /// no-progress (stall) timer.
+    pub fn peer_busy(&mut self, now: Instant) {
+        self.last_progress = now;
+    }
+
     /// The largest message `send` accepts.
     pub fn max_message(&self) -> u64 {
         self.max_message
