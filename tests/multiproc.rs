@@ -6,7 +6,6 @@ mod common;
 use std::time::Duration;
 
 use async_btl::{Error, Fabric, RemoteKey};
-use bytes::Bytes;
 use common::*;
 
 /// The child side: runs the scenario named in BTL_TEST_SCENARIO.
@@ -208,85 +207,12 @@ async fn bigput(f: Fabric) {
 }
 
 async fn stall(f: Fabric) {
-    const MSGS: usize = 200;
-    if f.rank() == 0 {
-        let ep = f.endpoint(1).unwrap();
-        let msg = pattern(1 << 20, 5);
-        let before = rss_kib();
-        let mut peak = before;
-        for i in 0..MSGS {
-            ep.send(1, msg.clone()).await.unwrap();
-            if i % 10 == 0 {
-                peak = peak.max(rss_kib());
-            }
-        }
-        println!("rss_before_kib={before}");
-        println!("rss_peak_kib={peak}");
-    } else {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let mut rx = f.receiver(1).unwrap();
-        for _ in 0..MSGS {
-            let m = rx.recv().await.unwrap();
-            assert_eq!(m.data, pattern(1 << 20, 5));
-        }
-    }
+    stall_scenario(&f, 200, Duration::from_secs(2)).await;
     f.close().await.unwrap();
 }
 
 async fn kill(f: Fabric) {
-    if f.rank() == 1 {
-        // Open the tag so messages queue here but never consume them, then
-        // wait to be killed.
-        let _rx = f.receiver(1).unwrap();
-        let region = f.register(vec![0u8; 4096]);
-        f.endpoint(0)
-            .unwrap()
-            .send(2, region.remote_key().to_bytes())
-            .await
-            .unwrap();
-        println!("ready");
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        return;
-    }
-    let mut keys = f.receiver(2).unwrap();
-    let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
-    let ep = f.endpoint(1).unwrap();
-    let mut rx = f.receiver(3).unwrap();
-    // Fill rank 1's queue (its tag budget) until sends block.
-    let big = pattern(1 << 20, 1);
-    let sends: Vec<_> = (0..64)
-        .map(|_| tokio::spawn(ep.send(1, big.clone())))
-        .collect();
-    // Let everything that can complete do so; the rest is stuck behind the
-    // full queue at rank 1.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (done, pending): (Vec<_>, Vec<_>) = sends.into_iter().partition(|s| s.is_finished());
-    for d in done {
-        d.await.unwrap().unwrap();
-    }
-    assert!(!pending.is_empty(), "sends never blocked");
-    // Control traffic is not stuck behind the full queue: a get is answered.
-    let local = f.register(vec![0u8; 64]);
-    tokio::time::timeout(Duration::from_secs(5), ep.get(&local, 0..64, &key, 0))
-        .await
-        .expect("get answered while the user queue is full")
-        .unwrap();
-    println!("blocked={}", pending.len());
-    println!("armed_ms={}", now_ms());
-    // The parent kills rank 1 now. Every pending future must fail.
-    for p in pending {
-        let e = p.await.unwrap().unwrap_err();
-        assert!(e.is_peer_lost(), "send: {e}");
-    }
-    let e = rx.recv().await.unwrap_err();
-    assert!(e.is_peer_lost(), "receiver: {e}");
-    println!("failed_ms={}", now_ms());
-    assert!(ep.send(1, Bytes::new()).await.unwrap_err().is_peer_lost());
-    assert!(ep.flush().await.unwrap_err().is_peer_lost());
-    assert!(f.barrier().await.unwrap_err().is_peer_lost());
-    let e = ep.get(&local, 0..64, &key, 0).await.unwrap_err();
-    assert!(e.is_peer_lost(), "get after the loss: {e}");
-    drop(f);
+    kill_scenario(f, true).await;
 }
 
 #[test]

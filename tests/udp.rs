@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use async_btl::udp::proto;
 use async_btl::{Error, Fabric, RemoteKey};
-use bytes::Bytes;
 use common::*;
 
 /// Launch variables of every udp test: udp only, on loopback, with a short
@@ -175,75 +174,15 @@ async fn putget(f: Fabric) {
 /// The receiver does not read for three peer timeouts: the sender must wait
 /// (bounded memory), not declare it lost, then everything arrives.
 async fn stall(f: Fabric) {
-    const MSGS: usize = 120;
-    if f.rank() == 0 {
-        let ep = f.endpoint(1).unwrap();
-        let msg = pattern(1 << 20, 5);
-        let before = rss_kib();
-        let mut peak = before;
-        for i in 0..MSGS {
-            ep.send(1, msg.clone()).await.unwrap();
-            if i % 10 == 0 {
-                peak = peak.max(rss_kib());
-            }
-        }
-        println!("rss_before_kib={before}");
-        println!("rss_peak_kib={peak}");
-    } else {
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let mut rx = f.receiver(1).unwrap();
-        for _ in 0..MSGS {
-            let m = rx.recv().await.unwrap();
-            assert_eq!(m.data, pattern(1 << 20, 5));
-        }
-    }
+    stall_scenario(&f, 120, Duration::from_secs(3)).await;
     assert_eq!(f.stats().peers_lost, 0);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
 
 async fn kill(f: Fabric) {
-    if f.rank() == 1 {
-        let _rx = f.receiver(1).unwrap();
-        let region = f.register(vec![0u8; 4096]);
-        f.endpoint(0)
-            .unwrap()
-            .send(2, region.remote_key().to_bytes())
-            .await
-            .unwrap();
-        println!("ready");
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        return;
-    }
-    let mut keys = f.receiver(2).unwrap();
-    let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
-    let ep = f.endpoint(1).unwrap();
-    let mut rx = f.receiver(3).unwrap();
-    let big = pattern(1 << 20, 1);
-    let sends: Vec<_> = (0..64)
-        .map(|_| tokio::spawn(ep.send(1, big.clone())))
-        .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (done, pending): (Vec<_>, Vec<_>) = sends.into_iter().partition(|s| s.is_finished());
-    for d in done {
-        d.await.unwrap().unwrap();
-    }
-    assert!(!pending.is_empty(), "sends never blocked");
-    let local = f.register(vec![0u8; 64]);
-    let get = tokio::spawn(ep.get(&local, 0..64, &key, 0));
-    println!("blocked={}", pending.len());
-    println!("armed_ms={}", now_ms());
-    for p in pending {
-        let e = p.await.unwrap().unwrap_err();
-        assert!(e.is_peer_lost(), "send: {e}");
-    }
-    let e = get.await.unwrap().unwrap_err();
-    assert!(e.is_peer_lost(), "get: {e}");
-    let e = rx.recv().await.unwrap_err();
-    assert!(e.is_peer_lost(), "receiver: {e}");
-    println!("failed_ms={}", now_ms());
-    assert!(ep.send(1, Bytes::new()).await.unwrap_err().is_peer_lost());
-    drop(f);
+    // One connection per pair: the get waits behind the blocked sends.
+    kill_scenario(f, false).await;
 }
 
 /// Datagrams that are not ours reach rank 1's ports: garbage, and a

@@ -218,3 +218,106 @@ pub async fn all_to_all_check(f: &async_btl::Fabric, k: u64, len: fn(u64) -> usi
     };
     futures::join!(send, recv);
 }
+
+/// Rank 1 sleeps `sleep` before reading `msgs` messages of 1 MiB that rank 0
+/// sends meanwhile; rank 0 prints its RSS before and at its peak.
+pub async fn stall_scenario(f: &async_btl::Fabric, msgs: usize, sleep: std::time::Duration) {
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        let msg = pattern(1 << 20, 5);
+        let before = rss_kib();
+        let mut peak = before;
+        for i in 0..msgs {
+            ep.send(1, msg.clone()).await.unwrap();
+            if i % 10 == 0 {
+                peak = peak.max(rss_kib());
+            }
+        }
+        println!("rss_before_kib={before}");
+        println!("rss_peak_kib={peak}");
+    } else {
+        tokio::time::sleep(sleep).await;
+        let mut rx = f.receiver(1).unwrap();
+        for _ in 0..msgs {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(1 << 20, 5));
+        }
+    }
+}
+
+/// Rank 1 opens a tag it never reads and waits to be killed by the parent;
+/// rank 0 fills that queue until sends block, prints `armed_ms`, and then
+/// checks that every pending future fails with `PeerLost` once rank 1 is
+/// killed. `control_free`: control traffic (a get) is answered while the
+/// user queue is full (sm); otherwise the get is left pending and must fail
+/// with the rest.
+pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
+    use async_btl::RemoteKey;
+    use std::time::Duration;
+    if f.rank() == 1 {
+        // Open the tag so messages queue here but never consume them, then
+        // wait to be killed.
+        let _rx = f.receiver(1).unwrap();
+        let region = f.register(vec![0u8; 4096]);
+        f.endpoint(0)
+            .unwrap()
+            .send(2, region.remote_key().to_bytes())
+            .await
+            .unwrap();
+        println!("ready");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        return;
+    }
+    let mut keys = f.receiver(2).unwrap();
+    let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
+    let ep = f.endpoint(1).unwrap();
+    let mut rx = f.receiver(3).unwrap();
+    // Fill rank 1's queue (its tag budget) until sends block.
+    let big = pattern(1 << 20, 1);
+    let sends: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(ep.send(1, big.clone())))
+        .collect();
+    // Let everything that can complete do so; the rest is stuck behind the
+    // full queue at rank 1.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (done, pending): (Vec<_>, Vec<_>) = sends.into_iter().partition(|s| s.is_finished());
+    for d in done {
+        d.await.unwrap().unwrap();
+    }
+    assert!(!pending.is_empty(), "sends never blocked");
+    let local = f.register(vec![0u8; 64]);
+    let get = if control_free {
+        // Control traffic is not stuck behind the full queue: a get is answered.
+        tokio::time::timeout(Duration::from_secs(5), ep.get(&local, 0..64, &key, 0))
+            .await
+            .expect("get answered while the user queue is full")
+            .unwrap();
+        None
+    } else {
+        Some(tokio::spawn(ep.get(&local, 0..64, &key, 0)))
+    };
+    println!("blocked={}", pending.len());
+    println!("armed_ms={}", now_ms());
+    // The parent kills rank 1 now. Every pending future must fail.
+    for p in pending {
+        let e = p.await.unwrap().unwrap_err();
+        assert!(e.is_peer_lost(), "send: {e}");
+    }
+    if let Some(get) = get {
+        let e = get.await.unwrap().unwrap_err();
+        assert!(e.is_peer_lost(), "get: {e}");
+    }
+    let e = rx.recv().await.unwrap_err();
+    assert!(e.is_peer_lost(), "receiver: {e}");
+    println!("failed_ms={}", now_ms());
+    assert!(ep
+        .send(1, bytes::Bytes::new())
+        .await
+        .unwrap_err()
+        .is_peer_lost());
+    assert!(ep.flush().await.unwrap_err().is_peer_lost());
+    assert!(f.barrier().await.unwrap_err().is_peer_lost());
+    let e = ep.get(&local, 0..64, &key, 0).await.unwrap_err();
+    assert!(e.is_peer_lost(), "get after the loss: {e}");
+    drop(f);
+}
