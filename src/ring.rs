@@ -103,6 +103,19 @@ impl Ring<'_> {
         self.head.store(st.head, Ordering::Release);
     }
 
+    /// Producer side: whether the consumer has taken everything we pushed.
+    pub(crate) fn drained(&self, st: &mut ProducerState) -> Result<bool, Corrupt> {
+        if st.head_cache != st.tail {
+            // Acquire pairs with the consumer's Release store of `head` in
+            // `advance`: it is done with every slot it released.
+            st.head_cache = self.head.load(Ordering::Acquire);
+            if st.tail.wrapping_sub(st.head_cache) > self.cap() {
+                return Err(Corrupt);
+            }
+        }
+        Ok(st.head_cache == st.tail)
+    }
+
     /// Whether the ring looks empty right now (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &ConsumerState) -> bool {
         self.tail.load(Ordering::Acquire) == st.head

@@ -18,6 +18,7 @@ pub(crate) struct Counters {
     pub(crate) cma_gets: AtomicU64,
     pub(crate) stale_segments_removed: AtomicU64,
     pub(crate) foreign_datagrams: AtomicU64,
+    pub(crate) fast_box_recvs: AtomicU64,
 }
 
 impl Counters {
@@ -42,6 +43,7 @@ impl Counters {
             cma_gets: g(&self.cma_gets),
             stale_segments_removed: g(&self.stale_segments_removed),
             foreign_datagrams: g(&self.foreign_datagrams),
+            fast_box_recvs: g(&self.fast_box_recvs),
         }
     }
 }
@@ -78,4 +80,7 @@ pub struct Stats {
     /// address, not ours (bad magic or version), or carrying another job's
     /// id or the wrong ranks.
     pub foreign_datagrams: u64,
+    /// Small messages received through a shared-memory fast box (one slot
+    /// per message, no fragment) rather than through fragments.
+    pub fast_box_recvs: u64,
 }

@@ -21,6 +21,7 @@
 //! (receive side, reassembly, dispatch).
 
 pub(crate) mod doorbell;
+pub(crate) mod fbox;
 pub(crate) mod frag;
 pub(crate) mod rx;
 pub(crate) mod segment;
@@ -378,7 +379,7 @@ impl Transport for SmTransport {
     }
 
     fn drained(&self) -> bool {
-        lock(&self.tx).drained()
+        lock(&self.tx).drained(self)
     }
 
     fn shutdown(&self) {

@@ -4,9 +4,10 @@
 
 use bytes::Bytes;
 
+use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::segment::CHANNELS;
-use super::tx::channel;
+use super::tx::{channel, USER};
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
@@ -37,6 +38,8 @@ pub(crate) struct RxState {
     cons: Vec<ConsumerState>,
     /// Our producer state on each sender's return ring.
     ret: Vec<ProducerState>,
+    /// Our state on each sender's fast box.
+    fb: Vec<fbox::Receiver>,
     /// Message being reassembled per (sender, channel).
     partial: Vec<Option<Partial>>,
     /// The sender's next user message waits for room in its tag's queue.
@@ -58,6 +61,7 @@ impl RxState {
         RxState {
             cons: vec![ConsumerState::default(); n * CHANNELS],
             ret: vec![ProducerState::default(); n],
+            fb: vec![fbox::Receiver::default(); n],
             partial: (0..n * CHANNELS).map(|_| None).collect(),
             blocked: vec![false; n],
             misbehaved: Vec::new(),
@@ -73,7 +77,16 @@ impl RxState {
             let mut returned = 0;
             'channels: for ch in (0..CHANNELS).rev() {
                 for _ in 0..BATCH {
-                    match self.step(t, p, ch) {
+                    // User messages: the fast box first, then the ring (at
+                    // most one of them holds messages at a time).
+                    let step = match ch {
+                        USER => match self.fbox_step(t, p) {
+                            Step::Empty => self.step(t, p, ch),
+                            s => s,
+                        },
+                        _ => self.step(t, p, ch),
+                    };
+                    match step {
                         Step::Took => returned += 1,
                         Step::Empty | Step::Blocked => break,
                         Step::Bad(what) => {
@@ -92,6 +105,29 @@ impl RxState {
             }
         }
         work
+    }
+
+    /// Take one message from the sender's fast box.
+    fn fbox_step(&mut self, t: &SmTransport, p: &SmPeer) -> Step {
+        let l = p.local as usize;
+        let b = t.seg.fbox(p.local);
+        let found = match b.peek(&self.fb[l]) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Step::Empty,
+            Err(_) => return Step::Bad("fast-box message longer than its slot"),
+        };
+        if !t.core.dispatcher.has_room(found.tag, found.len) {
+            self.blocked[l] = true;
+            return Step::Blocked;
+        }
+        self.blocked[l] = false;
+        let mut data = vec![0u8; found.len];
+        b.read(&self.fb[l], &mut data);
+        t.core.deliver(p.rank, found.tag, Bytes::from(data));
+        // After the delivery, under `rx`: see the order argument in `fbox`.
+        b.consume(&mut self.fb[l]);
+        Counters::bump(&t.core.counters.fast_box_recvs);
+        Step::Took
     }
 
     fn step(&mut self, t: &SmTransport, p: &SmPeer, ch: usize) -> Step {
@@ -195,7 +231,8 @@ impl RxState {
                     .inbound(p.local, ch)
                     .looks_empty(&self.cons[l * CHANNELS + ch])
             };
-            p.is_lost() || ((self.blocked[l] || empty(0)) && empty(1))
+            let box_empty = t.seg.fbox(p.local).looks_empty(&self.fb[l]);
+            p.is_lost() || ((self.blocked[l] || (empty(USER) && box_empty)) && empty(1))
         })
     }
 

@@ -9,6 +9,7 @@
 //! 4096   inbound rings, two per local sender   (sender -> owner: fragment offsets;
 //!        channel 0 user messages, channel 1 control: put/get, barrier, bye)
 //! ...    return rings, one per local receiver  (receiver -> owner: owner's fragments back)
+//! ...    fast boxes, one per local sender      (sender -> owner: small user messages)
 //! ...    pool: eager fragments, then max fragments (owned by this process)
 //! ```
 //!
@@ -24,7 +25,7 @@ use crate::sync::AtomicU32;
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 pub(crate) const HEADER_LEN: usize = 4096;
 const STATE_OFF: usize = 256;
 const ARMED_OFF: usize = 320;
@@ -56,6 +57,7 @@ pub(crate) struct Layout {
     pub(crate) ring_stride: usize,
     pub(crate) rings_off: usize,
     pub(crate) returns_off: usize,
+    pub(crate) fbox_off: usize,
     pub(crate) pool_off: usize,
     pub(crate) total: usize,
 }
@@ -85,7 +87,9 @@ impl Layout {
         let rings_off = HEADER_LEN;
         let rings = (p.local_size as usize).checked_mul(ring_stride)?;
         let returns_off = rings_off.checked_add(rings.checked_mul(CHANNELS)?)?;
-        let pool_off = align(returns_off.checked_add(rings)?, 4096);
+        let fbox_off = align(returns_off.checked_add(rings)?, 64);
+        let fboxes = (p.local_size as usize).checked_mul(super::fbox::BOX_BYTES)?;
+        let pool_off = align(fbox_off.checked_add(fboxes)?, 4096);
         let pool = (p.eager_count as usize)
             .checked_mul(p.eager_size as usize)?
             .checked_add((p.max_count as usize).checked_mul(p.max_size as usize)?)?;
@@ -96,6 +100,7 @@ impl Layout {
             ring_stride,
             rings_off,
             returns_off,
+            fbox_off,
             pool_off,
             total,
         })
@@ -349,6 +354,16 @@ impl Segment {
     /// The ring on which local rank `from` returns our fragments.
     pub(crate) fn returns(&self, from: u32) -> Ring<'_> {
         self.ring_at(self.layout.returns_off + from as usize * self.layout.ring_stride)
+    }
+
+    /// The fast box that local rank `from` writes into this segment.
+    pub(crate) fn fbox(&self, from: u32) -> super::fbox::FBox<'_> {
+        let off = self.layout.fbox_off + from as usize * super::fbox::BOX_BYTES;
+        self.file
+            .raw_ref()
+            .atomics_u64(off, super::fbox::BOX_WORDS)
+            .and_then(super::fbox::FBox::new)
+            .expect("fast-box offsets come from a validated layout and are in range")
     }
 
     fn word(&self, off: usize) -> &AtomicU32 {

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
@@ -26,7 +27,7 @@ use crate::{Error, Rank, Result};
 
 const FREE: u32 = u32::MAX;
 /// The user-message channel.
-const USER: usize = 0;
+pub(crate) const USER: usize = 0;
 /// Eager fragments only control messages may take (at most; an eighth of
 /// the eager pool when that is smaller, so tiny pools keep working).
 const CONTROL_RESERVE: usize = 4;
@@ -62,6 +63,8 @@ pub(crate) struct TxState {
     prod: Vec<ProducerState>,
     /// Our consumer state on each return ring in our segment.
     ret: Vec<ConsumerState>,
+    /// Our state on each peer's fast box for us.
+    fb: Vec<fbox::Sender>,
     /// Send queues (peer * CHANNELS + ch).
     queues: Vec<VecDeque<Queued>>,
     /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
@@ -94,6 +97,7 @@ impl TxState {
             reserve: (ec as usize / 8).min(CONTROL_RESERVE),
             prod: vec![ProducerState::default(); n * CHANNELS],
             ret: vec![ConsumerState::default(); n],
+            fb: vec![fbox::Sender::default(); n],
             queues: (0..n * CHANNELS).map(|_| VecDeque::new()).collect(),
             misbehaved: Vec::new(),
         }
@@ -196,6 +200,23 @@ impl TxState {
         }
         let total = data.len();
         let ch = channel(kind);
+        if ch == USER {
+            if !at.started && total <= fbox::MAX_PAYLOAD {
+                match self.via_fbox(t, peer, tag, data)? {
+                    Some(true) => {
+                        at.started = true;
+                        at.sent = total;
+                        return Ok(Pushed::Done);
+                    }
+                    Some(false) => return Ok(Pushed::Blocked),
+                    None => {}
+                }
+            }
+            // The ring may carry user messages only once the box is empty.
+            if !self.fbox_drained(t, peer)? {
+                return Ok(Pushed::Blocked);
+            }
+        }
         let ring = peer.seg.inbound(t.seg.local_rank, ch);
         let pi = peer.local as usize * CHANNELS + ch;
         let mut pushed = false;
@@ -250,6 +271,56 @@ impl TxState {
         r
     }
 
+    /// Put a small user message in the peer's fast box. `None`: the box may
+    /// not be used now (the pair's user ring still holds messages, which
+    /// must arrive first); `Some(false)`: the box is full.
+    fn via_fbox(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        tag: u64,
+        data: &[u8],
+    ) -> Result<Option<bool>> {
+        let l = peer.local as usize;
+        let ring = peer.seg.inbound(t.seg.local_rank, USER);
+        match ring.drained(&mut self.prod[l * CHANNELS + USER]) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
+        }
+        match peer
+            .seg
+            .fbox(t.seg.local_rank)
+            .push(&mut self.fb[l], tag, data)
+        {
+            Ok(true) => {
+                t.notify(peer);
+                Ok(Some(true))
+            }
+            Ok(false) => Ok(Some(false)),
+            Err(_) => Err(self.corrupt(peer, "its fast box is corrupt")),
+        }
+    }
+
+    /// Whether the peer took every message we put in its fast box.
+    fn fbox_drained(&mut self, t: &SmTransport, peer: &SmPeer) -> Result<bool> {
+        let st = &mut self.fb[peer.local as usize];
+        peer.seg
+            .fbox(t.seg.local_rank)
+            .drained(st)
+            .map_err(|_| self.corrupt(peer, "its fast box is corrupt"))
+    }
+
+    /// Note a peer that scribbled on shared state (cut off once `tx` is
+    /// released) and make the error for the operation that found out.
+    fn corrupt(&mut self, peer: &SmPeer, what: &str) -> Error {
+        self.misbehaved.push((peer.local, what.into()));
+        Error::PeerMisbehaved {
+            rank: peer.rank,
+            what: what.into(),
+        }
+    }
+
     /// Send a borrowed message if one fragment that holds all of it is free
     /// now and nothing is queued ahead of it (the inline path). Never sends
     /// part of a message.
@@ -273,6 +344,11 @@ impl TxState {
         if data.len() > self.max_payload() || !self.queues[q].is_empty() {
             return Ok(false);
         }
+        if channel(kind) == USER && data.len() <= fbox::MAX_PAYLOAD {
+            if let Some(sent) = self.via_fbox(t, peer, tag, data)? {
+                return Ok(sent);
+            }
+        }
         let need_max = data.len() > self.eager_payload();
         let reserve = if channel(kind) == USER {
             self.reserve
@@ -294,11 +370,14 @@ impl TxState {
             }
         }
         // A fitting fragment is free, and `alloc` prefers the class that
-        // fits, so the message goes out in exactly one fragment.
-        match self.push(t, peer, kind, tag, data, &mut Cursor::default())? {
+        // fits, so the message goes out in exactly one fragment (or, while
+        // the fast box still holds messages, not at all).
+        let mut at = Cursor::default();
+        match self.push(t, peer, kind, tag, data, &mut at)? {
             Pushed::Done => Ok(true),
+            Pushed::Blocked if !at.started => Ok(false),
             Pushed::Blocked => Err(Error::Misuse(
-                "internal: inline send found no fragment after checking".into(),
+                "internal: inline send pushed part of a message".into(),
             )),
         }
     }
@@ -375,17 +454,27 @@ impl TxState {
         t.peer_list().iter().flatten().all(|p| {
             let l = p.local as usize;
             let returns_empty = t.seg.returns(p.local).looks_empty(&self.ret[l]);
-            let stuck = p.is_lost()
-                || !can_push
-                || self.inflight[l] >= self.cap
-                || (0..CHANNELS).all(|ch| self.queues[l * CHANNELS + ch].is_empty());
+            let no_frag = !can_push || self.inflight[l] >= self.cap;
+            // User messages also wait on the peer's fast box, which rings us
+            // when it takes from it.
+            let box_busy = !p.seg.fbox(t.seg.local_rank).looks_drained(&self.fb[l]);
+            let user_stuck = self.queues[l * CHANNELS + USER].is_empty() || no_frag || box_busy;
+            let control_stuck = self.queues[l * CHANNELS + USER + 1].is_empty() || no_frag;
+            let stuck = p.is_lost() || (user_stuck && control_stuck);
             returns_empty && stuck
         })
     }
 
-    /// Every fragment is home and nothing is queued.
-    pub(crate) fn drained(&self) -> bool {
-        self.queues.iter().all(VecDeque::is_empty) && self.dest.iter().all(|d| *d == FREE)
+    /// Every fragment is home, every fast box emptied, and nothing is queued.
+    pub(crate) fn drained(&self, t: &SmTransport) -> bool {
+        self.queues.iter().all(VecDeque::is_empty)
+            && self.dest.iter().all(|d| *d == FREE)
+            && t.peer_list().iter().flatten().all(|p| {
+                p.is_lost()
+                    || p.seg
+                        .fbox(t.seg.local_rank)
+                        .looks_drained(&self.fb[p.local as usize])
+            })
     }
 
     /// Whether anything is queued towards local rank `l`.
