@@ -42,9 +42,31 @@ struct TagQueue {
     taken: bool,
 }
 
+/// Hashes a tag with one multiplication (Fibonacci hashing): tags are
+/// chosen by the program, not by an attacker, and the default SipHash cost
+/// more than the rest of a lookup on the receive path.
+#[derive(Default, Clone, Copy)]
+struct TagHasher(u64);
+
+impl std::hash::Hasher for TagHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type TagMap = HashMap<Tag, TagQueue, std::hash::BuildHasherDefault<TagHasher>>;
+
 /// Per-fabric tag dispatcher.
 pub(crate) struct Dispatcher {
-    tags: Mutex<HashMap<Tag, TagQueue>>,
+    tags: Mutex<TagMap>,
     budget: usize,
     /// Signalled when a full queue drains, so progress tasks resume reading.
     pub(crate) space: Arc<Notify>,
@@ -108,7 +130,7 @@ impl Hot {
 impl Dispatcher {
     pub(crate) fn new(budget: usize, mode: ProgressMode, spin: Duration) -> Arc<Self> {
         Arc::new(Dispatcher {
-            tags: Mutex::new(HashMap::new()),
+            tags: Mutex::new(TagMap::default()),
             budget: budget.max(1),
             space: Arc::new(Notify::new()),
             cold: Arc::new(Notify::new()),
@@ -256,7 +278,9 @@ impl Dispatcher {
         })
     }
 
-    fn poll_pop(&self, tag: Tag, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+    /// Take the next item of `tag`'s queue; with `cx`, register for a
+    /// wake-up when there is none.
+    fn poll_pop(&self, tag: Tag, cx: Option<&Context<'_>>) -> Poll<Option<Result<Message>>> {
         let mut tags = lock(&self.tags);
         let Some(q) = tags.get_mut(&tag) else {
             return Poll::Ready(None);
@@ -273,7 +297,12 @@ impl Dispatcher {
                 Poll::Ready(Some(item))
             }
             None => {
-                q.waker = Some(cx.waker().clone());
+                if let Some(cx) = cx {
+                    match &mut q.waker {
+                        Some(w) if w.will_wake(cx.waker()) => {}
+                        w => *w = Some(cx.waker().clone()),
+                    }
+                }
                 Poll::Pending
             }
         }
@@ -319,13 +348,14 @@ impl Stream for Receiver {
     type Item = Result<Message>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
+        // Look, make progress inline, and only then register for a wake-up:
+        // a message found by our own progress needs no waker.
+        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, None) {
             return Poll::Ready(x);
         }
-        if self.disp.progress_inline() {
-            if let Poll::Ready(x) = self.disp.poll_pop(self.tag, cx) {
-                return Poll::Ready(x);
-            }
+        self.disp.progress_inline();
+        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, Some(cx)) {
+            return Poll::Ready(x);
         }
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Poll::Ready(None);

@@ -106,6 +106,15 @@ impl Core {
                 lock(&self.sync).byes.insert(src);
                 self.sync_notify.notify_waiters();
             }
+            Kind::UserCma | Kind::CmaDone | Kind::CmaData => {
+                // The shared-memory rendezvous handles these itself; over any
+                // other transport they are a peer's mistake.
+                Counters::bump(&self.counters.bad_frames);
+                tracing::warn!(
+                    peer = src,
+                    "dropped a rendezvous message of another transport"
+                );
+            }
         }
     }
 

@@ -179,3 +179,24 @@ pub(crate) fn cma_copy(
     }
     Ok(())
 }
+
+/// Append `n` bytes read from `remote_addr` in process `pid` to `dst`, by
+/// single copy. On error `dst` keeps its length (its spare room may have
+/// been written).
+pub(crate) fn cma_read_into(
+    pid: u32,
+    remote_addr: u64,
+    n: usize,
+    dst: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    dst.reserve(n);
+    let spare = &mut dst.spare_capacity_mut()[..n];
+    // SAFETY: `spare` is n bytes of `dst`'s allocation, valid for writes;
+    // the mutable borrow keeps every other access away while `raw` is used,
+    // and `raw` does not outlive this function.
+    let raw = unsafe { crate::mem::RawBuf::new(spare.as_mut_ptr().cast::<u8>(), n) };
+    cma_copy(Cma::Read, pid, raw, remote_addr)?;
+    // SAFETY: cma_copy returned Ok only once all n bytes were written.
+    unsafe { dst.set_len(dst.len() + n) };
+    Ok(())
+}

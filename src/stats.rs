@@ -19,6 +19,7 @@ pub(crate) struct Counters {
     pub(crate) stale_segments_removed: AtomicU64,
     pub(crate) foreign_datagrams: AtomicU64,
     pub(crate) fast_box_recvs: AtomicU64,
+    pub(crate) rendezvous_sends: AtomicU64,
 }
 
 impl Counters {
@@ -44,6 +45,7 @@ impl Counters {
             stale_segments_removed: g(&self.stale_segments_removed),
             foreign_datagrams: g(&self.foreign_datagrams),
             fast_box_recvs: g(&self.fast_box_recvs),
+            rendezvous_sends: g(&self.rendezvous_sends),
         }
     }
 }
@@ -83,4 +85,7 @@ pub struct Stats {
     /// Small messages received through a shared-memory fast box (one slot
     /// per message, no fragment) rather than through fragments.
     pub fast_box_recvs: u64,
+    /// Large messages sent by rendezvous: announced, then copied by the
+    /// receiver straight from the sender's memory (single copy, CMA).
+    pub rendezvous_sends: u64,
 }

@@ -54,6 +54,15 @@ pub(crate) enum Kind {
     /// get by single copy: the target checks the key, then writes into the
     /// initiator's memory (`process_vm_writev`).
     GetCma = 8,
+    /// A large user message announced, not carried (`sm` rendezvous): where
+    /// the receiver reads it from the sender's memory by single copy.
+    /// Travels in order with user messages.
+    UserCma = 9,
+    /// The receiver's answer to [`Kind::UserCma`]: copied, or refused (then
+    /// the sender sends the data as [`Kind::CmaData`]).
+    CmaDone = 10,
+    /// The data of a refused [`Kind::UserCma`], carried after all.
+    CmaData = 11,
 }
 
 impl Kind {
@@ -69,6 +78,9 @@ impl Kind {
             6 => Kind::Bye,
             7 => Kind::PutCma,
             8 => Kind::GetCma,
+            9 => Kind::UserCma,
+            10 => Kind::CmaDone,
+            11 => Kind::CmaData,
             _ => return None,
         })
     }

@@ -30,6 +30,7 @@ fn rank_main() {
             "kill" => kill(f).await,
             "bigput" => bigput(f).await,
             "mixed" => mixed(f).await,
+            "refused" => refused(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -252,6 +253,84 @@ async fn mixed(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Make the kernel refuse `process_vm_readv` to every thread of this
+/// process from now on (a seccomp filter answering EPERM), as a changed
+/// ptrace policy would after start-up. `false` where that is not possible.
+#[cfg(target_arch = "x86_64")]
+fn refuse_cross_memory_reads() -> bool {
+    use libc::{sock_filter, sock_fprog};
+    let stmt = |code: u32, k: u32| sock_filter {
+        code: code as u16,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    let filter = [
+        // A = syscall number (offset 0 of struct seccomp_data).
+        stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0),
+        sock_filter {
+            code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_process_vm_readv as u32,
+        },
+        stmt(
+            libc::BPF_RET | libc::BPF_K,
+            libc::SECCOMP_RET_ERRNO | libc::EPERM as u32,
+        ),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+    ];
+    let prog = sock_fprog {
+        len: filter.len() as u16,
+        filter: filter.as_ptr() as *mut sock_filter,
+    };
+    // SAFETY: plain system calls; `prog` and `filter` outlive them (the
+    // kernel copies the program).
+    unsafe {
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            && libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                libc::SECCOMP_FILTER_FLAG_TSYNC,
+                &prog as *const sock_fprog,
+            ) == 0
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn refuse_cross_memory_reads() -> bool {
+    false
+}
+
+/// Large sends go by rendezvous (the receiver copies from the sender's
+/// memory) until the receiver's kernel refuses that copy; then the data of
+/// every announced message comes through fragments instead, in order.
+async fn refused(f: Fabric) {
+    const N: u64 = 40;
+    let len = |i: u64| [1 << 20, 100, 200_000, 70_000][(i % 4) as usize];
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        let first = pattern(len(0), 0);
+        ep.send(4, first).await.unwrap();
+        f.barrier().await.unwrap(); // rank 1 installs its filter
+        let sends = (1..N).map(|i| ep.send(4, pattern(len(i), i)));
+        futures::future::try_join_all(sends).await.unwrap();
+        println!("rendezvous_sends={}", f.stats().rendezvous_sends);
+    } else {
+        let mut rx = f.receiver(4).unwrap();
+        assert_eq!(rx.recv().await.unwrap().data, pattern(len(0), 0));
+        let filtered = refuse_cross_memory_reads();
+        println!("filtered={filtered}");
+        f.barrier().await.unwrap();
+        for i in 1..N {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(len(i), i), "message {i}");
+        }
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 async fn kill(f: Fabric) {
     kill_scenario(f, true).await;
 }
@@ -270,6 +349,34 @@ fn per_tag_order_over_100k_messages() {
 fn mixed_sizes_in_flight_keep_order_across_fast_box_and_ring() {
     let env = [("BTL_RECV_BUDGET", "65536")];
     assert_ok(&spawn_job(2, "mixed", &env).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn refused_single_copy_falls_back_to_fragments_in_order() {
+    if !cfg!(target_arch = "x86_64") {
+        println!("skipped: the seccomp filter of this test is written for x86_64");
+        return;
+    }
+    if !async_btl::info::cma().ok {
+        println!("skipped: cross-memory copies are not allowed here, so no rendezvous starts");
+        return;
+    }
+    let outs = spawn_job(2, "refused", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    assert_eq!(
+        value(&outs[1], "filtered").as_deref(),
+        Some("true"),
+        "seccomp filter refused"
+    );
+    let rndv: u64 = value(&outs[0], "rendezvous_sends")
+        .unwrap()
+        .parse()
+        .unwrap();
+    println!("rendezvous_sends={rndv}");
+    assert!(
+        rndv >= 2,
+        "the first message and at least one refused one went by rendezvous"
+    );
 }
 
 #[test]

@@ -7,10 +7,11 @@ use bytes::Bytes;
 use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::segment::CHANNELS;
-use super::tx::{channel, USER};
+use super::tx::{channel, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
+use crate::sync::lock;
 use crate::transport::Kind;
 
 /// Fragments taken from one sender's ring per progress call, so one busy
@@ -24,6 +25,16 @@ const MAX_MESSAGE: u64 = 1 << 40;
 /// Bytes reserved up front for a message; the rest grows as fragments come,
 /// so a lying length costs nothing until the data really arrives.
 const RESERVE_LIMIT: usize = 16 << 20;
+
+/// A rendezvous whose data comes through fragments after all (our single
+/// copy was refused): its announcement stays at the head of the user ring,
+/// holding back later messages, until the data arrives.
+#[derive(Clone, Copy)]
+struct Awaiting {
+    handle: u64,
+    tag: u64,
+    len: usize,
+}
 
 struct Partial {
     kind: Kind,
@@ -44,6 +55,8 @@ pub(crate) struct RxState {
     partial: Vec<Option<Partial>>,
     /// The sender's next user message waits for room in its tag's queue.
     blocked: Vec<bool>,
+    /// Per sender: a refused rendezvous waiting for its data.
+    awaiting: Vec<Option<Awaiting>>,
     /// Peers (local ranks) caught misbehaving, to be cut off once the rx
     /// lock is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
@@ -64,6 +77,7 @@ impl RxState {
             fb: vec![fbox::Receiver::default(); n],
             partial: (0..n * CHANNELS).map(|_| None).collect(),
             blocked: vec![false; n],
+            awaiting: vec![None; n],
             misbehaved: Vec::new(),
         }
     }
@@ -164,6 +178,9 @@ impl RxState {
                 if h.total > MAX_MESSAGE {
                     return Step::Bad("message length beyond any limit");
                 }
+                if h.kind == Kind::UserCma {
+                    return self.rendezvous(t, p, idx, off, &h);
+                }
                 if h.kind == Kind::User && !t.core.dispatcher.has_room(h.tag, h.total as usize) {
                     self.blocked[l] = true;
                     return Step::Blocked;
@@ -198,12 +215,8 @@ impl RxState {
                 }
             }
         }
-        ring.advance(&mut self.cons[idx]);
-        // Give the fragment back; the return ring holds every fragment of the
-        // sender's pool, so an honest sender never sees it full.
-        let back = p.seg.returns(t.seg.local_rank);
-        if !matches!(back.push(&mut self.ret[l], off), Ok(true)) {
-            return Step::Bad("its return ring is full or corrupt");
+        if let Err(what) = self.release(t, p, idx, off) {
+            return Step::Bad(what);
         }
         if h.flags & LAST != 0 {
             let Some(part) = self.partial[idx].take() else {
@@ -215,10 +228,141 @@ impl RxState {
             let data: Bytes = t.core.buffers.freeze(part.buf);
             if part.kind == Kind::User {
                 t.core.deliver(p.rank, part.tag, data);
+            } else if part.kind == Kind::CmaData {
+                return self.rendezvous_data(t, p, part.tag, data);
+            } else if part.kind == Kind::CmaDone {
+                if data.len() != 1 {
+                    return Step::Bad("malformed rendezvous answer");
+                }
+                lock(&t.tx).rendezvous_done(t, p, part.tag, data[0] == 1);
             } else if let Some(link) = t.core.link(p.rank) {
                 t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
             }
         }
+        Step::Took
+    }
+
+    /// Advance past the fragment at `off` (ring `idx`) and give it back; the
+    /// return ring holds every fragment of the sender's pool, so an honest
+    /// sender never sees it full.
+    fn release(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        off: u64,
+    ) -> Result<(), &'static str> {
+        t.seg
+            .inbound(p.local, idx % CHANNELS)
+            .advance(&mut self.cons[idx]);
+        let back = p.seg.returns(t.seg.local_rank);
+        match back.push(&mut self.ret[p.local as usize], off) {
+            Ok(true) => Ok(()),
+            _ => Err("its return ring is full or corrupt"),
+        }
+    }
+
+    /// A rendezvous announcement (one fragment, at `off` of ring `idx`):
+    /// copy the message straight from the sender's memory, deliver it, and
+    /// answer. If the kernel refuses the copy, ask for the data instead and
+    /// hold the announcement (and so every later user message) until then.
+    fn rendezvous(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        off: u64,
+        h: &FragHeader,
+    ) -> Step {
+        let l = p.local as usize;
+        if self.awaiting[l].is_some() {
+            self.blocked[l] = true;
+            return Step::Blocked;
+        }
+        if h.flags & (FIRST | LAST) != FIRST | LAST
+            || h.len as usize != RTS_LEN
+            || h.total != RTS_LEN as u64
+        {
+            return Step::Bad("malformed rendezvous announcement");
+        }
+        let mut rts = [0u8; RTS_LEN];
+        if p.seg
+            .raw()
+            .read(off + FRAG_HEADER as u64, &mut rts)
+            .is_err()
+        {
+            return Step::Bad("payload outside its segment");
+        }
+        let word =
+            |i: usize| u64::from_le_bytes(rts[i * 8..i * 8 + 8].try_into().unwrap_or_default());
+        let (handle, addr, len) = (word(0), word(1), word(2));
+        if len > MAX_MESSAGE {
+            return Step::Bad("message length beyond any limit");
+        }
+        let len = len as usize;
+        if !t.core.dispatcher.has_room(h.tag, len) {
+            self.blocked[l] = true;
+            return Step::Blocked;
+        }
+        self.blocked[l] = false;
+        // Read in slices, so the buffer grows only as real data arrives (a
+        // lying length costs nothing up front).
+        let mut buf = t.core.buffers.take(len.min(RESERVE_LIMIT));
+        let mut copied = Ok(());
+        while copied.is_ok() && buf.len() < len {
+            let n = (len - buf.len()).min(RESERVE_LIMIT);
+            let at = addr.wrapping_add(buf.len() as u64);
+            copied = crate::os::cma_read_into(p.seg.pid, at, n, &mut buf);
+        }
+        match copied {
+            Ok(()) => {
+                if let Err(what) = self.release(t, p, idx, off) {
+                    return Step::Bad(what);
+                }
+                t.core.deliver(p.rank, h.tag, t.core.buffers.freeze(buf));
+                answer(t, p, handle, true);
+                Step::Took
+            }
+            // The sender is exiting: the liveness check will say so.
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Step::Blocked,
+            Err(e) => {
+                tracing::info!(
+                    peer = p.rank,
+                    "single copy from the peer refused ({e}): asking for the data through fragments"
+                );
+                self.awaiting[l] = Some(Awaiting {
+                    handle,
+                    tag: h.tag,
+                    len,
+                });
+                self.blocked[l] = true;
+                answer(t, p, handle, false);
+                Step::Blocked
+            }
+        }
+    }
+
+    /// The data of a refused rendezvous arrived: deliver it in the place of
+    /// its announcement, which leaves the user ring now.
+    fn rendezvous_data(&mut self, t: &SmTransport, p: &SmPeer, handle: u64, data: Bytes) -> Step {
+        let l = p.local as usize;
+        let Some(a) = self.awaiting[l] else {
+            return Step::Bad("rendezvous data that nobody asked for");
+        };
+        if a.handle != handle || a.len != data.len() {
+            return Step::Bad("rendezvous data does not match its announcement");
+        }
+        let idx = l * CHANNELS + USER;
+        let off = match t.seg.inbound(p.local, USER).peek(&mut self.cons[idx]) {
+            Ok(Some(off)) => off,
+            _ => return Step::Bad("rendezvous announcement vanished from the ring"),
+        };
+        if let Err(what) = self.release(t, p, idx, off) {
+            return Step::Bad(what);
+        }
+        self.awaiting[l] = None;
+        self.blocked[l] = false;
+        t.core.deliver(p.rank, a.tag, data);
         Step::Took
     }
 
@@ -241,5 +385,15 @@ impl RxState {
             self.partial[local as usize * CHANNELS + ch] = None;
         }
         self.blocked[local as usize] = false;
+        self.awaiting[local as usize] = None;
+    }
+}
+
+/// Tell the sender of a rendezvous whether we copied its data.
+fn answer(t: &SmTransport, p: &SmPeer, handle: u64, copied: bool) {
+    if let Some(link) = t.core.link(p.rank) {
+        let status: &'static [u8] = if copied { &[1] } else { &[0] };
+        // A failure means the peer is gone; its loss is reported elsewhere.
+        let _ = link.submit(Kind::CmaDone, handle, Bytes::from_static(status));
     }
 }

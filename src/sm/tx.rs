@@ -9,7 +9,7 @@
 //! pair and channel holds and the receiver never sees two messages
 //! interleaved on one ring.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -34,7 +34,18 @@ const CONTROL_RESERVE: usize = 4;
 
 /// The channel a message kind travels on.
 pub(crate) fn channel(kind: Kind) -> usize {
-    usize::from(kind != Kind::User)
+    usize::from(!matches!(kind, Kind::User | Kind::UserCma))
+}
+
+/// Bytes of a rendezvous announcement: handle, address, length.
+pub(crate) const RTS_LEN: usize = 24;
+
+/// A large message the peer reads from our memory (rendezvous): kept alive,
+/// unchanged (`Bytes` is immutable), until the peer says it is done.
+struct Rndv {
+    peer: u32,
+    data: Bytes,
+    done: Arc<Completion>,
 }
 
 struct Queued {
@@ -67,6 +78,9 @@ pub(crate) struct TxState {
     fb: Vec<fbox::Sender>,
     /// Send queues (peer * CHANNELS + ch).
     queues: Vec<VecDeque<Queued>>,
+    /// Rendezvous messages announced and not yet copied, by handle.
+    rndv: HashMap<u64, Rndv>,
+    next_handle: u64,
     /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
 }
@@ -99,6 +113,8 @@ impl TxState {
             ret: vec![ConsumerState::default(); n],
             fb: vec![fbox::Sender::default(); n],
             queues: (0..n * CHANNELS).map(|_| VecDeque::new()).collect(),
+            rndv: HashMap::new(),
+            next_handle: 1,
             misbehaved: Vec::new(),
         }
     }
@@ -201,7 +217,7 @@ impl TxState {
         let total = data.len();
         let ch = channel(kind);
         if ch == USER {
-            if !at.started && total <= fbox::MAX_PAYLOAD {
+            if kind == Kind::User && !at.started && total <= fbox::MAX_PAYLOAD {
                 match self.via_fbox(t, peer, tag, data)? {
                     Some(true) => {
                         at.started = true;
@@ -398,14 +414,34 @@ impl TxState {
         if peer.is_lost() {
             return Err(peer.lost_error());
         }
+        if kind == Kind::User && data.len() >= t.core.config.sm_cma_min && peer.cma_ok() {
+            return self.announce(t, peer, tag, data).map(Some);
+        }
+        self.send_owned(t, peer, kind, tag, data, None)
+    }
+
+    /// Queue (or push at once) an owned message; `done` completes when its
+    /// last byte is handed over (a new one is made if needed and none given).
+    fn send_owned(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+        done: Option<Arc<Completion>>,
+    ) -> Result<Option<Arc<Completion>>> {
         let q = peer.local as usize * CHANNELS + channel(kind);
         let mut at = Cursor::default();
         if self.queues[q].is_empty() {
             if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut at)? {
+                if let Some(d) = done {
+                    d.complete(Ok(()));
+                }
                 return Ok(None);
             }
         }
-        let done = Completion::new();
+        let done = done.unwrap_or_else(Completion::new);
         self.queues[q].push_back(Queued {
             kind,
             tag,
@@ -414,6 +450,77 @@ impl TxState {
             done: done.clone(),
         });
         Ok(Some(done))
+    }
+
+    /// Rendezvous: announce a large message in order with the other user
+    /// messages; the receiver copies it straight out of `data` (one copy
+    /// instead of two through fragments) and answers. Completes on the answer.
+    fn announce(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        tag: u64,
+        data: Bytes,
+    ) -> Result<Arc<Completion>> {
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        let mut rts = [0u8; RTS_LEN];
+        rts[..8].copy_from_slice(&handle.to_le_bytes());
+        rts[8..16].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
+        rts[16..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let done = Completion::new();
+        self.rndv.insert(
+            handle,
+            Rndv {
+                peer: peer.local,
+                data,
+                done: done.clone(),
+            },
+        );
+        let rts = Bytes::copy_from_slice(&rts);
+        if let Err(e) = self.send_owned(t, peer, Kind::UserCma, tag, rts, None) {
+            self.rndv.remove(&handle);
+            return Err(e);
+        }
+        Counters::bump(&t.core.counters.rendezvous_sends);
+        Ok(done)
+    }
+
+    /// The receiver's answer to a rendezvous: done, or refused (then the data
+    /// goes as a control message, and single copy is off for this peer).
+    pub(crate) fn rendezvous_done(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        handle: u64,
+        copied: bool,
+    ) {
+        let ours = self.rndv.get(&handle).is_some_and(|r| r.peer == peer.local);
+        if !ours {
+            Counters::bump(&t.core.counters.bad_frames);
+            self.misbehaved.push((
+                peer.local,
+                "it answered a rendezvous we never announced".into(),
+            ));
+            return;
+        }
+        let Some(r) = self.rndv.remove(&handle) else {
+            return;
+        };
+        if copied {
+            r.done.complete(Ok(()));
+            return;
+        }
+        tracing::info!(
+            peer = peer.rank,
+            "the peer could not copy from our memory: sending its data through fragments"
+        );
+        peer.cma.store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Err(e) =
+            self.send_owned(t, peer, Kind::CmaData, handle, r.data, Some(r.done.clone()))
+        {
+            r.done.complete(Err(e));
+        }
     }
 
     /// Advance queued messages as fragments come back.
@@ -467,7 +574,8 @@ impl TxState {
 
     /// Every fragment is home, every fast box emptied, and nothing is queued.
     pub(crate) fn drained(&self, t: &SmTransport) -> bool {
-        self.queues.iter().all(VecDeque::is_empty)
+        self.rndv.is_empty()
+            && self.queues.iter().all(VecDeque::is_empty)
             && self.dest.iter().all(|d| *d == FREE)
             && t.peer_list().iter().flatten().all(|p| {
                 p.is_lost()
@@ -480,6 +588,7 @@ impl TxState {
     /// Whether anything is queued towards local rank `l`.
     pub(crate) fn has_queued(&self, l: u32) -> bool {
         (0..CHANNELS).any(|ch| !self.queues[l as usize * CHANNELS + ch].is_empty())
+            || self.rndv.values().any(|r| r.peer == l)
     }
 
     /// Fail the lost peer's queues and take back the fragments it held.
@@ -494,6 +603,13 @@ impl TxState {
                 self.free(i);
             }
         }
+        self.rndv.retain(|_, r| {
+            let theirs = r.peer == peer.local;
+            if theirs {
+                r.done.complete(Err(peer.lost_error()));
+            }
+            !theirs
+        });
     }
 
     /// Fail everything still queued (the fabric is closing).
@@ -502,6 +618,9 @@ impl TxState {
             for m in q.drain(..) {
                 m.done.complete(Err(Error::Closed));
             }
+        }
+        for (_, r) in self.rndv.drain() {
+            r.done.complete(Err(Error::Closed));
         }
     }
 }
