@@ -51,6 +51,16 @@ pub fn supports(test: Test) -> bool {
     matches!(test, Test::Lat | Test::Bw | Test::PutLat | Test::PutBw)
 }
 
+/// The tests of [`supports`], by name, comma-separated.
+pub fn supported_names() -> String {
+    let names: Vec<&str> = Test::ALL
+        .into_iter()
+        .filter(|t| supports(*t))
+        .map(Test::name)
+        .collect();
+    names.join(", ")
+}
+
 /// The MCA settings that select `b`'s transport (empty for a socket
 /// baseline).
 pub fn mca(b: Baseline) -> &'static [&'static str] {

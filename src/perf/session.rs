@@ -1,6 +1,6 @@
 //! One rank's whole run: open the fabric, connect the socket baselines,
 //! measure async-btl, close the fabric, measure the socket baselines over
-//! the same two processes, then (rank 0, once rank 1 has returned) the
+//! the same two processes, then (rank 0, while rank 1, done, exits) the
 //! Open MPI baselines under their own `mpirun`, and build the [`Report`].
 //!
 //! The baselines run after the fabric is closed, so that a busy-polling
@@ -200,6 +200,7 @@ async fn measure_mpi(
         Ok(p) => p,
         Err(why) => return skip_all(why),
     };
+    let only = ompi::supported_names();
     let mut notes = Vec::new();
     for b in wanted {
         let points: Vec<_> = s
@@ -213,14 +214,12 @@ async fn measure_mpi(
             })
             .collect();
         if points.is_empty() {
-            notes.push(format!(
-                "{} skipped: it measures lat, bw, put_lat and put_bw only",
-                b.name()
-            ));
+            notes.push(format!("{} skipped: it measures {only} only", b.name()));
             continue;
         }
         // The run's own bound, once per point (as for the other series).
-        let limit = s.watchdog.saturating_mul(points.len() as u32 + 1);
+        let n = u32::try_from(points.len()).unwrap_or(u32::MAX);
+        let limit = s.watchdog.saturating_mul(n.saturating_add(1));
         match program.measure(b, &points, limit).await {
             Ok(values) => {
                 for (&(test, size, plan), value) in points.iter().zip(values) {
@@ -228,7 +227,7 @@ async fn measure_mpi(
                     tick(&format!("{test} at {size} B over {}", b.name()));
                 }
                 notes.push(format!(
-                    "{}: {} in its own two processes, after the others, same sizes and counts (lat, bw, put_lat, put_bw only): mpirun {}",
+                    "{}: {} in its own two processes, after the others, same sizes and counts ({only} only): mpirun {}",
                     b.name(),
                     program.version,
                     ompi::mpirun_args(b, false).join(" ")
