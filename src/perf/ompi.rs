@@ -387,6 +387,33 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn tool_failures_are_reasons() {
+        let e = run_tool(Command::new("btl-perf-no-such-tool"), "mpicc", GRACE)
+            .await
+            .err()
+            .expect("a missing tool is an error");
+        assert!(
+            e.contains("not found") && e.contains("libopenmpi-dev"),
+            "{e}"
+        );
+        let mut sleep = Command::new("sleep");
+        sleep.arg("30");
+        let e = run_tool(sleep, "sleep", Duration::from_millis(50))
+            .await
+            .err()
+            .expect("a stuck tool is an error");
+        assert!(e.contains("ran past"), "{e}");
+        let mut sh = Command::new("sh");
+        sh.args(["-c", "echo out; echo oops >&2; exit 3"]);
+        let done = run_tool(sh, "sh", GRACE).await.expect("sh runs");
+        assert!(!done.ok && done.status.contains('3'), "{}", done.status);
+        assert_eq!(
+            (&done.stdout[..], tail(&done.stderr)),
+            (&b"out\n"[..], "oops".into())
+        );
+    }
+
     #[test]
     fn tail_keeps_the_last_lines() {
         assert_eq!(tail(b"a\n----\nb\n\nc\nd\n"), "b / c / d");
