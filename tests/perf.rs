@@ -179,9 +179,10 @@ fn under_mpirun() {
         eprintln!("skipped: mpirun not found (apt-get install openmpi-bin)");
         return;
     }
+    // Asked for, the Open MPI baseline is skipped: no mpirun inside mpirun.
     let out = run(Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", PERF])
-        .args(["--test", "bw", "--baseline", "none", "--json"])
+        .args(["--test", "bw", "--baseline", "ompi", "--json"])
         .args(QUICK));
     let j = json(&out);
     let got = series(&j);
@@ -192,6 +193,72 @@ fn under_mpirun() {
             .collect()
     );
     assert_eq!(j["header"]["settings"]["launcher"], "OpenMpi");
+    let notes = j["header"]["notes"].to_string();
+    assert!(
+        notes.contains("ompi skipped") && notes.contains("OMPI_COMM_WORLD_SIZE"),
+        "{notes}"
+    );
+}
+
+/// Whether `tool --version` runs.
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn open_mpi_baseline_beside_async_btl() {
+    if !(have("mpicc") && have("mpirun")) {
+        eprintln!(
+            "skipped: mpicc or mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+        );
+        return;
+    }
+    let args = ["--test", "lat,bw", "--baseline", "ompi", "--min-size", "8"];
+    let out =
+        run(Command::new(PERF)
+            .args(args)
+            .args(["--max-size", "64", "--iters", "50", "--json"]));
+    let j = json(&out);
+    let got = series(&j);
+    for t in ["lat", "bw"] {
+        for w in ["async-btl/sm", "ompi"] {
+            assert!(
+                got.contains(&(t.to_string(), w.to_string())),
+                "{t} over {w} missing; notes: {}",
+                j["header"]["notes"]
+            );
+        }
+    }
+    let ompi: BTreeSet<(String, u64)> = j["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["wire"] == "ompi")
+        .map(|r| {
+            (
+                r["test"].as_str().unwrap().into(),
+                r["size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(ompi.len(), 8, "lat and bw at 8..64 B: {ompi:?}");
+    let ratios = j["ratios"].as_array().unwrap();
+    assert!(ratios
+        .iter()
+        .any(|r| r["baseline"] == "ompi" && r["test"] == "bw"));
+
+    // The table has the ompi column and its ratio column.
+    let table = run(Command::new(PERF)
+        .args(args)
+        .args(["--max-size", "8", "--iters", "50"]));
+    let t = String::from_utf8_lossy(&table.stdout);
+    assert!(t.contains(" ompi") && t.contains("x ompi"), "{t}");
+    assert!(t.contains("# note: ompi: "), "{t}");
 }
 
 #[test]

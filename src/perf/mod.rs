@@ -12,12 +12,14 @@
 //! Module map: [`wire`] (the transports under test), [`method`] (what each
 //! test does on each side), [`plan`] (iterations per size), [`machine`] (the
 //! report header), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
-//! (CPU affinity), [`session`] (one rank's whole run).
+//! (CPU affinity), [`session`] (one rank's whole run), [`ompi`] (Open MPI
+//! as a baseline, run under its own `mpirun`).
 //!
 //! Nothing here asserts a speed: it measures and reports.
 
 pub mod machine;
 pub mod method;
+pub mod ompi;
 pub mod pin;
 pub mod plan;
 pub mod plot;
@@ -159,7 +161,9 @@ impl Unit {
     }
 }
 
-/// A socket baseline, measured in the same run with the same method.
+/// A baseline measured in the same run: a tokio socket, with the same
+/// method and in the same processes, or Open MPI (opt-in), with the same
+/// sizes and counts in its own two processes ([`ompi`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Baseline {
@@ -169,11 +173,22 @@ pub enum Baseline {
     Tcp,
     /// tokio `UdpSocket` on 127.0.0.1, messages above 64 KiB chunked.
     Udp,
+    /// Open MPI's shared-memory BTL (`--mca btl self,vader`).
+    Ompi,
+    /// Open MPI's TCP BTL on loopback (`--mca btl self,tcp`).
+    #[serde(rename = "ompi-tcp")]
+    OmpiTcp,
 }
 
 impl Baseline {
     /// Every baseline, in report order.
-    pub const ALL: [Baseline; 3] = [Baseline::Unix, Baseline::Tcp, Baseline::Udp];
+    pub const ALL: [Baseline; 5] = [
+        Baseline::Unix,
+        Baseline::Tcp,
+        Baseline::Udp,
+        Baseline::Ompi,
+        Baseline::OmpiTcp,
+    ];
 
     /// Name in reports and on the command line.
     pub fn name(self) -> &'static str {
@@ -181,23 +196,39 @@ impl Baseline {
             Baseline::Unix => "unix",
             Baseline::Tcp => "tcp",
             Baseline::Udp => "udp",
+            Baseline::Ompi => "ompi",
+            Baseline::OmpiTcp => "ompi-tcp",
         }
     }
 
+    /// Whether this is Open MPI (as opposed to a tokio socket).
+    pub fn is_mpi(self) -> bool {
+        matches!(self, Baseline::Ompi | Baseline::OmpiTcp)
+    }
+
     /// Whether this baseline measures `test`. UDP has no `bibw`: its credit
-    /// protocol would need one socket read from two places at once.
+    /// protocol would need one socket read from two places at once. Open
+    /// MPI runs what its program implements ([`ompi::supports`]).
     pub fn measures(self, test: Test) -> bool {
-        !(self == Baseline::Udp && test == Test::Bibw)
+        match self {
+            Baseline::Udp => test != Test::Bibw,
+            Baseline::Ompi | Baseline::OmpiTcp => ompi::supports(test),
+            Baseline::Unix | Baseline::Tcp => true,
+        }
     }
 }
 
 impl std::str::FromStr for Baseline {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim().to_ascii_lowercase();
         Baseline::ALL
             .into_iter()
-            .find(|b| b.name() == s.trim().to_ascii_lowercase())
-            .ok_or_else(|| format!("unknown baseline {s:?}; choose from unix, tcp, udp"))
+            .find(|b| b.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Baseline::ALL.iter().map(|b| b.name()).collect();
+                format!("unknown baseline {s:?}; choose from {}", names.join(", "))
+            })
     }
 }
 
@@ -247,6 +278,8 @@ mod tests {
         assert!("nope".parse::<Test>().is_err());
         for b in Baseline::ALL {
             assert_eq!(b.name().parse::<Baseline>(), Ok(b));
+            assert_eq!(serde_json::to_value(b).unwrap(), b.name());
         }
+        assert!(Baseline::OmpiTcp.measures(Test::PutBw) && !Baseline::Ompi.measures(Test::GetLat));
     }
 }

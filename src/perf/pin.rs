@@ -77,6 +77,25 @@ pub fn pin_current_thread(core: usize) -> Result<()> {
     Ok(())
 }
 
+/// Let the calling thread run on every core the system allows it (the
+/// kernel keeps only those of its cpuset). Async-signal-safe: a child
+/// process can call it between fork and exec to shed a pinned parent's
+/// affinity.
+pub fn allow_all_cores() -> std::io::Result<()> {
+    // SAFETY: as in `pin_current_thread`; every index is below CPU_SETSIZE.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in 0..libc::CPU_SETSIZE as usize {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,15 +1,18 @@
-//! One rank's whole run: open the fabric, connect the baselines, measure
-//! async-btl, close the fabric, measure the baselines over the same two
-//! processes, and (rank 0) build the [`Report`].
+//! One rank's whole run: open the fabric, connect the socket baselines,
+//! measure async-btl, close the fabric, measure the socket baselines over
+//! the same two processes, then (rank 0, while rank 1, done, exits) the
+//! Open MPI baselines under their own `mpirun`, and build the [`Report`].
 //!
 //! The baselines run after the fabric is closed, so that a busy-polling
-//! progress task never competes with them for the core.
+//! progress task never competes with them for the core; Open MPI runs last,
+//! when the other rank has nothing left to do.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::machine::{utc_now, Header, Machine};
 use super::method::{on_wire, rma_timed, RmaSide};
+use super::ompi;
 use super::pin::Pinning;
 use super::plan::Counts;
 use super::report::Report;
@@ -125,7 +128,13 @@ pub async fn run(
     for (i, cfg) in runs.into_iter().enumerate() {
         let fabric = Fabric::from_job(job.clone(), cfg).await?;
         if i == 0 {
-            sockets = connect_baselines(&fabric, TAG_SETUP, &s.baselines, s.max_len()).await?;
+            let socket: Vec<Baseline> = s
+                .baselines
+                .iter()
+                .copied()
+                .filter(|b| !b.is_mpi())
+                .collect();
+            sockets = connect_baselines(&fabric, TAG_SETUP, &socket, s.max_len()).await?;
         }
         let transport = fabric.transport_for(1 - fabric.rank()).unwrap_or("none");
         names.push(transport);
@@ -158,8 +167,76 @@ pub async fn run(
     if rank != 0 {
         return Ok(None);
     }
-    let header = header(s, &config, &transport, &launcher, core);
+    drop(sockets);
+    let notes = measure_mpi(s, &mut samples, tick).await;
+    let mut header = header(s, &config, &transport, &launcher, core);
+    header.notes.extend(notes);
     Ok(Some(Report::new(header, samples)))
+}
+
+/// Rank 0: measure the Open MPI baselines asked for, adding their samples;
+/// returns the report notes (what ran, or why it was skipped).
+async fn measure_mpi(
+    s: &Settings,
+    samples: &mut Vec<Sample>,
+    tick: &mut dyn FnMut(&str),
+) -> Vec<String> {
+    let wanted: Vec<Baseline> = s.baselines.iter().copied().filter(|b| b.is_mpi()).collect();
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let skip_all = |why: String| {
+        wanted
+            .iter()
+            .map(|b| format!("{} skipped: {why}", b.name()))
+            .collect()
+    };
+    if let Some(var) = ompi::nested_launcher() {
+        return skip_all(format!(
+            "btl-perf runs under an MPI launcher ({var} is set) and does not start mpirun inside one; run it alone or under btl-run"
+        ));
+    }
+    let program = match ompi::Program::build(s.watchdog).await {
+        Ok(p) => p,
+        Err(why) => return skip_all(why),
+    };
+    let only = ompi::supported_names();
+    let mut notes = Vec::new();
+    for b in wanted {
+        let points: Vec<_> = s
+            .tests
+            .iter()
+            .filter(|t| b.measures(**t))
+            .flat_map(|&t| {
+                t.sizes(s.min_size, s.max_size)
+                    .into_iter()
+                    .map(move |size| (t, size, s.counts.plan(t, size)))
+            })
+            .collect();
+        if points.is_empty() {
+            notes.push(format!("{} skipped: it measures {only} only", b.name()));
+            continue;
+        }
+        // The run's own bound, once per point (as for the other series).
+        let n = u32::try_from(points.len()).unwrap_or(u32::MAX);
+        let limit = s.watchdog.saturating_mul(n.saturating_add(1));
+        match program.measure(b, &points, limit).await {
+            Ok(values) => {
+                for (&(test, size, plan), value) in points.iter().zip(values) {
+                    samples.push(sample(test, b.name(), size, value, &plan));
+                    tick(&format!("{test} at {size} B over {}", b.name()));
+                }
+                notes.push(format!(
+                    "{}: {} in its own two processes, after the others, same sizes and counts ({only} only): mpirun {}",
+                    b.name(),
+                    program.version,
+                    ompi::mpirun_args(b, false).join(" ")
+                ));
+            }
+            Err(why) => notes.push(format!("{} skipped: {why}", b.name())),
+        }
+    }
+    notes
 }
 
 fn is_rma(t: Test) -> bool {

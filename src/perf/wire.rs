@@ -481,7 +481,8 @@ pub async fn connect_baselines(
                         .map_err(io("accepting the TCP baseline"))?;
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
-                Baseline::Udp => continue,
+                // UDP is set up below; Open MPI is not a socket.
+                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp => continue,
             };
             out.push((*b, w));
         }
@@ -527,7 +528,8 @@ pub async fn connect_baselines(
                         .map_err(io("connecting the TCP baseline"))?;
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
-                Baseline::Udp => continue,
+                // UDP is set up below; Open MPI is not a socket.
+                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp => continue,
             };
             out.push((*b, w));
         }

@@ -1,0 +1,422 @@
+//! Open MPI as a baseline (`--baseline ompi`, `--baseline ompi-tcp`).
+//!
+//! Rank 0, once everything else is measured and the other rank has left,
+//! compiles the embedded [`SOURCE`] with `mpicc` into a temporary
+//! directory and runs it under `mpirun -np 2 --bind-to core`, handing it
+//! the run's sizes and, for each size, the same iterations, warm-up and
+//! window as [`Counts::plan`](super::plan::Counts::plan) gave async-btl.
+//! Its output ("TEST SIZE VALUE" lines) becomes samples named after the
+//! baseline, so ratios, JSON, CSV and plots treat it like any other.
+//!
+//! `ompi` forces the shared-memory path (`--mca btl self,vader`, one-sided
+//! through `osc sm`); `ompi-tcp` the TCP BTL on loopback (`--mca btl
+//! self,tcp --mca btl_tcp_if_include lo`, one-sided through `osc pt2pt`,
+//! which rides on that BTL). Both force `--mca pml ob1`, else UCX (when
+//! built in) would carry the messages and bypass the BTL asked for.
+//!
+//! Whatever goes wrong (no `mpicc`, no `mpirun`, a failed or stuck run,
+//! output that does not parse, btl-perf itself under an MPI launcher) is
+//! a reason to skip, returned as text for the report's notes; never a
+//! failure of the run.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::AsyncReadExt;
+use tokio::process::Command;
+
+use super::plan::Plan;
+use super::{Baseline, Test};
+
+/// The benchmark program, `benches/baseline/mpi_pp.c`, built into btl-perf
+/// so that an installed binary needs only Open MPI.
+pub const SOURCE: &str = include_str!("../../benches/baseline/mpi_pp.c");
+
+/// Environment variables that MPI launchers (Open MPI, PMIx, PMI-1/2,
+/// MPICH's Hydra) set in the processes they start. Running `mpirun` from
+/// such a process is not done.
+const LAUNCHER_VARS: [&str; 4] = [
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "PMI_RANK",
+    "MPI_LOCALRANKID",
+];
+
+/// How long `mpirun` gets to wind its ranks down after SIGTERM.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// The tests the program implements.
+pub fn supports(test: Test) -> bool {
+    matches!(test, Test::Lat | Test::Bw | Test::PutLat | Test::PutBw)
+}
+
+/// The tests of [`supports`], by name, comma-separated.
+pub fn supported_names() -> String {
+    let names: Vec<&str> = Test::ALL
+        .into_iter()
+        .filter(|t| supports(*t))
+        .map(Test::name)
+        .collect();
+    names.join(", ")
+}
+
+/// The MCA settings that select `b`'s transport (empty for a socket
+/// baseline).
+pub fn mca(b: Baseline) -> &'static [&'static str] {
+    match b {
+        Baseline::Ompi => &[
+            "--mca",
+            "pml",
+            "ob1",
+            "--mca",
+            "btl",
+            "self,vader",
+            "--mca",
+            "osc",
+            "sm",
+        ],
+        Baseline::OmpiTcp => &[
+            "--mca",
+            "pml",
+            "ob1",
+            "--mca",
+            "btl",
+            "self,tcp",
+            "--mca",
+            "btl_tcp_if_include",
+            "lo",
+            "--mca",
+            "osc",
+            "pt2pt",
+        ],
+        Baseline::Unix | Baseline::Tcp | Baseline::Udp => &[],
+    }
+}
+
+/// The `mpirun` options before the program: process count, binding,
+/// `--allow-run-as-root` when `root`, and `b`'s MCA settings.
+pub fn mpirun_args(b: Baseline, root: bool) -> Vec<String> {
+    let mut v: Vec<&str> = vec!["-np", "2", "--bind-to", "core"];
+    if root {
+        v.push("--allow-run-as-root");
+    }
+    v.extend_from_slice(mca(b));
+    v.into_iter().map(String::from).collect()
+}
+
+/// The launcher variable that says btl-perf itself runs under an MPI
+/// launcher, if one is set.
+pub fn nested_launcher() -> Option<&'static str> {
+    LAUNCHER_VARS
+        .into_iter()
+        .find(|v| std::env::var_os(v).is_some())
+}
+
+/// The program's arguments for `points`: each test's name, then one
+/// `SIZE:ITERS:WARMUP:WINDOW` per size.
+pub fn program_args(points: &[(Test, usize, Plan)]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut last = None;
+    for &(test, size, plan) in points {
+        if last != Some(test) {
+            out.push(test.name().to_string());
+            last = Some(test);
+        }
+        out.push(format!(
+            "{size}:{}:{}:{}",
+            plan.iters, plan.warmup, plan.window
+        ));
+    }
+    out
+}
+
+/// Parse the program's output into one value per (test, size) of `want`,
+/// in `want`'s order. Comment and blank lines are skipped; any other line
+/// must read `TEST SIZE VALUE` for a wanted point with a finite positive
+/// value, and every wanted point must appear exactly once.
+pub fn parse_output(text: &str, want: &[(Test, usize)]) -> Result<Vec<f64>, String> {
+    let mut got: Vec<Option<f64>> = vec![None; want.len()];
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = || format!("unexpected output line {line:?}");
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [t, size, value] = f[..] else {
+            return Err(bad());
+        };
+        let test: Test = t.parse().map_err(|_| bad())?;
+        let size: usize = size.parse().map_err(|_| bad())?;
+        let value: f64 = value.parse().map_err(|_| bad())?;
+        if !(value.is_finite() && value > 0.0) {
+            return Err(bad());
+        }
+        let i = want
+            .iter()
+            .position(|p| *p == (test, size))
+            .ok_or_else(|| format!("output for a point not asked for: {line:?}"))?;
+        if got[i].replace(value).is_some() {
+            return Err(format!("{test} at {size} B reported twice"));
+        }
+    }
+    got.into_iter()
+        .zip(want)
+        .map(|(v, (t, s))| v.ok_or_else(|| format!("no result for {t} at {s} B")))
+        .collect()
+}
+
+/// The last few non-empty lines of a tool's output, on one line, for a note.
+fn tail(bytes: &[u8]) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.chars().all(|c| c == '-'))
+        .collect();
+    let keep = &lines[lines.len().saturating_sub(3)..];
+    if keep.is_empty() {
+        "no output".into()
+    } else {
+        keep.join(" / ")
+    }
+}
+
+/// What a finished tool left: its status and both outputs.
+struct Finished {
+    ok: bool,
+    status: String,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// Run `cmd` with its output captured, for at most `limit`. On time-out
+/// the process gets SIGTERM (so that `mpirun` takes its ranks down), then
+/// SIGKILL after [`GRACE`].
+async fn run_tool(mut cmd: Command, name: &str, limit: Duration) -> Result<Finished, String> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => {
+            let package = if name == "mpicc" {
+                "libopenmpi-dev"
+            } else {
+                "openmpi-bin"
+            };
+            format!("{name} not found (apt-get install {package})")
+        }
+        _ => format!("cannot start {name}: {e}"),
+    })?;
+    let drain = |r: Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>| {
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf).await;
+            }
+            buf
+        })
+    };
+    let out = drain(child.stdout.take().map(|r| Box::new(r) as _));
+    let err = drain(child.stderr.take().map(|r| Box::new(r) as _));
+    let status = match tokio::time::timeout(limit, child.wait()).await {
+        Ok(s) => s.map_err(|e| format!("waiting for {name}: {e}"))?,
+        Err(_) => {
+            if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+                // SAFETY: kill(2) on the pid of our own child, which has not
+                // been reaped yet (we still hold it), so the pid is its.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            if tokio::time::timeout(GRACE, child.wait()).await.is_err() {
+                let _ = child.kill().await;
+            }
+            return Err(format!("{name} ran past {} s", limit.as_secs()));
+        }
+    };
+    Ok(Finished {
+        ok: status.success(),
+        status: status.to_string(),
+        stdout: out.await.unwrap_or_default(),
+        stderr: err.await.unwrap_or_default(),
+    })
+}
+
+/// The program, compiled into a temporary directory that is removed when
+/// this is dropped.
+pub struct Program {
+    dir: PathBuf,
+    exe: PathBuf,
+    /// `mpirun --version`'s first line.
+    pub version: String,
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Program {
+    /// Check for `mpirun`, then write [`SOURCE`] out and compile it with
+    /// `mpicc -O2`, each step limited to `limit`.
+    pub async fn build(limit: Duration) -> Result<Program, String> {
+        let mut probe = mpirun();
+        probe.arg("--version");
+        let v = run_tool(probe, "mpirun", limit).await?;
+        let version = String::from_utf8_lossy(&v.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        let dir = std::env::temp_dir().join(format!(
+            "btl-perf-ompi-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        // From here on, dropping `p` removes the directory.
+        let p = Program {
+            exe: dir.join("mpi_pp"),
+            dir,
+            version,
+        };
+        let src = p.dir.join("mpi_pp.c");
+        std::fs::write(&src, SOURCE).map_err(|e| format!("cannot write {}: {e}", src.display()))?;
+        let mut cc = Command::new("mpicc");
+        cc.arg("-O2").arg("-o").arg(&p.exe).arg(&src);
+        let done = run_tool(cc, "mpicc", limit).await?;
+        if !done.ok {
+            return Err(format!(
+                "mpicc failed ({}): {}",
+                done.status,
+                tail(&done.stderr)
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Measure `points` over baseline `b` in one `mpirun` limited to
+    /// `limit`; one value per point, in order.
+    pub async fn measure(
+        &self,
+        b: Baseline,
+        points: &[(Test, usize, Plan)],
+        limit: Duration,
+    ) -> Result<Vec<f64>, String> {
+        let mut cmd = mpirun();
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        cmd.args(mpirun_args(b, root))
+            .arg(&self.exe)
+            .args(program_args(points));
+        // Rank 0 is pinned to one core, and children inherit that: give
+        // mpirun every core back so that --bind-to core has two to use.
+        // SAFETY: the closure only makes one system call on a local value,
+        // which is allowed between fork and exec.
+        unsafe {
+            cmd.pre_exec(super::pin::allow_all_cores);
+        }
+        let done = run_tool(cmd, "mpirun", limit).await?;
+        if !done.ok {
+            return Err(format!(
+                "mpirun failed ({}): {}",
+                done.status,
+                tail(&done.stderr)
+            ));
+        }
+        let want: Vec<(Test, usize)> = points.iter().map(|(t, s, _)| (*t, *s)).collect();
+        parse_output(&String::from_utf8_lossy(&done.stdout), &want)
+    }
+}
+
+fn mpirun() -> Command {
+    Command::new("mpirun")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: Plan = Plan {
+        iters: 100,
+        warmup: 10,
+        window: 1,
+    };
+
+    #[test]
+    fn arguments_group_points_by_test() {
+        let w = Plan { window: 64, ..P };
+        let a = program_args(&[(Test::Lat, 8, P), (Test::Lat, 16, P), (Test::Bw, 8, w)]);
+        assert_eq!(a, ["lat", "8:100:10:1", "16:100:10:1", "bw", "8:100:10:64"]);
+        let m = mpirun_args(Baseline::OmpiTcp, true);
+        assert!(m.contains(&"--allow-run-as-root".to_string()));
+        assert!(m.windows(2).any(|p| p == ["btl", "self,tcp"]));
+        assert!(!mpirun_args(Baseline::Ompi, false).contains(&"--allow-run-as-root".to_string()));
+        assert!(mca(Baseline::Unix).is_empty());
+        assert!(SOURCE.contains("MPI_Put") && SOURCE.contains("put_bw"));
+    }
+
+    #[test]
+    fn output_parses_in_request_order() {
+        let want = [(Test::Lat, 8), (Test::Bw, 8)];
+        let text = "# open-mpi\n\nbw 8 123.5\nlat 8 0.25\n";
+        assert_eq!(parse_output(text, &want), Ok(vec![0.25, 123.5]));
+    }
+
+    #[test]
+    fn malformed_output_is_an_error() {
+        let want = [(Test::Lat, 8)];
+        for bad in [
+            "lat 8",
+            "lat 8 0.5 extra",
+            "lat eight 0.5",
+            "lat 8 fast",
+            "lat 8 -1",
+            "lat 8 NaN",
+            "lat 8 inf",
+            "nope 8 0.5",
+            "lat 16 0.5",
+            "lat 8 0.5\nlat 8 0.6",
+            "",
+            "mpirun: something went wrong",
+        ] {
+            assert!(parse_output(bad, &want).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[tokio::test]
+    async fn tool_failures_are_reasons() {
+        let e = run_tool(Command::new("btl-perf-no-such-tool"), "mpicc", GRACE)
+            .await
+            .err()
+            .expect("a missing tool is an error");
+        assert!(
+            e.contains("not found") && e.contains("libopenmpi-dev"),
+            "{e}"
+        );
+        let mut sleep = Command::new("sleep");
+        sleep.arg("30");
+        let e = run_tool(sleep, "sleep", Duration::from_millis(50))
+            .await
+            .err()
+            .expect("a stuck tool is an error");
+        assert!(e.contains("ran past"), "{e}");
+        let mut sh = Command::new("sh");
+        sh.args(["-c", "echo out; echo oops >&2; exit 3"]);
+        let done = run_tool(sh, "sh", GRACE).await.expect("sh runs");
+        assert!(!done.ok && done.status.contains('3'), "{}", done.status);
+        assert_eq!(
+            (&done.stdout[..], tail(&done.stderr)),
+            (&b"out\n"[..], "oops".into())
+        );
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        assert_eq!(tail(b"a\n----\nb\n\nc\nd\n"), "b / c / d");
+        assert_eq!(tail(b""), "no output");
+    }
+}
