@@ -12,12 +12,13 @@ use bytes::Bytes;
 
 use crate::sync::lock;
 
-/// Messages at least this large use pooled buffers.
-pub(crate) const POOL_MIN: usize = 256 * 1024;
-/// Buffers kept for reuse.
-const KEEP: usize = 8;
-/// Bytes kept for reuse at most.
-const KEEP_BYTES: usize = 256 << 20;
+/// Messages at least this large use pooled buffers (below, the allocator
+/// reuses memory well; above, fresh mappings fault their pages in).
+pub(crate) const POOL_MIN: usize = 32 * 1024;
+/// Buffers kept for reuse (a window of large messages in flight).
+const KEEP: usize = 256;
+/// Bytes kept for reuse at most (two receive budgets' worth by default).
+const KEEP_BYTES: usize = 64 << 20;
 
 /// A pool of large buffers.
 #[derive(Default)]
@@ -56,7 +57,8 @@ impl BufPool {
                 })
                 .min_by_key(|i| free[*i].capacity());
             if let Some(i) = best {
-                let mut v = free.swap_remove(i);
+                // `remove`, not `swap_remove`: the order is the age order.
+                let mut v = free.remove(i);
                 v.clear();
                 return v;
             }
@@ -76,12 +78,20 @@ impl BufPool {
         }
     }
 
+    /// Keep `buf` for reuse. When the pool is full, the oldest buffers make
+    /// room: they are likely of a size the program no longer receives (a
+    /// pool full of 256 KiB buffers must not turn away the 1 MiB ones and
+    /// leave every 1 MiB message to fault its pages in afresh).
     fn give_back(&self, buf: Vec<u8>) {
-        let mut free = lock(&self.free);
-        let kept: usize = free.iter().map(Vec::capacity).sum();
-        if free.len() < KEEP && kept + buf.capacity() <= KEEP_BYTES {
-            free.push(buf);
+        if buf.capacity() > KEEP_BYTES {
+            return;
         }
+        let mut free = lock(&self.free);
+        let mut kept: usize = free.iter().map(Vec::capacity).sum();
+        while !free.is_empty() && (free.len() >= KEEP || kept + buf.capacity() > KEEP_BYTES) {
+            kept -= free.remove(0).capacity();
+        }
+        free.push(buf);
     }
 }
 
@@ -108,5 +118,19 @@ mod tests {
         let small = pool.freeze(pool.take(10));
         drop(small);
         assert!(lock(&pool.free).is_empty());
+    }
+
+    #[test]
+    fn a_full_pool_makes_room_for_the_size_now_in_use() {
+        let pool = Arc::new(BufPool::default());
+        let small: Vec<Bytes> = (0..KEEP).map(|_| pool.freeze(pool.take(POOL_MIN))).collect();
+        drop(small);
+        assert_eq!(lock(&pool.free).len(), KEEP);
+        let big = pool.take(4 * POOL_MIN);
+        let ptr = big.as_ptr();
+        drop(pool.freeze(big));
+        let again = pool.take(4 * POOL_MIN);
+        assert_eq!(again.as_ptr(), ptr, "the large buffer was kept");
+        assert_eq!(lock(&pool.free).len(), KEEP - 1);
     }
 }
