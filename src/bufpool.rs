@@ -123,7 +123,9 @@ mod tests {
     #[test]
     fn a_full_pool_makes_room_for_the_size_now_in_use() {
         let pool = Arc::new(BufPool::default());
-        let small: Vec<Bytes> = (0..KEEP).map(|_| pool.freeze(pool.take(POOL_MIN))).collect();
+        let small: Vec<Bytes> = (0..KEEP)
+            .map(|_| pool.freeze(pool.take(POOL_MIN)))
+            .collect();
         drop(small);
         assert_eq!(lock(&pool.free).len(), KEEP);
         let big = pool.take(4 * POOL_MIN);

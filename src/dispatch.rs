@@ -217,9 +217,14 @@ impl Dispatcher {
         }
     }
 
+    /// Progress did work: waiters stay hot a while longer. (Called once per
+    /// progress call that did work, not per message: it reads the clock.)
+    pub(crate) fn note_work(&self) {
+        self.policy.touch();
+    }
+
     /// Queue a complete message and wake its receiver.
     pub(crate) fn deliver(&self, msg: Message) {
-        self.policy.touch();
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
@@ -230,6 +235,34 @@ impl Dispatcher {
         if let Some(w) = w {
             w.wake();
         }
+    }
+
+    /// [`Dispatcher::has_room`] and [`Dispatcher::deliver`] under one lock:
+    /// if a message of `len` bytes for `tag` may be accepted, `make` builds
+    /// it and it is queued. Returns whether it was.
+    pub(crate) fn offer(
+        &self,
+        src: Rank,
+        tag: Tag,
+        len: usize,
+        make: impl FnOnce() -> Bytes,
+    ) -> bool {
+        let w = {
+            let mut tags = lock(&self.tags);
+            let q = tags.entry(tag).or_default();
+            if q.bytes != 0 && q.bytes + len > self.budget {
+                q.refused = true;
+                return false;
+            }
+            let data = make();
+            q.bytes += data.len();
+            q.items.push_back(Ok(Message { src, tag, data }));
+            q.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+        true
     }
 
     /// Tell every open receiver that `rank` is gone.

@@ -88,6 +88,22 @@ impl Core {
         self.dispatcher.deliver(Message { src, tag, data });
     }
 
+    /// Accept a user message of `len` bytes if its tag has room (see
+    /// [`crate::dispatch::Dispatcher::offer`]).
+    pub(crate) fn offer(
+        &self,
+        src: Rank,
+        tag: u64,
+        len: usize,
+        make: impl FnOnce() -> Bytes,
+    ) -> bool {
+        let taken = self.dispatcher.offer(src, tag, len, make);
+        if taken {
+            Counters::bump(&self.counters.recvs);
+        }
+        taken
+    }
+
     /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {

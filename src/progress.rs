@@ -39,6 +39,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
             last_check = now;
         }
         if work > 0 {
+            core.dispatcher.note_work();
             last_work = now;
             streak += 1;
             if streak % 32 == 0 {
@@ -70,6 +71,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
                     std::hint::spin_loop();
                     t.progress() > 0
                 }) {
+                    core.dispatcher.note_work();
                     last_work = Instant::now();
                     continue;
                 }

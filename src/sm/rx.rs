@@ -130,14 +130,17 @@ impl RxState {
             Ok(None) => return Step::Empty,
             Err(_) => return Step::Bad("fast-box message longer than its slot"),
         };
-        if !t.core.dispatcher.has_room(found.tag, found.len) {
+        let st = &self.fb[l];
+        let read = || {
+            let mut data = vec![0u8; found.len];
+            b.read(st, &mut data);
+            Bytes::from(data)
+        };
+        if !t.core.offer(p.rank, found.tag, found.len, read) {
             self.blocked[l] = true;
             return Step::Blocked;
         }
         self.blocked[l] = false;
-        let mut data = vec![0u8; found.len];
-        b.read(&self.fb[l], &mut data);
-        t.core.deliver(p.rank, found.tag, Bytes::from(data));
         // After the delivery, under `rx`: see the order argument in `fbox`.
         b.consume(&mut self.fb[l]);
         Counters::bump(&t.core.counters.fast_box_recvs);
