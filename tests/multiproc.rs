@@ -213,10 +213,11 @@ async fn stall(f: Fabric) {
     f.close().await.unwrap();
 }
 
-/// Sizes on both sides of the fast-box limit (240 B) and of the eager and
-/// max fragment sizes, so consecutive messages switch paths.
+/// Sizes on both sides of the fast-box limit (1 KiB) and of its one-slot
+/// size (40 B), of the eager fragment and of the rendezvous threshold, so
+/// consecutive messages switch paths.
 fn mixed_len(i: u64) -> usize {
-    [0, 8, 240, 241, 100, 4073, 16, 70_000, 239, 140_000][(i % 10) as usize]
+    [0, 8, 1024, 1025, 40, 4073, 41, 70_000, 600, 140_000][(i % 10) as usize]
 }
 
 /// Many sends in flight on one tag with sizes that switch between the fast

@@ -1,28 +1,34 @@
-//! The fast box: one small mailbox per (sender, receiver) pair for small user
+//! The fast box: one mailbox per (sender, receiver) pair for small user
 //! messages, in the spirit of Open MPI's vader fast boxes.
 //!
 //! The ring path costs a small message several cache lines between the two
 //! cores (ring slot, ring index, fragment header and payload, the return
-//! ring and its index). A fast-box message costs one: header and payload sit
-//! in one slot, the receiver polls the slot itself, and nothing comes back
-//! per message (the receiver publishes how many it consumed on a line of its
-//! own, which the sender re-reads only when it believes the box is full).
+//! ring and its index). A fast-box message of up to 40 bytes costs one: its
+//! header and payload share a 64-byte slot, the receiver polls the slot
+//! itself, and nothing comes back per message (the receiver publishes how
+//! far it read on a line of its own, which the sender re-reads only when it
+//! believes the box is full).
 //!
-//! Layout (in the receiver's segment, all `u64` words accessed atomically, so
-//! no byte of it is ever read while another process writes it non-atomically):
+//! Layout (in the receiver's segment; every `u64` word is accessed
+//! atomically, so no byte of it is ever read while another process writes
+//! it non-atomically):
 //!
 //! ```text
-//! word 0            consumed: messages the receiver took (written by the receiver)
-//! words 8 ..        SLOTS slots of SLOT_WORDS words each:
-//!   word 0          seq << 16 | len   (stored last, Release; seq starts at 1)
-//!   word 1          tag
-//!   words 2 ..      payload, little-endian, zero-padded to a whole word
+//! word 0        consumed: slots the receiver is done with (written by the receiver)
+//! words 8 ..    slots of 8 words (64 bytes):
+//!   first slot of a message:  mark(HEAD), tag, length, 5 payload words
+//!   each further slot:        mark(CONT), 7 payload words
+//!   a slot that sends the receiver back to slot 0: mark(SKIP)
 //! ```
 //!
-//! Message `n` (counting from 0) goes to slot `n % SLOTS` with sequence
-//! number `n + 1` (48 bits). A slot's first word is only ever written as a
-//! header, so what the receiver finds there is either the header it expects
-//! or an older one (or zero): user bytes can never pass for a header.
+//! Slots are numbered from 0 across laps; slot `n` sits at `n % slots` and
+//! its mark is `(n + 1) << 16 | kind` (48 bits of number). The sender writes
+//! a mark into the first word of *every* slot it uses, so that word only
+//! ever holds a mark: what the receiver finds where it expects the next
+//! message is either that message's head (with the number it expects) or
+//! an older mark — user bytes can never pass for a header. Payload words
+//! are written first, the head mark last (Release), and the receiver loads
+//! the head mark with Acquire.
 //!
 //! Order with the ring path: per pair, at most one of the two paths holds
 //! unconsumed user messages at any time. The sender writes to the box only
@@ -34,14 +40,16 @@
 
 use crate::sync::{AtomicU64, Ordering};
 
-/// Slots per box.
-pub(crate) const SLOTS: usize = 64;
-/// Words per slot (256 bytes: four cache lines).
-pub(crate) const SLOT_WORDS: usize = 32;
-/// Header words per slot.
-const HEADER_WORDS: usize = 2;
-/// Largest payload a slot carries.
-pub(crate) const MAX_PAYLOAD: usize = (SLOT_WORDS - HEADER_WORDS) * 8;
+/// Slots per box in a segment (16 KiB of slots).
+pub(crate) const SLOTS: usize = 256;
+/// Words per slot (one cache line).
+pub(crate) const SLOT_WORDS: usize = 8;
+/// Payload words in a message's first slot (after mark, tag, length).
+const FIRST_WORDS: usize = 5;
+/// Payload words in each further slot (after the mark).
+const CONT_WORDS: usize = SLOT_WORDS - 1;
+/// Largest payload a box carries (19 slots).
+pub(crate) const MAX_PAYLOAD: usize = 1024;
 /// Words before the first slot (the `consumed` counter on its own line).
 const LEAD_WORDS: usize = 8;
 /// Words in one box.
@@ -50,8 +58,21 @@ pub(crate) const BOX_WORDS: usize = LEAD_WORDS + SLOTS * SLOT_WORDS;
 pub(crate) const BOX_BYTES: usize = BOX_WORDS * 8;
 
 const SEQ_MASK: u64 = (1 << 48) - 1;
+const HEAD: u64 = 1;
+const CONT: u64 = 2;
+const SKIP: u64 = 3;
 
-/// A peer's counter is impossible (it scribbled on the box).
+fn mark(n: u64, kind: u64) -> u64 {
+    (((n + 1) & SEQ_MASK) << 16) | kind
+}
+
+/// Slots a message of `len` bytes takes.
+fn slots_for(len: usize) -> u64 {
+    let rest = len.saturating_sub(FIRST_WORDS * 8);
+    1 + rest.div_ceil(CONT_WORDS * 8) as u64
+}
+
+/// A peer's counter or header is impossible (it scribbled on the box).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Corrupt;
 
@@ -65,17 +86,19 @@ pub(crate) struct FBox<'a> {
 /// Sender-private state of one box.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Sender {
-    sent: u64,
+    /// Next slot number to write.
+    next: u64,
     consumed_cache: u64,
 }
 
 /// Receiver-private state of one box.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Receiver {
-    taken: u64,
+    /// Next slot number to read.
+    next: u64,
 }
 
-/// A message found in a box (its payload was copied out).
+/// A message found in a box.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Found {
     pub(crate) tag: u64,
@@ -87,15 +110,12 @@ impl<'a> FBox<'a> {
     /// ([`BOX_WORDS`] in a segment; fewer slots in model tests).
     pub(crate) fn new(words: &'a [AtomicU64]) -> Option<FBox<'a>> {
         let body = words.len().checked_sub(LEAD_WORDS)?;
-        (body > 0 && body % SLOT_WORDS == 0).then_some(FBox {
-            words,
-            slots: (body / SLOT_WORDS) as u64,
-        })
+        let slots = (body / SLOT_WORDS) as u64;
+        (body % SLOT_WORDS == 0 && slots >= 1).then_some(FBox { words, slots })
     }
 
     fn slot(&self, n: u64) -> &'a [AtomicU64] {
-        let i = (n % self.slots) as usize;
-        let start = LEAD_WORDS + i * SLOT_WORDS;
+        let start = LEAD_WORDS + (n % self.slots) as usize * SLOT_WORDS;
         &self.words[start..start + SLOT_WORDS]
     }
 
@@ -103,99 +123,134 @@ impl<'a> FBox<'a> {
         &self.words[0]
     }
 
-    /// Re-read how many messages the receiver took.
+    /// The payload words of the message whose first slot is `n`, in order.
+    fn payload_words(&self, n: u64, len: usize) -> impl Iterator<Item = &'a AtomicU64> + 'a {
+        let me = *self;
+        let conts = (1..slots_for(len)).flat_map(move |i| me.slot(n + i)[1..].iter());
+        self.slot(n)[3..].iter().chain(conts)
+    }
+
+    /// Re-read how far the receiver got.
     fn refresh(&self, st: &mut Sender) -> Result<(), Corrupt> {
-        // Acquire pairs with the receiver's Release store in `consumed`: its
+        // Acquire pairs with the receiver's Release store in `consume`: its
         // reads of the slots it released happen before we overwrite them.
         let c = self.consumed().load(Ordering::Acquire);
-        if c > st.sent || c < st.consumed_cache {
+        if c > st.next || c < st.consumed_cache {
             return Err(Corrupt);
         }
         st.consumed_cache = c;
         Ok(())
     }
 
+    fn free(&self, st: &Sender) -> u64 {
+        self.slots - (st.next - st.consumed_cache)
+    }
+
     /// Whether the receiver took every message we put in the box.
     pub(crate) fn drained(&self, st: &mut Sender) -> Result<bool, Corrupt> {
-        if st.consumed_cache != st.sent {
+        if st.consumed_cache != st.next {
             self.refresh(st)?;
         }
-        Ok(st.consumed_cache == st.sent)
+        Ok(st.consumed_cache == st.next)
     }
 
     /// Whether the receiver took every message we put in the box, from a
     /// fresh look at its counter (for parking and drain checks).
     pub(crate) fn looks_drained(&self, st: &Sender) -> bool {
-        st.consumed_cache == st.sent || self.consumed().load(Ordering::Acquire) == st.sent
+        st.consumed_cache == st.next || self.consumed().load(Ordering::Acquire) == st.next
     }
 
-    /// Put a message in the box. `Ok(false)`: the box is full (or the message
-    /// too large: check [`MAX_PAYLOAD`] first).
+    /// Put a message in the box. `Ok(false)`: no room now (or the message is
+    /// larger than [`MAX_PAYLOAD`], or too large for a box this small ever
+    /// to take; a segment's box takes every message up to `MAX_PAYLOAD`).
     pub(crate) fn push(&self, st: &mut Sender, tag: u64, data: &[u8]) -> Result<bool, Corrupt> {
-        if data.len() > MAX_PAYLOAD {
+        let k = slots_for(data.len());
+        // A message may need to skip up to k - 1 slots at the end first.
+        if data.len() > MAX_PAYLOAD || 2 * k - 1 > self.slots {
             return Ok(false);
         }
-        if st.sent - st.consumed_cache >= self.slots {
+        // Slots wasted to go back to slot 0 when the message would not fit
+        // before the end of the box.
+        let to_end = self.slots - st.next % self.slots;
+        let skip = if k > to_end { to_end } else { 0 };
+        if self.free(st) < k + skip {
             self.refresh(st)?;
-            if st.sent - st.consumed_cache >= self.slots {
+            if self.free(st) < k + skip {
                 return Ok(false);
             }
         }
-        let slot = self.slot(st.sent);
-        slot[1].store(tag, Ordering::Relaxed);
-        for (w, chunk) in slot[HEADER_WORDS..].iter().zip(data.chunks(8)) {
+        if skip > 0 {
+            // Release: as for a head (nothing else to publish, but the
+            // receiver's Acquire pairs with one store per position).
+            self.slot(st.next)[0].store(mark(st.next, SKIP), Ordering::Release);
+            st.next += skip;
+        }
+        let n = st.next;
+        for i in 1..k {
+            self.slot(n + i)[0].store(mark(n + i, CONT), Ordering::Relaxed);
+        }
+        let head = self.slot(n);
+        head[1].store(tag, Ordering::Relaxed);
+        head[2].store(data.len() as u64, Ordering::Relaxed);
+        for (w, chunk) in self.payload_words(n, data.len()).zip(data.chunks(8)) {
             let mut b = [0u8; 8];
             b[..chunk.len()].copy_from_slice(chunk);
             w.store(u64::from_le_bytes(b), Ordering::Relaxed);
         }
-        st.sent += 1;
-        // Release pairs with the receiver's Acquire load in `peek`: the tag
-        // and payload stored above are visible before the header.
-        slot[0].store(
-            ((st.sent & SEQ_MASK) << 16) | data.len() as u64,
-            Ordering::Release,
-        );
+        st.next += k;
+        // Release pairs with the receiver's Acquire load in `peek`: every
+        // word of the message stored above is visible before its head mark.
+        head[0].store(mark(n, HEAD), Ordering::Release);
         Ok(true)
     }
 
-    /// The next message's tag and length, if it is there. `Err`: the header
-    /// claims a length no slot holds.
-    pub(crate) fn peek(&self, st: &Receiver) -> Result<Option<Found>, Corrupt> {
-        let slot = self.slot(st.taken);
-        // Acquire pairs with the sender's Release store of the header in `push`.
-        let h = slot[0].load(Ordering::Acquire);
-        if h >> 16 != (st.taken + 1) & SEQ_MASK {
+    /// The next message's tag and length, if it is there. Steps over a
+    /// skip mark (publishing it) on the way. `Err`: impossible length.
+    pub(crate) fn peek(&self, st: &mut Receiver) -> Result<Option<Found>, Corrupt> {
+        // Acquire pairs with the sender's Release store of the mark in `push`.
+        let mut m = self.slot(st.next)[0].load(Ordering::Acquire);
+        if m == mark(st.next, SKIP) {
+            st.next += self.slots - st.next % self.slots;
+            self.consumed().store(st.next, Ordering::Release);
+            m = self.slot(st.next)[0].load(Ordering::Acquire);
+        }
+        if m != mark(st.next, HEAD) {
             return Ok(None);
         }
-        let len = (h & 0xffff) as usize;
-        if len > MAX_PAYLOAD {
+        let head = self.slot(st.next);
+        let len = head[2].load(Ordering::Relaxed);
+        if len > MAX_PAYLOAD as u64 || slots_for(len as usize) > self.slots - st.next % self.slots {
             return Err(Corrupt);
         }
         Ok(Some(Found {
-            tag: slot[1].load(Ordering::Relaxed),
-            len,
+            tag: head[1].load(Ordering::Relaxed),
+            len: len as usize,
         }))
     }
 
     /// Copy the payload of the message `peek` found into `out` (its length).
     pub(crate) fn read(&self, st: &Receiver, out: &mut [u8]) {
-        let slot = self.slot(st.taken);
-        for (w, chunk) in slot[HEADER_WORDS..].iter().zip(out.chunks_mut(8)) {
+        for (w, chunk) in self
+            .payload_words(st.next, out.len())
+            .zip(out.chunks_mut(8))
+        {
             let b = w.load(Ordering::Relaxed).to_le_bytes();
             chunk.copy_from_slice(&b[..chunk.len()]);
         }
     }
 
-    /// Release the message `peek` found: the sender may reuse its slot.
-    pub(crate) fn consume(&self, st: &mut Receiver) {
-        st.taken += 1;
+    /// Release the message `peek` found (of `len` bytes): the sender may
+    /// reuse its slots.
+    pub(crate) fn consume(&self, st: &mut Receiver, len: usize) {
+        st.next += slots_for(len);
         // Release pairs with the sender's Acquire load in `refresh`.
-        self.consumed().store(st.taken, Ordering::Release);
+        self.consumed().store(st.next, Ordering::Release);
     }
 
     /// Whether a message waits (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &Receiver) -> bool {
-        !matches!(self.peek(st), Ok(Some(_)))
+        let m = self.slot(st.next)[0].load(Ordering::Acquire);
+        m != mark(st.next, HEAD) && m != mark(st.next, SKIP)
     }
 }
 
@@ -232,7 +287,7 @@ mod tests {
         let f = b.peek(r).unwrap()?;
         let mut out = vec![0u8; f.len];
         b.read(r, &mut out);
-        b.consume(r);
+        b.consume(r, f.len);
         Some((f.tag, out))
     }
 
@@ -241,60 +296,73 @@ mod tests {
         let o = OwnedBox::new();
         let b = o.fbox();
         let (mut s, mut r) = (Sender::default(), Receiver::default());
-        for lap in 0..5u64 {
+        for lap in 0..3u64 {
             for len in 0..=MAX_PAYLOAD {
                 let data: Vec<u8> = (0..len).map(|i| (i as u64 * 7 + lap) as u8).collect();
-                assert!(b.push(&mut s, lap * 1000 + len as u64, &data).unwrap());
-                assert_eq!(take(&b, &mut r), Some((lap * 1000 + len as u64, data)));
+                assert!(b.push(&mut s, lap * 10_000 + len as u64, &data).unwrap());
+                assert_eq!(take(&b, &mut r), Some((lap * 10_000 + len as u64, data)));
             }
         }
         assert!(b.drained(&mut s).unwrap());
-        assert_eq!(b.peek(&r), Ok(None));
+        assert_eq!(b.peek(&mut r), Ok(None));
     }
 
     #[test]
-    fn full_box_refuses_until_the_receiver_takes() {
+    fn a_box_fills_up_wraps_and_drains_in_order() {
         let o = OwnedBox::new();
         let b = o.fbox();
         let (mut s, mut r) = (Sender::default(), Receiver::default());
-        for i in 0..SLOTS as u64 {
-            assert!(b.push(&mut s, i, &i.to_le_bytes()).unwrap());
+        let len = |i: u64| [8usize, 100, 1000, 40, 41][(i % 5) as usize];
+        let (mut sent, mut got) = (0u64, 0u64);
+        while got < 5000 {
+            // Fill until refused, then drain a few: the sender keeps lapping
+            // the receiver with skips at the end of the box.
+            while sent < 5000 && b.push(&mut s, sent, &vec![sent as u8; len(sent)]).unwrap() {
+                sent += 1;
+            }
+            assert!(
+                sent == 5000 || sent - got > 10,
+                "a full box holds many messages"
+            );
+            for _ in 0..7 {
+                if let Some((tag, data)) = take(&b, &mut r) {
+                    assert_eq!((tag, data), (got, vec![got as u8; len(got)]));
+                    got += 1;
+                }
+            }
         }
-        assert!(!b.push(&mut s, 99, b"x").unwrap());
-        assert!(!b.drained(&mut s).unwrap());
-        assert_eq!(take(&b, &mut r), Some((0, 0u64.to_le_bytes().to_vec())));
-        assert!(b.push(&mut s, 99, b"x").unwrap());
-        for i in 1..SLOTS as u64 {
-            assert_eq!(take(&b, &mut r).unwrap().0, i);
-        }
-        assert_eq!(take(&b, &mut r), Some((99, b"x".to_vec())));
         assert!(b.drained(&mut s).unwrap());
         assert!(!b.push(&mut s, 0, &[0u8; MAX_PAYLOAD + 1]).unwrap());
     }
 
     #[test]
     fn user_bytes_never_pass_for_a_header() {
-        let o = OwnedBox::new();
+        let o = OwnedBox::with_slots(40);
         let b = o.fbox();
         let (mut s, mut r) = (Sender::default(), Receiver::default());
-        // Payload words that look like the header of every later message.
-        let forged: Vec<u8> = (0..30u64)
-            .flat_map(|k| (((k + 2) << 16) | 8).to_le_bytes())
+        // Payloads made of words that look like the head marks (and tags and
+        // lengths) of every slot number for the next laps.
+        let forged: Vec<u8> = (0..128u64)
+            .flat_map(|k| [mark(k, HEAD), 1, 8].map(u64::to_le_bytes))
+            .flatten()
+            .take(MAX_PAYLOAD)
             .collect();
-        for _ in 0..SLOTS {
-            assert!(b.push(&mut s, 1, &forged).unwrap());
-            assert!(take(&b, &mut r).is_some());
+        for i in 0..200usize {
+            let len = [MAX_PAYLOAD, 300, 41][i % 3];
+            assert!(b.push(&mut s, 1, &forged[..len]).unwrap());
+            assert_eq!(take(&b, &mut r).map(|(_, d)| d.len()), Some(len));
+            assert_eq!(b.peek(&mut r), Ok(None), "a forged header was taken");
         }
-        assert_eq!(b.peek(&r), Ok(None));
     }
 
     #[test]
     fn scribbled_counters_and_lengths_are_reported() {
         let o = OwnedBox::new();
         let b = o.fbox();
-        let (mut s, r) = (Sender::default(), Receiver::default());
-        o.0[LEAD_WORDS].store((1 << 16) | 0xffff, Ordering::Relaxed);
-        assert_eq!(b.peek(&r), Err(Corrupt));
+        let (mut s, mut r) = (Sender::default(), Receiver::default());
+        o.0[LEAD_WORDS].store(mark(0, HEAD), Ordering::Relaxed);
+        o.0[LEAD_WORDS + 2].store(MAX_PAYLOAD as u64 + 1, Ordering::Relaxed);
+        assert_eq!(b.peek(&mut r), Err(Corrupt));
         b.push(&mut s, 0, b"a").unwrap();
         o.0[0].store(5, Ordering::Relaxed);
         assert_eq!(b.drained(&mut s), Err(Corrupt));
@@ -308,22 +376,24 @@ mod loom_tests {
     use loom::thread;
     use std::sync::Arc;
 
-    /// A one-slot box, so the second message reuses the slot of the first:
-    /// the payload must be visible with its header (the model fails if the
-    /// header's Release store is weakened — checked), and the reuse must
-    /// wait until the receiver has read the first message. (A weakened
-    /// `consumed` pair would allow load buffering, which loom does not
-    /// explore: that half rests on the Release/Acquire argument in the code.)
+    /// A three-slot box and two messages of two slots each, so the second
+    /// must skip back to slot 0 and reuse the first message's slots:
+    /// every payload must be visible with its head mark (the model fails if
+    /// the head's Release store is weakened — checked), and reuse must wait
+    /// until the receiver has read the slot. (A weakened `consumed` pair
+    /// would allow load buffering, which loom does not explore: that half
+    /// rests on the Release/Acquire argument in the code.)
     #[test]
-    fn payload_is_visible_with_its_header_and_reuse_waits_for_consumed() {
+    fn payload_is_visible_with_its_head_and_reuse_waits_for_consumed() {
         loom::model(|| {
-            let o = Arc::new(OwnedBox::with_slots(1));
+            let o = Arc::new(OwnedBox::with_slots(3));
             let po = o.clone();
+            let (big, other) = ([9u8; 41], [5u8; 42]);
             let t = thread::spawn(move || {
                 let b = po.fbox();
                 let mut s = Sender::default();
                 let mut next = 0;
-                let msgs: [(u64, &[u8]); 2] = [(7, &[1, 2, 3]), (8, &[4])];
+                let msgs: [(u64, &[u8]); 2] = [(7, &other), (8, &big)];
                 while next < 2 {
                     if b.push(&mut s, msgs[next].0, msgs[next].1).unwrap() {
                         next += 1;
@@ -336,17 +406,17 @@ mod loom_tests {
             let mut r = Receiver::default();
             let mut got = Vec::new();
             while got.len() < 2 {
-                match b.peek(&r).unwrap() {
+                match b.peek(&mut r).unwrap() {
                     Some(f) => {
                         let mut out = vec![0u8; f.len];
                         b.read(&r, &mut out);
-                        b.consume(&mut r);
+                        b.consume(&mut r, f.len);
                         got.push((f.tag, out));
                     }
                     None => thread::yield_now(),
                 }
             }
-            assert_eq!(got, vec![(7, vec![1, 2, 3]), (8, vec![4])]);
+            assert_eq!(got, vec![(7, other.to_vec()), (8, big.to_vec())]);
             t.join().unwrap();
         });
     }

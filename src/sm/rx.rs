@@ -125,7 +125,7 @@ impl RxState {
     fn fbox_step(&mut self, t: &SmTransport, p: &SmPeer) -> Step {
         let l = p.local as usize;
         let b = t.seg.fbox(p.local);
-        let found = match b.peek(&self.fb[l]) {
+        let found = match b.peek(&mut self.fb[l]) {
             Ok(Some(f)) => f,
             Ok(None) => return Step::Empty,
             Err(_) => return Step::Bad("fast-box message longer than its slot"),
@@ -142,7 +142,7 @@ impl RxState {
         }
         self.blocked[l] = false;
         // After the delivery, under `rx`: see the order argument in `fbox`.
-        b.consume(&mut self.fb[l]);
+        b.consume(&mut self.fb[l], found.len);
         Counters::bump(&t.core.counters.fast_box_recvs);
         Step::Took
     }
