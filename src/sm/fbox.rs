@@ -123,11 +123,24 @@ impl<'a> FBox<'a> {
         &self.words[0]
     }
 
-    /// The payload words of the message whose first slot is `n`, in order.
+    /// The payload words of the message whose first slot is `n`, in order
+    /// (its slots are contiguous: a message never wraps).
     fn payload_words(&self, n: u64, len: usize) -> impl Iterator<Item = &'a AtomicU64> + 'a {
-        let me = *self;
-        let conts = (1..slots_for(len)).flat_map(move |i| me.slot(n + i)[1..].iter());
-        self.slot(n)[3..].iter().chain(conts)
+        let start = LEAD_WORDS + (n % self.slots) as usize * SLOT_WORDS;
+        let end = start + slots_for(len) as usize * SLOT_WORDS;
+        // Skip each slot's mark, and the tag and length of the first.
+        let skip = SLOT_WORDS - FIRST_WORDS;
+        self.words[start..end]
+            .iter()
+            .enumerate()
+            .filter(move |(i, _)| {
+                if *i < SLOT_WORDS {
+                    *i >= skip
+                } else {
+                    i % SLOT_WORDS != 0
+                }
+            })
+            .map(|(_, w)| w)
     }
 
     /// Re-read how far the receiver got.
@@ -192,9 +205,17 @@ impl<'a> FBox<'a> {
         let head = self.slot(n);
         head[1].store(tag, Ordering::Relaxed);
         head[2].store(data.len() as u64, Ordering::Relaxed);
-        for (w, chunk) in self.payload_words(n, data.len()).zip(data.chunks(8)) {
+        let mut words = self.payload_words(n, data.len());
+        let whole = data.chunks_exact(8);
+        let tail = whole.remainder();
+        // Chunks first: `zip` must not take a word it then drops.
+        for (chunk, w) in whole.zip(words.by_ref()) {
+            let b: [u8; 8] = chunk.try_into().unwrap_or_default();
+            w.store(u64::from_le_bytes(b), Ordering::Relaxed);
+        }
+        if let (Some(w), false) = (words.next(), tail.is_empty()) {
             let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
+            b[..tail.len()].copy_from_slice(tail);
             w.store(u64::from_le_bytes(b), Ordering::Relaxed);
         }
         st.next += k;
@@ -230,12 +251,16 @@ impl<'a> FBox<'a> {
 
     /// Copy the payload of the message `peek` found into `out` (its length).
     pub(crate) fn read(&self, st: &Receiver, out: &mut [u8]) {
-        for (w, chunk) in self
-            .payload_words(st.next, out.len())
-            .zip(out.chunks_mut(8))
-        {
+        let mut words = self.payload_words(st.next, out.len());
+        let mut whole = out.chunks_exact_mut(8);
+        // Chunks first: `zip` must not take a word it then drops.
+        for (chunk, w) in whole.by_ref().zip(words.by_ref()) {
+            chunk.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        let tail = whole.into_remainder();
+        if let (Some(w), false) = (words.next(), tail.is_empty()) {
             let b = w.load(Ordering::Relaxed).to_le_bytes();
-            chunk.copy_from_slice(&b[..chunk.len()]);
+            tail.copy_from_slice(&b[..tail.len()]);
         }
     }
 
