@@ -74,7 +74,8 @@ pub(crate) struct Dispatcher {
     /// progress task that stood back takes over at once.
     pub(crate) cold: Arc<Notify>,
     /// Set by a receiver poll that found nothing: try progress inline.
-    progress_hook: OnceLock<Arc<dyn Fn() -> usize + Send + Sync>>,
+    /// Polls progress up to the given number of turns, until one does work.
+    progress_hook: OnceLock<Arc<dyn Fn(usize) -> usize + Send + Sync>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
     /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
     policy: Hot,
@@ -146,7 +147,7 @@ impl Dispatcher {
     }
 
     /// Install the function receivers call to make progress inline.
-    pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn() -> usize + Send + Sync>) {
+    pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn(usize) -> usize + Send + Sync>) {
         let _ = self.progress_hook.set(f);
     }
 
@@ -166,12 +167,9 @@ impl Dispatcher {
         } else {
             1
         };
-        for _ in 0..turns {
-            if h() > 0 {
-                self.policy.touch();
-                return true;
-            }
-            std::hint::spin_loop();
+        if h(turns) > 0 {
+            self.policy.touch();
+            return true;
         }
         false
     }

@@ -375,12 +375,24 @@ impl Fabric {
         // strong reference here would keep the whole fabric alive forever.
         let hook_ts: Vec<std::sync::Weak<dyn Transport>> =
             transports.iter().map(Arc::downgrade).collect();
-        core.dispatcher.set_progress_hook(Arc::new(move || {
-            hook_ts
-                .iter()
-                .filter_map(std::sync::Weak::upgrade)
-                .map(|t| t.progress())
-                .sum()
+        core.dispatcher.set_progress_hook(Arc::new(move |turns| {
+            // Upgrade once per call, not per turn: these are atomic
+            // read-modify-writes on shared counters, in a spin loop.
+            // (No allocation either: a fabric has at most one transport of
+            // each known kind.)
+            let mut ts: [Option<Arc<dyn Transport>>; 5] = Default::default();
+            const _: () = assert!(crate::transport::KNOWN.len() <= 5);
+            for (slot, w) in ts.iter_mut().zip(&hook_ts) {
+                *slot = w.upgrade();
+            }
+            for _ in 0..turns {
+                let work: usize = ts.iter().flatten().map(|t| t.progress()).sum();
+                if work > 0 {
+                    return work;
+                }
+                std::hint::spin_loop();
+            }
+            0
         }));
         let drivers = transports
             .iter()

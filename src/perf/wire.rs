@@ -110,9 +110,20 @@ impl Wire for BtlWire {
         btl_recv(&mut self.rx, len).await
     }
 
+    /// Start every send of the window, in order, polling each once (most
+    /// complete on that poll: the message is in the peer's queue), and wait
+    /// for the rest together — the async form of MPI's Isend + Waitall.
     async fn send_window(&mut self, len: usize, count: u64) -> Result<()> {
         let p = self.payload(len)?;
-        try_join_all((0..count).map(|_| self.ep.send(self.tag, p.clone()))).await?;
+        let mut pending = Vec::new();
+        for _ in 0..count {
+            let mut send = self.ep.send(self.tag, p.clone());
+            match futures::poll!(&mut send) {
+                std::task::Poll::Ready(r) => r?,
+                std::task::Poll::Pending => pending.push(send),
+            }
+        }
+        try_join_all(pending).await?;
         Ok(())
     }
 
