@@ -49,6 +49,12 @@ impl Endpoint {
     /// Send `data` on `tag`. Resolves at local completion: the message is in
     /// the peer's FIFO (shared memory) and cannot be lost by this process.
     /// Messages on one tag from one sender arrive in send order.
+    ///
+    /// On `sm`, a message of `BTL_SM_CMA_MIN` bytes (64 KiB) or more goes by
+    /// rendezvous where the kernel allows cross-memory copies: the receiver
+    /// copies it straight out of `data` (one copy instead of two), and the
+    /// future resolves once it has. `data` is kept alive until then even if
+    /// the future is dropped (`Stats::rendezvous_sends` counts these).
     pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> Send {
         Counters::bump(&self.core.counters.sends);
         Send {
