@@ -17,7 +17,11 @@ use crate::{AccessError, Error, Rank, Result, Tag};
 
 /// The way to one peer: cheap to clone, `Send + Sync`.
 #[derive(Clone)]
-pub struct Endpoint {
+pub struct Endpoint(Arc<Inner>);
+
+/// What an endpoint and its futures share: one reference count to touch
+/// per operation instead of two.
+struct Inner {
     link: Arc<dyn Link>,
     core: Arc<Core>,
 }
@@ -25,25 +29,25 @@ pub struct Endpoint {
 impl std::fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Endpoint")
-            .field("peer", &self.link.peer())
-            .field("transport", &self.link.transport())
+            .field("peer", &self.0.link.peer())
+            .field("transport", &self.0.link.transport())
             .finish()
     }
 }
 
 impl Endpoint {
     pub(crate) fn new(link: Arc<dyn Link>, core: Arc<Core>) -> Self {
-        Endpoint { link, core }
+        Endpoint(Arc::new(Inner { link, core }))
     }
 
     /// The peer's rank.
     pub fn peer(&self) -> Rank {
-        self.link.peer()
+        self.0.link.peer()
     }
 
     /// The transport carrying this endpoint ("sm", "self", ...).
     pub fn transport(&self) -> &'static str {
-        self.link.transport()
+        self.0.link.transport()
     }
 
     /// Send `data` on `tag`. Resolves at local completion: the message is in
@@ -56,14 +60,13 @@ impl Endpoint {
     /// future resolves once it has. `data` is kept alive until then even if
     /// the future is dropped (`Stats::rendezvous_sends` counts these).
     pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> Send {
-        Counters::bump(&self.core.counters.sends);
+        Counters::bump(&self.0.core.counters.sends);
         Send {
             state: SendState::Start {
-                link: self.link.clone(),
                 tag,
                 data: data.into(),
             },
-            core: self.core.clone(),
+            ep: self.0.clone(),
         }
     }
 
@@ -72,10 +75,9 @@ impl Endpoint {
     /// allocation (the inline path for small messages); otherwise they are
     /// copied once into an owned buffer and queued.
     pub fn send_inline<'a>(&self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
-        Counters::bump(&self.core.counters.sends);
+        Counters::bump(&self.0.core.counters.sends);
         SendInline {
-            link: self.link.clone(),
-            core: self.core.clone(),
+            ep: self.0.clone(),
             tag,
             data,
             queued: None,
@@ -142,8 +144,8 @@ impl Endpoint {
         if let Err(e) = r {
             return OpState::Ready(Some(Err(e)));
         }
-        let c = &self.core.counters;
-        if let Some(m) = self.link.map_remote(key) {
+        let c = &self.0.core.counters;
+        if let Some(m) = self.0.link.map_remote(key) {
             let r = m.and_then(|m| {
                 m.check_live()?;
                 let (lraw, rraw) = (local.inner.raw(), m.data());
@@ -158,30 +160,43 @@ impl Endpoint {
             });
             return OpState::Ready(Some(r));
         }
-        let cma = self.link.cma_pid().is_some() && len >= self.core.config.sm_cma_min;
+        let cma = self.0.link.cma_pid().is_some() && len >= self.0.core.config.sm_cma_min;
         let done = if cma && put {
             Counters::bump(&c.cma_puts);
             let src = local.inner.clone();
-            self.core
-                .rma
-                .start_put_cma(&*self.link, &key.id, offset, src, range.start as u64, len)
+            self.0.core.rma.start_put_cma(
+                &*self.0.link,
+                &key.id,
+                offset,
+                src,
+                range.start as u64,
+                len,
+            )
         } else if cma {
             Counters::bump(&c.cma_gets);
             let dst = local.inner.clone();
-            self.core
-                .rma
-                .start_get_cma(&*self.link, &key.id, offset, dst, range.start as u64, len)
+            self.0.core.rma.start_get_cma(
+                &*self.0.link,
+                &key.id,
+                offset,
+                dst,
+                range.start as u64,
+                len,
+            )
         } else if put {
             Counters::bump(&c.emulated_puts);
             let mut buf = vec![0u8; len];
             if let Err(e) = local.read(range.start, &mut buf) {
                 return OpState::Ready(Some(Err(e)));
             }
-            self.core.rma.start_put(&*self.link, &key.id, offset, &buf)
+            self.0
+                .core
+                .rma
+                .start_put(&*self.0.link, &key.id, offset, &buf)
         } else {
             Counters::bump(&c.emulated_gets);
-            self.core.rma.start_get(
-                &*self.link,
+            self.0.core.rma.start_get(
+                &*self.0.link,
                 &key.id,
                 offset,
                 local.inner.clone(),
@@ -189,7 +204,7 @@ impl Endpoint {
                 len,
             )
         };
-        OpState::Wait(done, self.core.clone())
+        OpState::Wait(done, self.0.core.clone())
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -197,19 +212,14 @@ impl Endpoint {
     /// is gone.
     pub fn flush(&self) -> Flush {
         Flush {
-            link: self.link.clone(),
-            core: self.core.clone(),
+            ep: self.0.clone(),
             tick: None,
         }
     }
 }
 
 enum SendState {
-    Start {
-        link: Arc<dyn Link>,
-        tag: Tag,
-        data: Bytes,
-    },
+    Start { tag: Tag, data: Bytes },
     Wait(Arc<Completion>),
     Done,
 }
@@ -223,7 +233,7 @@ enum SendState {
 #[must_use = "futures do nothing unless polled"]
 pub struct Send {
     state: SendState,
-    core: Arc<Core>,
+    ep: Arc<Inner>,
 }
 
 impl Future for Send {
@@ -231,13 +241,15 @@ impl Future for Send {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         loop {
             match std::mem::replace(&mut self.state, SendState::Done) {
-                SendState::Start { link, tag, data } => match link.submit(Kind::User, tag, data) {
-                    Ok(None) => return Poll::Ready(Ok(())),
-                    Ok(Some(c)) => self.state = SendState::Wait(c),
-                    Err(e) => return Poll::Ready(Err(e)),
-                },
+                SendState::Start { tag, data } => {
+                    match self.ep.link.submit(Kind::User, tag, data) {
+                        Ok(None) => return Poll::Ready(Ok(())),
+                        Ok(Some(c)) => self.state = SendState::Wait(c),
+                        Err(e) => return Poll::Ready(Err(e)),
+                    }
+                }
                 SendState::Wait(c) => {
-                    let p = wait(&c, &self.core, cx);
+                    let p = wait(&c, &self.ep.core, cx);
                     if p.is_pending() {
                         self.state = SendState::Wait(c);
                     }
@@ -261,8 +273,7 @@ impl Future for Send {
 /// and queued; they are delivered even if the future is dropped.
 #[must_use = "futures do nothing unless polled"]
 pub struct SendInline<'a> {
-    link: Arc<dyn Link>,
-    core: Arc<Core>,
+    ep: Arc<Inner>,
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
@@ -272,20 +283,21 @@ impl Future for SendInline<'_> {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if let Some(c) = &self.queued {
-            return wait(c, &self.core, cx);
+            return wait(c, &self.ep.core, cx);
         }
-        match self.link.try_send(Kind::User, self.tag, self.data) {
+        match self.ep.link.try_send(Kind::User, self.tag, self.data) {
             Ok(true) => return Poll::Ready(Ok(())),
             Ok(false) => {}
             Err(e) => return Poll::Ready(Err(e)),
         }
         match self
+            .ep
             .link
             .submit(Kind::User, self.tag, Bytes::copy_from_slice(self.data))
         {
             Ok(None) => Poll::Ready(Ok(())),
             Ok(Some(c)) => {
-                let p = wait(&c, &self.core, cx);
+                let p = wait(&c, &self.ep.core, cx);
                 self.queued = Some(c);
                 p
             }
@@ -369,8 +381,7 @@ impl Future for Get {
 /// Waiting only; dropping it changes nothing.
 #[must_use = "futures do nothing unless polled"]
 pub struct Flush {
-    link: Arc<dyn Link>,
-    core: Arc<Core>,
+    ep: Arc<Inner>,
     tick: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
@@ -378,14 +389,14 @@ impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         loop {
-            let peer = self.link.peer();
-            if let Some(reason) = self.core.lost_reason(peer) {
+            let peer = self.ep.link.peer();
+            if let Some(reason) = self.ep.core.lost_reason(peer) {
                 return Poll::Ready(Err(Error::PeerLost { rank: peer, reason }));
             }
-            if !self.link.has_queued() && self.core.rma.outstanding(peer) == 0 {
+            if !self.ep.link.has_queued() && self.ep.core.rma.outstanding(peer) == 0 {
                 return Poll::Ready(Ok(()));
             }
-            if self.core.is_closed() {
+            if self.ep.core.is_closed() {
                 return Poll::Ready(Err(Error::Closed));
             }
             // Re-check on a short timer: completions of many kinds feed this,
