@@ -1,10 +1,18 @@
-//! Recycled receive buffers for large messages.
+//! Recycled receive buffers.
 //!
-//! A received message is handed to the user as `Bytes`. For large messages,
-//! a fresh allocation each time means the kernel faults in every page again
-//! (4,096 faults for 16 MiB, which capped 16 MiB streaming at a fraction of
-//! the 1 MiB rate). Instead, large buffers come from this pool and go back to
-//! it when the user drops the last `Bytes` that shares them.
+//! A received message is handed to the user as `Bytes`. A fresh allocation
+//! per message means the kernel faults in its pages again and again (a
+//! 1 MiB message: 256 faults; it cut streaming four-fold), and the allocator
+//! trims and regrows its heap under a stream of 16 KiB messages. Instead,
+//! buffers come from this pool and go back to it when the user drops the
+//! last `Bytes` that shares them.
+//!
+//! Buffers are kept by size class (powers of two from 4 KiB), so taking and
+//! returning one is O(1) and a buffer is at most twice the message. Each
+//! class keeps enough for a window of messages in flight; all classes
+//! together keep at most [`KEEP_BYTES`], and when a returned buffer would go
+//! beyond that, buffers of the class holding the most bytes make room: a
+//! pool full of small buffers never turns away the large ones now in use.
 
 use std::sync::{Arc, Mutex, Weak};
 
@@ -12,18 +20,27 @@ use bytes::Bytes;
 
 use crate::sync::lock;
 
-/// Messages at least this large use pooled buffers (below, the allocator
-/// reuses memory well; above, fresh mappings fault their pages in).
-pub(crate) const POOL_MIN: usize = 32 * 1024;
-/// Buffers kept for reuse (a window of large messages in flight).
-const KEEP: usize = 256;
-/// Bytes kept for reuse at most (two receive budgets' worth by default).
+/// Messages at least this large use pooled buffers.
+pub(crate) const POOL_MIN: usize = 4 * 1024;
+/// The largest class: 16 MiB (larger messages grow their buffer).
+const MAX_CLASS: u32 = 24;
+const MIN_CLASS: u32 = POOL_MIN.trailing_zeros();
+const CLASSES: usize = (MAX_CLASS - MIN_CLASS + 1) as usize;
+/// Bytes one class keeps at most (and at least 2 buffers, at most 256).
+const KEEP_PER_CLASS: usize = 32 << 20;
+/// Bytes kept for reuse at most, all classes together.
 const KEEP_BYTES: usize = 64 << 20;
 
-/// A pool of large buffers.
+/// A pool of receive buffers.
 #[derive(Default)]
 pub(crate) struct BufPool {
-    free: Mutex<Vec<Vec<u8>>>,
+    inner: Mutex<Classes>,
+}
+
+#[derive(Default)]
+struct Classes {
+    free: [Vec<Vec<u8>>; CLASSES],
+    kept: usize,
 }
 
 struct Pooled {
@@ -45,28 +62,50 @@ impl Drop for Pooled {
     }
 }
 
+/// The class whose buffers hold `len` bytes (`len` rounded up to a power of
+/// two), if pooled.
+fn class_for_len(len: usize) -> Option<usize> {
+    if !(POOL_MIN..=1 << MAX_CLASS).contains(&len) {
+        return None;
+    }
+    Some((len.next_power_of_two().trailing_zeros() - MIN_CLASS) as usize)
+}
+
+/// The largest class a buffer of `cap` bytes can serve.
+fn class_for_cap(cap: usize) -> Option<usize> {
+    if cap < POOL_MIN {
+        return None;
+    }
+    let log = (usize::BITS - 1 - cap.leading_zeros()).min(MAX_CLASS);
+    Some((log - MIN_CLASS) as usize)
+}
+
+fn class_bytes(c: usize) -> usize {
+    1 << (c as u32 + MIN_CLASS)
+}
+
+fn class_keep(c: usize) -> usize {
+    (KEEP_PER_CLASS / class_bytes(c)).clamp(2, 256)
+}
+
 impl BufPool {
     /// An empty buffer with room for `len` bytes.
     pub(crate) fn take(&self, len: usize) -> Vec<u8> {
-        if len >= POOL_MIN {
-            let mut free = lock(&self.free);
-            // The smallest kept buffer that fits and is not wastefully big.
-            let best = (0..free.len())
-                .filter(|i| {
-                    free[*i].capacity() >= len && free[*i].capacity() <= len.saturating_mul(2)
-                })
-                .min_by_key(|i| free[*i].capacity());
-            if let Some(i) = best {
-                // `remove`, not `swap_remove`: the order is the age order.
-                let mut v = free.remove(i);
-                v.clear();
-                return v;
-            }
+        let Some(c) = class_for_len(len) else {
+            return Vec::with_capacity(len);
+        };
+        let mut inner = lock(&self.inner);
+        if let Some(mut v) = inner.free[c].pop() {
+            inner.kept -= v.capacity();
+            drop(inner);
+            v.clear();
+            return v;
         }
-        Vec::with_capacity(len)
+        drop(inner);
+        Vec::with_capacity(class_bytes(c))
     }
 
-    /// Hand `buf` to the user; large buffers come back here when dropped.
+    /// Hand `buf` to the user; pooled-size buffers come back here when dropped.
     pub(crate) fn freeze(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
         if buf.capacity() >= POOL_MIN {
             Bytes::from_owner(Pooled {
@@ -78,20 +117,37 @@ impl BufPool {
         }
     }
 
-    /// Keep `buf` for reuse. When the pool is full, the oldest buffers make
-    /// room: they are likely of a size the program no longer receives (a
-    /// pool full of 256 KiB buffers must not turn away the 1 MiB ones and
-    /// leave every 1 MiB message to fault its pages in afresh).
+    /// Keep `buf` for reuse, making room in the fullest other class if all
+    /// classes together would keep too much.
     fn give_back(&self, buf: Vec<u8>) {
-        if buf.capacity() > KEEP_BYTES {
+        let Some(c) = class_for_cap(buf.capacity()) else {
+            return;
+        };
+        let size = buf.capacity();
+        if size > KEEP_BYTES {
             return;
         }
-        let mut free = lock(&self.free);
-        let mut kept: usize = free.iter().map(Vec::capacity).sum();
-        while !free.is_empty() && (free.len() >= KEEP || kept + buf.capacity() > KEEP_BYTES) {
-            kept -= free.remove(0).capacity();
+        let mut inner = lock(&self.inner);
+        if inner.free[c].len() >= class_keep(c) {
+            return;
         }
-        free.push(buf);
+        while inner.kept + size > KEEP_BYTES {
+            let fullest = (0..CLASSES)
+                .filter(|&o| o != c && !inner.free[o].is_empty())
+                .max_by_key(|&o| inner.free[o].len() * class_bytes(o));
+            let Some(o) = fullest else { return };
+            if let Some(old) = inner.free[o].pop() {
+                inner.kept -= old.capacity();
+            }
+        }
+        inner.kept += size;
+        inner.free[c].push(buf);
+    }
+
+    #[cfg(test)]
+    fn kept(&self) -> (usize, usize) {
+        let inner = lock(&self.inner);
+        (inner.free.iter().map(Vec::len).sum(), inner.kept)
     }
 }
 
@@ -108,7 +164,7 @@ mod tests {
         let b = pool.freeze(v);
         let b2 = b.slice(10..20);
         drop(b);
-        assert!(lock(&pool.free).is_empty(), "still shared by a slice");
+        assert_eq!(pool.kept().0, 0, "still shared by a slice");
         assert_eq!(&b2[..], &[7u8; 10]);
         drop(b2);
         let again = pool.take(POOL_MIN);
@@ -117,22 +173,42 @@ mod tests {
         // Small ones are plain allocations.
         let small = pool.freeze(pool.take(10));
         drop(small);
-        assert!(lock(&pool.free).is_empty());
+        assert_eq!(pool.kept(), (0, 0));
+    }
+
+    #[test]
+    fn classes_round_up_and_serve_any_length_they_hold() {
+        let pool = Arc::new(BufPool::default());
+        let v = pool.take(5000);
+        assert_eq!(v.capacity(), 8192);
+        drop(pool.freeze(v));
+        let same = pool.take(8192);
+        assert_eq!(same.capacity(), 8192, "same class");
+        // A buffer that grew past a power of two serves the class below.
+        let mut grown = Vec::with_capacity(3 << 20);
+        grown.push(1u8);
+        drop(pool.freeze(grown));
+        let below = pool.take(2 << 20);
+        assert!(below.capacity() >= 2 << 20);
+        assert_eq!(pool.kept(), (0, 0));
     }
 
     #[test]
     fn a_full_pool_makes_room_for_the_size_now_in_use() {
         let pool = Arc::new(BufPool::default());
-        let small: Vec<Bytes> = (0..KEEP)
-            .map(|_| pool.freeze(pool.take(POOL_MIN)))
+        // Fill the pool to its byte limit with 256 and 512 KiB buffers.
+        let small: Vec<Bytes> = [256usize << 10, 512 << 10]
+            .iter()
+            .flat_map(|&len| (0..KEEP_PER_CLASS / len).map(move |_| len))
+            .map(|len| pool.freeze(pool.take(len)))
             .collect();
         drop(small);
-        assert_eq!(lock(&pool.free).len(), KEEP);
-        let big = pool.take(4 * POOL_MIN);
+        assert_eq!(pool.kept().1, KEEP_BYTES, "full");
+        let big = pool.take(1 << 20);
         let ptr = big.as_ptr();
         drop(pool.freeze(big));
-        let again = pool.take(4 * POOL_MIN);
-        assert_eq!(again.as_ptr(), ptr, "the large buffer was kept");
-        assert_eq!(lock(&pool.free).len(), KEEP - 1);
+        let again = pool.take(1 << 20);
+        assert_eq!(again.as_ptr(), ptr, "the 1 MiB buffer was kept");
+        assert!(pool.kept().1 <= KEEP_BYTES);
     }
 }
