@@ -61,6 +61,12 @@ pub struct Config {
     /// Bytes of received but not yet consumed messages kept per tag before the
     /// transports stop reading from that sender (backpressure). Env: `BTL_RECV_BUDGET`.
     pub recv_budget: usize,
+    /// Bytes of received but not yet consumed messages kept for all tags
+    /// together, so a peer spreading messages over many tags cannot grow our
+    /// memory without bound (beyond it, reading stops until the program
+    /// consumes some; a program that never reads the full tags would then
+    /// wait). Env: `BTL_RECV_TOTAL_BUDGET`.
+    pub recv_total_budget: usize,
     /// Limit on the address exchange at start-up. Env: `BTL_BOOT_TIMEOUT_MS`.
     pub boot_timeout: Duration,
     /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
@@ -102,6 +108,7 @@ impl Default for Config {
             sm_max_count: 16,
             sm_cma_min: 64 * 1024,
             recv_budget: 32 << 20,
+            recv_total_budget: 1 << 30,
             boot_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
             udp_addr: None,
@@ -169,6 +176,7 @@ impl Config {
             ("BTL_SM_MAX", &mut c.sm_max_size),
             ("BTL_SM_MAX_COUNT", &mut c.sm_max_count),
             ("BTL_RECV_BUDGET", &mut c.recv_budget),
+            ("BTL_RECV_TOTAL_BUDGET", &mut c.recv_total_budget),
             ("BTL_SM_CMA_MIN", &mut c.sm_cma_min),
         ] {
             if let Some(v) = get(k) {

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -68,6 +68,13 @@ type TagMap = HashMap<Tag, TagQueue, std::hash::BuildHasherDefault<TagHasher>>;
 pub(crate) struct Dispatcher {
     tags: Mutex<TagMap>,
     budget: usize,
+    /// Limit on the bytes queued for all tags together.
+    total_budget: usize,
+    /// Bytes queued for all tags (changed only under `tags`; Relaxed).
+    total: AtomicUsize,
+    /// A message was refused because all tags together were full: wake
+    /// progress when any queue shrinks (changed only under `tags`).
+    starved: AtomicBool,
     /// Signalled when a full queue drains, so progress tasks resume reading.
     pub(crate) space: Arc<Notify>,
     /// Signalled when a future stops polling inline (traffic went cold), so a
@@ -129,10 +136,14 @@ impl Hot {
 }
 
 impl Dispatcher {
-    pub(crate) fn new(budget: usize, mode: ProgressMode, spin: Duration) -> Arc<Self> {
+    /// `budgets`: bytes queued per tag, and for all tags together.
+    pub(crate) fn new(budgets: (usize, usize), mode: ProgressMode, spin: Duration) -> Arc<Self> {
         Arc::new(Dispatcher {
             tags: Mutex::new(TagMap::default()),
-            budget: budget.max(1),
+            budget: budgets.0.max(1),
+            total_budget: budgets.1.max(1),
+            total: AtomicUsize::new(0),
+            starved: AtomicBool::new(false),
             space: Arc::new(Notify::new()),
             cold: Arc::new(Notify::new()),
             progress_hook: OnceLock::new(),
@@ -201,18 +212,36 @@ impl Dispatcher {
         p.now_ns().saturating_sub(p.inline.load(Ordering::Relaxed)) < window.as_nanos() as u64
     }
 
-    /// Whether a message of `len` bytes for `tag` may be accepted now. An
-    /// empty queue always has room, so any single message gets through.
+    /// Whether a message of `len` bytes may join a queue holding `queued`
+    /// bytes (call under `tags`). An empty queue has room when the tags
+    /// together have room, and everything empty always has room, so any
+    /// single message gets through.
+    fn room(&self, queued: usize, len: usize) -> (bool, bool) {
+        let total = self.total.load(Ordering::Relaxed);
+        let tag_ok = queued == 0 || queued + len <= self.budget;
+        let all_ok = total == 0 || total + len <= self.total_budget;
+        (tag_ok, all_ok)
+    }
+
+    /// Record a refusal (under `tags`): the queue's own, or the starvation
+    /// of all tags together.
+    fn refuse(&self, q: &mut TagQueue, tag_ok: bool) {
+        if tag_ok {
+            self.starved.store(true, Ordering::Relaxed);
+        } else {
+            q.refused = true;
+        }
+    }
+
+    /// Whether a message of `len` bytes for `tag` may be accepted now.
     pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
         let mut tags = lock(&self.tags);
-        match tags.get_mut(&tag) {
-            None => true,
-            Some(q) => {
-                let room = q.bytes == 0 || q.bytes + len <= self.budget;
-                q.refused |= !room;
-                room
-            }
+        let q = tags.entry(tag).or_default();
+        let (tag_ok, all_ok) = self.room(q.bytes, len);
+        if !(tag_ok && all_ok) {
+            self.refuse(q, tag_ok);
         }
+        tag_ok && all_ok
     }
 
     /// Progress did work: waiters stay hot a while longer. (Called once per
@@ -227,6 +256,7 @@ impl Dispatcher {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
             q.bytes += msg.data.len();
+            self.total.fetch_add(msg.data.len(), Ordering::Relaxed);
             q.items.push_back(Ok(msg));
             q.waker.take()
         };
@@ -248,12 +278,14 @@ impl Dispatcher {
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(tag).or_default();
-            if q.bytes != 0 && q.bytes + len > self.budget {
-                q.refused = true;
+            let (tag_ok, all_ok) = self.room(q.bytes, len);
+            if !(tag_ok && all_ok) {
+                self.refuse(q, tag_ok);
                 return false;
             }
             let data = make();
             q.bytes += data.len();
+            self.total.fetch_add(data.len(), Ordering::Relaxed);
             q.items.push_back(Ok(Message { src, tag, data }));
             q.waker.take()
         };
@@ -320,8 +352,13 @@ impl Dispatcher {
             Some(item) => {
                 if let Ok(m) = &item {
                     q.bytes -= m.data.len();
+                    self.total.fetch_sub(m.data.len(), Ordering::Relaxed);
                 }
-                if std::mem::take(&mut q.refused) {
+                // Load first: a swap on every pop would cost an atomic
+                // read-modify-write per message.
+                let starved = self.starved.load(Ordering::Relaxed)
+                    && self.starved.swap(false, Ordering::Relaxed);
+                if std::mem::take(&mut q.refused) || starved {
                     self.space.notify_waiters();
                     self.space.notify_one();
                 }

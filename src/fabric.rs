@@ -282,7 +282,11 @@ impl Fabric {
             rank: b.rank,
             size: b.size,
             job_tag: job_tag(&b.job_key),
-            dispatcher: Dispatcher::new(b.config.recv_budget, b.config.progress, b.config.spin),
+            dispatcher: Dispatcher::new(
+                (b.config.recv_budget, b.config.recv_total_budget),
+                b.config.progress,
+                b.config.spin,
+            ),
             rma: Rma::new(regions, counters.clone()),
             counters,
             buffers: Arc::default(),

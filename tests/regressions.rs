@@ -241,3 +241,38 @@ async fn r6_udp_full_tag_does_not_block_barrier_or_get() {
         assert_eq!(rx.recv().await.unwrap().data.len(), 2000);
     }
 }
+
+/// A peer spreading messages over many tags that nobody reads cannot grow
+/// the receiver's memory past the total budget: the receiver stops taking
+/// messages (they wait on the sender's side) until the program consumes
+/// some, then everything arrives, in order per tag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r7_messages_over_many_tags_stay_within_the_total_budget() {
+    let c = Config {
+        recv_budget: 1 << 20,
+        recv_total_budget: 64 * 8,
+        ..Config::default()
+    };
+    let f = job(2, c).await;
+    let e = f[0].endpoint(1).unwrap();
+    for t in 0..80u64 {
+        e.send(100 + t, Bytes::copy_from_slice(&t.to_le_bytes()))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        f[1].stats().recvs,
+        64,
+        "64 messages of 8 B fill the 512 B budget"
+    );
+    for t in 0..80u64 {
+        let mut rx = f[1].receiver(100 + t).unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("message after room was made")
+            .unwrap();
+        assert_eq!(m.data, Bytes::copy_from_slice(&t.to_le_bytes()));
+    }
+    assert_eq!(f[1].stats().recvs, 80);
+}
