@@ -31,6 +31,7 @@ fn rank_main() {
             "bigput" => bigput(f).await,
             "mixed" => mixed(f).await,
             "refused" => refused(f).await,
+            "idle" => idle(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -332,6 +333,26 @@ async fn refused(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// After traffic (the fast box, the rings and a rendezvous were all used),
+/// both ranks wait 2 s with nothing to do and report the CPU time they used
+/// meanwhile: the progress tasks must have parked on their doorbells.
+async fn idle(f: Fabric) {
+    let peer = 1 - f.rank();
+    let ep = f.endpoint(peer).unwrap();
+    let mut rx = f.receiver(5).unwrap();
+    for len in [8usize, 5000, 1 << 20] {
+        ep.send(5, pattern(len, 1)).await.unwrap();
+        assert_eq!(rx.recv().await.unwrap().data.len(), len);
+    }
+    f.barrier().await.unwrap();
+    let before = cpu_time();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu_time() - before;
+    println!("idle_cpu_ms={}", used.as_millis());
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 async fn kill(f: Fabric) {
     kill_scenario(f, true).await;
 }
@@ -378,6 +399,18 @@ fn refused_single_copy_falls_back_to_fragments_in_order() {
         rndv >= 2,
         "the first message and at least one refused one went by rendezvous"
     );
+}
+
+#[test]
+fn idle_ranks_park_instead_of_spinning() {
+    let outs = spawn_job(2, "idle", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        let ms: u64 = value(o, "idle_cpu_ms").unwrap().parse().unwrap();
+        println!("rank {r}: {ms} ms of CPU in 2 s idle");
+        // A spinning rank uses ~2000 ms; a parked one a few (heartbeats).
+        assert!(ms < 500, "rank {r} used {ms} ms of CPU in 2 s of idleness");
+    }
 }
 
 #[test]
