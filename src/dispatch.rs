@@ -99,8 +99,15 @@ struct Hot {
     mode: ProgressMode,
     spin_ns: u64,
     epoch: Instant,
-    /// Nanoseconds since `epoch` of the last delivery (Relaxed: a hint).
+    /// Nanoseconds since `epoch` of the last work seen (Relaxed: a hint).
     last: AtomicU64,
+    /// Work was done since a poller last looked at the clock: the next
+    /// poller stamps `last` with the time it reads anyway, so doing work
+    /// costs no clock read (Relaxed: a hint).
+    worked: AtomicBool,
+    /// The time the latest inline progress poll read (Relaxed: reused by
+    /// the same poll's `stay_hot` instead of a second clock read).
+    polled: AtomicU64,
     /// Nanoseconds since `epoch` of the last inline poll by a hot receiver
     /// (Relaxed: a hint for the progress task to stand back).
     inline: AtomicU64,
@@ -110,8 +117,18 @@ impl Hot {
     fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
+    /// Work was done (no clock read: see `worked`).
     fn touch(&self) {
-        self.last.store(self.now_ns(), Ordering::Relaxed);
+        self.worked.store(true, Ordering::Relaxed);
+    }
+    /// Read the clock for a poll: stamps pending work, returns the time.
+    fn poll_now(&self) -> u64 {
+        let now = self.now_ns();
+        if self.worked.load(Ordering::Relaxed) && self.worked.swap(false, Ordering::Relaxed) {
+            self.last.store(now, Ordering::Relaxed);
+        }
+        self.polled.store(now, Ordering::Relaxed);
+        now
     }
     /// Spinning for this long without work, a poller also yields the CPU to
     /// the OS between polls: if the peer runs on the same core (the kernel
@@ -152,6 +169,8 @@ impl Dispatcher {
                 spin_ns: spin.as_nanos() as u64,
                 epoch: Instant::now(),
                 last: AtomicU64::new(0),
+                worked: AtomicBool::new(false),
+                polled: AtomicU64::new(0),
                 inline: AtomicU64::new(0),
             },
         })
@@ -170,10 +189,11 @@ impl Dispatcher {
     /// While hot it polls a few times in a row before giving up: each trip
     /// through the runtime's scheduler costs more than a progress poll.
     pub(crate) fn progress_inline(&self) -> bool {
+        let now = self.policy.poll_now();
         let Some(h) = self.progress_hook.get() else {
             return false;
         };
-        let turns = if self.policy.is_hot(self.policy.now_ns()) {
+        let turns = if self.policy.is_hot(now) {
             INLINE_TURNS
         } else {
             1
@@ -191,7 +211,9 @@ impl Dispatcher {
     /// back.
     pub(crate) fn stay_hot(&self, cx: &Context<'_>) {
         let p = &self.policy;
-        let now = p.now_ns();
+        // The clock as this poll's inline progress read it (a microsecond
+        // old at most).
+        let now = p.polled.load(Ordering::Relaxed);
         if p.is_hot(now) {
             p.inline.store(now, Ordering::Relaxed);
             if p.spinning_idle(now) {
