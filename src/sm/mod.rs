@@ -111,6 +111,10 @@ pub(crate) struct SmTransport {
     /// Peers by local rank, set once at connect.
     pub(crate) peers: OnceLock<Vec<Option<Arc<SmPeer>>>>,
     pub(crate) tx: Mutex<tx::TxState>,
+    /// `TxState::busy` as of the last change under `tx` (Release; progress
+    /// loads it with Acquire to skip the send side, and its lock, when there
+    /// is nothing to do).
+    tx_busy: AtomicBool,
     pub(crate) rx: Mutex<rx::RxState>,
     /// Peers' shared regions we mapped, by key id.
     maps: Mutex<HashMap<KeyId, MappedRegion>>,
@@ -159,6 +163,7 @@ impl SmTransport {
             ringer: doorbell::ringer()?,
             peers: OnceLock::new(),
             tx: Mutex::new(tx),
+            tx_busy: AtomicBool::new(false),
             rx: Mutex::new(rx),
             maps: Mutex::new(HashMap::new()),
         }))
@@ -245,6 +250,15 @@ impl SmTransport {
         Ok(links)
     }
 
+    /// Run `f` on the send state, then publish whether it has work left.
+    pub(crate) fn with_tx<R>(&self, f: impl FnOnce(&mut tx::TxState) -> R) -> R {
+        let mut tx = lock(&self.tx);
+        let r = f(&mut tx);
+        self.tx_busy
+            .store(tx.busy(), std::sync::atomic::Ordering::Release);
+        r
+    }
+
     pub(crate) fn peer_list(&self) -> &[Option<Arc<SmPeer>>] {
         self.peers.get().map(Vec::as_slice).unwrap_or(&[])
     }
@@ -273,7 +287,7 @@ impl SmTransport {
             // fail instead of waiting for fragments we will never return.
             self.seg.refused(peer.local).store(1, Ordering::Release);
         }
-        lock(&self.tx).peer_lost(peer);
+        self.with_tx(|tx| tx.peer_lost(peer));
         lock(&self.rx).peer_lost(peer.local);
         if how == Loss::Crashed {
             peer.seg.unlink();
@@ -285,7 +299,7 @@ impl SmTransport {
     /// Cut off the peers that the send or receive path caught misbehaving.
     /// Must not be called with `tx` or `rx` held.
     fn cut_off_misbehaved(&self) {
-        let mut bad = std::mem::take(&mut lock(&self.tx).misbehaved);
+        let mut bad = self.with_tx(|tx| std::mem::take(&mut tx.misbehaved));
         bad.append(&mut lock(&self.rx).misbehaved);
         for (local, why) in bad {
             if let Some(Some(p)) = self.peer_list().get(local as usize) {
@@ -324,9 +338,13 @@ impl Transport for SmTransport {
             work += rx.progress(self);
             bad |= !rx.misbehaved.is_empty();
         }
-        if let Some(mut tx) = try_lock(&self.tx) {
-            work += tx.progress(self);
-            bad |= !tx.misbehaved.is_empty();
+        if self.tx_busy.load(std::sync::atomic::Ordering::Acquire) {
+            if let Some(mut tx) = try_lock(&self.tx) {
+                work += tx.progress(self);
+                bad |= !tx.misbehaved.is_empty();
+                self.tx_busy
+                    .store(tx.busy(), std::sync::atomic::Ordering::Release);
+            }
         }
         if bad {
             self.cut_off_misbehaved();
@@ -387,6 +405,6 @@ impl Transport for SmTransport {
             .state()
             .store(segment::STATE_CLOSED, Ordering::Release);
         self.seg.unlink();
-        lock(&self.tx).fail_all();
+        self.with_tx(tx::TxState::fail_all);
     }
 }

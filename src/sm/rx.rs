@@ -11,7 +11,6 @@ use super::tx::{channel, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
-use crate::sync::lock;
 use crate::transport::Kind;
 
 /// Fragments taken from one sender's ring per progress call, so one busy
@@ -237,7 +236,7 @@ impl RxState {
                 if data.len() != 1 {
                     return Step::Bad("malformed rendezvous answer");
                 }
-                lock(&t.tx).rendezvous_done(t, p, part.tag, data[0] == 1);
+                t.with_tx(|tx| tx.rendezvous_done(t, p, part.tag, data[0] == 1));
             } else if let Some(link) = t.core.link(p.rank) {
                 t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
             }

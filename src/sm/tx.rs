@@ -65,6 +65,10 @@ pub(crate) struct TxState {
     dest: Vec<u32>,
     /// Fragments held by each local rank.
     inflight: Vec<usize>,
+    /// Fragments held by peers, all together.
+    held: usize,
+    /// Messages in the send queues, all together.
+    queued: usize,
     /// Most fragments one destination may hold, so one slow receiver cannot
     /// take the whole pool from the others.
     cap: usize,
@@ -107,6 +111,8 @@ impl TxState {
             free_max: (ec..ec + layout.p.max_count).rev().collect(),
             dest: vec![FREE; frags],
             inflight: vec![0; n],
+            held: 0,
+            queued: 0,
             cap: if n > 2 { (frags * 3 / 4).max(1) } else { frags },
             reserve: (ec as usize / 8).min(CONTROL_RESERVE),
             prod: vec![ProducerState::default(); n * CHANNELS],
@@ -165,9 +171,18 @@ impl TxState {
         n
     }
 
+    /// Whether progress has anything to do for the send side: fragments out
+    /// (returns to take back), queued messages or rendezvous pending.
+    pub(crate) fn busy(&self) -> bool {
+        self.held > 0 || self.queued > 0 || !self.rndv.is_empty() || !self.misbehaved.is_empty()
+    }
+
     fn free(&mut self, i: usize) {
         if let Some(held) = self.inflight.get_mut(self.dest[i] as usize) {
             *held = held.saturating_sub(1);
+        }
+        if self.dest[i] != FREE {
+            self.held -= 1;
         }
         self.dest[i] = FREE;
         if i < self.layout.p.eager_count as usize {
@@ -276,6 +291,7 @@ impl TxState {
                 });
             }
             self.dest[i] = peer.local;
+            self.held += 1;
             self.inflight[peer.local as usize] += 1;
             pushed = true;
             at.sent += n;
@@ -442,6 +458,7 @@ impl TxState {
             }
         }
         let done = done.unwrap_or_else(Completion::new);
+        self.queued += 1;
         self.queues[q].push_back(Queued {
             kind,
             tag,
@@ -534,12 +551,14 @@ impl TxState {
             for ch in (0..CHANNELS).rev() {
                 let q = p.local as usize * CHANNELS + ch;
                 while let Some(mut head) = self.queues[q].pop_front() {
+                    self.queued -= 1;
                     match self.push(t, p, head.kind, head.tag, &head.data, &mut head.at) {
                         Ok(Pushed::Done) => {
                             work += 1;
                             head.done.complete(Ok(()));
                         }
                         Ok(Pushed::Blocked) => {
+                            self.queued += 1;
                             self.queues[q].push_front(head);
                             break;
                         }
@@ -594,7 +613,9 @@ impl TxState {
     /// Fail the lost peer's queues and take back the fragments it held.
     pub(crate) fn peer_lost(&mut self, peer: &SmPeer) {
         for ch in 0..CHANNELS {
-            for q in self.queues[peer.local as usize * CHANNELS + ch].drain(..) {
+            let queue = &mut self.queues[peer.local as usize * CHANNELS + ch];
+            self.queued -= queue.len();
+            for q in queue.drain(..) {
                 q.done.complete(Err(peer.lost_error()));
             }
         }
@@ -615,6 +636,7 @@ impl TxState {
     /// Fail everything still queued (the fabric is closing).
     pub(crate) fn fail_all(&mut self) {
         for q in &mut self.queues {
+            self.queued -= q.len();
             for m in q.drain(..) {
                 m.done.complete(Err(Error::Closed));
             }
@@ -644,11 +666,13 @@ impl Link for SmLink {
     // progress call cuts it off: these entry points may run inside the
     // receive path (answers to RMA requests), where `rx` is held.
     fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
-        lock(&self.t.tx).try_send(&self.t, &self.peer, kind, tag, data)
+        self.t
+            .with_tx(|tx| tx.try_send(&self.t, &self.peer, kind, tag, data))
     }
 
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
-        lock(&self.t.tx).submit(&self.t, &self.peer, kind, tag, data)
+        self.t
+            .with_tx(|tx| tx.submit(&self.t, &self.peer, kind, tag, data))
     }
 
     fn map_remote(
