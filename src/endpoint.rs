@@ -70,10 +70,11 @@ impl Endpoint {
         }
     }
 
-    /// Send a borrowed slice: when a fragment is free and nothing is queued
-    /// ahead, the bytes are copied straight into shared memory with no
-    /// allocation (the inline path for small messages); otherwise they are
-    /// copied once into an owned buffer and queued.
+    /// Send a borrowed slice: when nothing is queued ahead and there is room
+    /// (on `sm`: the peer's fast box for up to 1 KiB, else a free fragment),
+    /// the bytes are copied straight into shared memory with no allocation
+    /// (the inline path for small messages); otherwise they are copied once
+    /// into an owned buffer and queued.
     pub fn send_inline<'a>(&self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
         Counters::bump(&self.0.core.counters.sends);
         SendInline {
