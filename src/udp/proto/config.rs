@@ -37,6 +37,12 @@ pub struct Config {
     /// granularity of tokio's timer, and well below `rto_min` so a delayed
     /// ACK never causes a spurious retransmission.
     pub ack_delay: Duration,
+    /// How long an ACK the sender asked for (`ACK_NOW`: the tail of what it
+    /// could send) waits for a reply to ride on. Default 50 µs: a
+    /// request/response pair then costs one datagram each way instead of
+    /// two, while the sender's window and `flush` wait only a few
+    /// microseconds more. Retransmissions are still acknowledged at once.
+    pub reply_ack_delay: Duration,
     /// Send an ACK at once after this many in-order segments. Default 8:
     /// 1/32 of the window, so the sender's window slides smoothly while ACK
     /// traffic stays an eighth of data traffic.
@@ -82,6 +88,7 @@ impl Default for Config {
             recv_window: 256,
             send_budget: 1 << 20,
             ack_delay: Duration::from_millis(1),
+            reply_ack_delay: Duration::from_micros(50),
             ack_every: 8,
             rto_initial: Duration::from_millis(20),
             rto_min: Duration::from_millis(5),
@@ -120,6 +127,9 @@ impl Config {
         }
         if self.send_budget == 0 {
             return err("send_budget must be positive");
+        }
+        if self.reply_ack_delay > self.ack_delay {
+            return err("reply_ack_delay must not exceed ack_delay");
         }
         if self.ack_every == 0 {
             return err("ack_every must be at least 1");

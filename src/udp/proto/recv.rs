@@ -114,6 +114,7 @@ pub(super) struct RecvSide {
     reasm: Reassembly,
     ack_every: u32,
     ack_delay: Duration,
+    reply_ack_delay: Duration,
     /// When the pending ACK must go out, if one is pending.
     ack_deadline: Option<Instant>,
     /// In-order segments received since the last ACK went out.
@@ -140,6 +141,7 @@ impl RecvSide {
             },
             ack_every: cfg.ack_every,
             ack_delay: cfg.ack_delay,
+            reply_ack_delay: cfg.reply_ack_delay,
             ack_deadline: None,
             since_ack: 0,
             owed_acks: 0,
@@ -159,7 +161,12 @@ impl RecvSide {
     }
 
     fn ack_now(&mut self, now: Instant) {
-        self.ack_deadline = Some(self.ack_deadline.map_or(now, |d| d.min(now)));
+        self.ack_by(now);
+    }
+
+    /// Make sure the pending ACK goes out by `t` at the latest.
+    fn ack_by(&mut self, t: Instant) {
+        self.ack_deadline = Some(self.ack_deadline.map_or(t, |d| d.min(t)));
     }
 
     fn owe_ack(&mut self) {
@@ -204,8 +211,16 @@ impl RecvSide {
         self.slots.pop_front();
         self.since_ack += 1;
         let filled = self.drain_buffered(events, stats);
-        if filled || hdr.flags.contains(Flags::ACK_NOW) || self.since_ack >= self.ack_every {
+        let asked = hdr.flags.contains(Flags::ACK_NOW);
+        if filled
+            || self.since_ack >= self.ack_every
+            || (asked && hdr.flags.contains(Flags::RETRANSMIT))
+        {
             self.ack_now(now);
+        } else if asked {
+            // The tail of what the peer could send: it waits for this ACK,
+            // but a reply sent within `reply_ack_delay` carries it for free.
+            self.ack_by(now.checked_add(self.reply_ack_delay).unwrap_or(now));
         } else if self.ack_deadline.is_none() {
             self.ack_deadline = now.checked_add(self.ack_delay);
         }

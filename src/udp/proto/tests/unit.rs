@@ -122,6 +122,42 @@ fn ack_policy_delayed_every_n_and_immediate_on_gap() {
 }
 
 #[test]
+fn a_requested_ack_rides_on_a_prompt_reply() {
+    let cfg = Config::default();
+    let t0 = Instant::now();
+    let mut c = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut buf = Vec::new();
+    // ACK_NOW (the peer's tail): no ACK-only at once, one within
+    // reply_ack_delay.
+    c.handle_datagram(t0, &data(0, 0, Flags::ACK_NOW));
+    assert_eq!(c.poll_transmit(t0, &mut buf), None);
+    assert_eq!(c.poll_timeout(), Some(t0 + cfg.reply_ack_delay));
+    // A reply sent before then carries the ACK: exactly one datagram.
+    c.send(t0, message(0, 8)).unwrap();
+    assert!(c.poll_transmit(t0, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert!(matches!(h.kind, Kind::Data(_)));
+    assert_eq!(h.ack, 1);
+    assert_eq!(c.poll_transmit(t0, &mut buf), None);
+    assert_eq!(c.stats().acks_sent, 0);
+    // No reply: the ACK-only goes out when reply_ack_delay has passed.
+    c.handle_datagram(t0, &data(1, 1, Flags::ACK_NOW));
+    let t1 = t0 + cfg.reply_ack_delay;
+    assert_eq!(
+        c.poll_transmit(t1 - Duration::from_nanos(1), &mut buf),
+        None
+    );
+    assert!(c.poll_transmit(t1, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert_eq!((h.kind, h.ack), (Kind::Ack(Sack::EMPTY), 2));
+    // A retransmission asking for an ACK gets it at once.
+    c.handle_datagram(t1, &data(2, 2, Flags::ACK_NOW.with(Flags::RETRANSMIT)));
+    assert!(c.poll_transmit(t1, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert_eq!((h.kind, h.ack), (Kind::Ack(Sack::EMPTY), 3));
+}
+
+#[test]
 fn foreign_and_broken_datagrams_are_counted() {
     let t0 = Instant::now();
     let mut c = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
