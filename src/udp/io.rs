@@ -45,47 +45,32 @@ impl RecvBatch {
 }
 
 /// Receive up to [`BATCH`] datagrams without blocking; `Ok(0)` when none.
+/// Asks the kernel only when tokio's readiness says the socket may have
+/// data (no system call otherwise).
 pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
-    let fd = sock.as_raw_fd();
-    let r = sock.try_io(Interest::READABLE, || {
-        // SAFETY: all-zero bytes are a valid value of these plain C structs.
-        let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        for i in 0..BATCH {
-            iovs[i].iov_base = b.bufs[i].as_mut_ptr().cast();
-            iovs[i].iov_len = b.bufs[i].len();
-            hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
-            hdrs[i].msg_hdr.msg_namelen =
-                std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-            hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
-            hdrs[i].msg_hdr.msg_iovlen = 1;
-        }
-        // SAFETY: every header points at one iovec covering a live buffer
-        // of iov_len bytes and at a sockaddr_storage of msg_namelen bytes,
-        // all of which outlive the call; the kernel writes at most that.
-        let n = unsafe {
-            libc::recvmmsg(
-                fd,
-                hdrs.as_mut_ptr(),
-                BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
-        for i in 0..n {
-            b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
-            b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
-        }
-        Ok(n)
-    });
+    let r = sock.try_io(Interest::READABLE, || recvmmsg(sock.as_raw_fd(), b));
+    finish(r, b)
+}
+
+/// Like [`recv`], but always asks the kernel, whatever tokio's readiness
+/// says: a poller that expects data finds it as soon as it lands, without
+/// waiting for the runtime's next `epoll_wait` to notice. When nothing is
+/// there, tokio's readiness is cleared as a `recv` would clear it, so a
+/// later `readable()` waits for new data (a datagram that lands after our
+/// empty receive raises a new edge, so no wake-up is lost).
+pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    b.n = 0;
+    let r = recvmmsg(sock.as_raw_fd(), b);
+    if matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
+        let _ = sock.try_io(Interest::READABLE, || {
+            Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
+        });
+    }
+    finish(r, b)
+}
+
+fn finish(r: io::Result<usize>, b: &mut RecvBatch) -> io::Result<usize> {
     match r {
         Ok(n) => {
             b.n = n;
@@ -94,6 +79,46 @@ pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
         Err(e) => Err(e),
     }
+}
+
+/// One non-blocking `recvmmsg` into `b`'s buffers.
+fn recvmmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid value of these plain C structs.
+    let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    for i in 0..BATCH {
+        iovs[i].iov_base = b.bufs[i].as_mut_ptr().cast();
+        iovs[i].iov_len = b.bufs[i].len();
+        hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+        hdrs[i].msg_hdr.msg_namelen =
+            std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
+        hdrs[i].msg_hdr.msg_iovlen = 1;
+    }
+    // SAFETY: every header points at one iovec covering a live buffer of
+    // iov_len bytes and at a sockaddr_storage of msg_namelen bytes, all of
+    // which outlive the call; the kernel writes at most that.
+    let n = unsafe {
+        libc::recvmmsg(
+            fd,
+            hdrs.as_mut_ptr(),
+            BATCH as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = n as usize;
+    for i in 0..n {
+        b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
+        b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
+    }
+    Ok(n)
 }
 
 fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
@@ -127,6 +152,27 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[&[u8]]) -> usize {
     while done < bufs.len() {
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
         let r = sock.try_io(Interest::WRITABLE, || {
+            if let [one] = chunk {
+                // A lone datagram (the latency path): plain sendto, which
+                // does less work in the kernel than a one-entry sendmmsg.
+                // SAFETY: the buffer and the address are live for the call
+                // and sendto only reads them.
+                let n = unsafe {
+                    libc::sendto(
+                        fd,
+                        one.as_ptr().cast(),
+                        one.len(),
+                        libc::MSG_DONTWAIT,
+                        addr.as_ptr().cast(),
+                        addr.len(),
+                    )
+                };
+                return if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(1)
+                };
+            }
             // SAFETY: all-zero bytes are a valid value of these C structs.
             let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.

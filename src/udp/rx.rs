@@ -74,6 +74,12 @@ pub(crate) struct RxState {
     batch: RecvBatch,
     peers: Vec<PeerRx>,
     events: Vec<Event>,
+    /// The socket that delivered last (0: priority, 1: data): asked every
+    /// call, the other one when tokio saw it readable or every
+    /// [`OTHER_EVERY`] calls.
+    hot: usize,
+    /// Calls so far (wrapping), for [`OTHER_EVERY`].
+    turn: u32,
 }
 
 impl RxState {
@@ -82,6 +88,8 @@ impl RxState {
             batch: RecvBatch::new(),
             peers: (0..size).map(|_| PeerRx::default()).collect(),
             events: Vec::new(),
+            hot: 0,
+            turn: 0,
         }
     }
 }
@@ -90,6 +98,10 @@ impl RxState {
 /// starve the rest of the driver.
 const ROUNDS: usize = 4;
 
+/// Every this many progress calls, the socket that is not hot is also asked
+/// directly (a system call), whatever tokio's readiness says.
+const OTHER_EVERY: u32 = 8;
+
 impl UdpTransport {
     /// Receive and dispatch. Returns datagrams and messages handled.
     pub(crate) fn rx_progress(&self, rx: &mut RxState, now: Instant) -> usize {
@@ -97,6 +109,8 @@ impl UdpTransport {
             batch,
             peers,
             events,
+            hot,
+            turn,
         } = rx;
         let mut work = 0;
         for (rank, prx) in peers.iter_mut().enumerate() {
@@ -112,16 +126,25 @@ impl UdpTransport {
                     .store(prx.has_held(), std::sync::atomic::Ordering::Relaxed);
             }
         }
-        for sock in [&self.io.prio, &self.io.data] {
+        // Polling while hot costs one system call per call: the socket that
+        // delivered last is asked directly, so a datagram is found as soon
+        // as it lands; the other one only when tokio's reactor saw it
+        // readable (free to check), or every OTHER_EVERY calls.
+        *turn = turn.wrapping_add(1);
+        let mut got = [0usize; 2];
+        for (i, sock) in [&self.io.prio, &self.io.data].into_iter().enumerate() {
+            let direct = i == *hot || *turn % OTHER_EVERY == 0;
             for _ in 0..ROUNDS {
-                let n = match io::recv(sock, batch) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        tracing::debug!("udp: receive failed: {e}");
-                        0
-                    }
+                let r = if direct {
+                    io::recv_now(sock, batch)
+                } else {
+                    io::recv(sock, batch)
                 };
-                work += n;
+                let n = r.unwrap_or_else(|e| {
+                    tracing::debug!("udp: receive failed: {e}");
+                    0
+                });
+                got[i] += n;
                 for (from, d) in batch.iter() {
                     self.on_datagram(peers, from, d, now, events);
                 }
@@ -130,7 +153,10 @@ impl UdpTransport {
                 }
             }
         }
-        work
+        if got[*hot] == 0 && got[1 - *hot] > 0 {
+            *hot = 1 - *hot;
+        }
+        work + got[0] + got[1]
     }
 
     fn on_datagram(
