@@ -348,6 +348,7 @@ impl UdpTransport {
     fn service(&self, now: Instant) -> usize {
         let mut work = 0;
         let mut lost: Vec<(Rank, String)> = Vec::new();
+        let mut silent: Vec<Rank> = Vec::new();
         let mut next = u64::MAX;
         // Acquire: pairs with the AcqRel updates in `after_send`.
         let planned = self.wake_at.load(Ordering::Acquire);
@@ -375,10 +376,7 @@ impl UdpTransport {
                 st.keepalive(&self.io, p, self.job, self.core.rank);
             }
             if now.saturating_duration_since(st.last_heard) > timeout {
-                lost.push((
-                    p.rank,
-                    format!("nothing heard from it for {timeout:?} (BTL_UDP_PEER_TIMEOUT_MS)"),
-                ));
+                silent.push(p.rank);
             }
             backlog |= st.has_backlog();
             for t in [
@@ -395,6 +393,23 @@ impl UdpTransport {
         publish_wake_at(&self.wake_at, planned, next);
         if backlog {
             self.backlog.store(true, Ordering::Relaxed);
+        }
+        if !silent.is_empty() {
+            // Before calling a peer lost, read what is already queued for
+            // us: after a stall of our own (this process was stopped, or
+            // starved of CPU), its keepalives may be waiting in our sockets
+            // behind other traffic.
+            let now = Instant::now();
+            work += self.drain(now);
+            for r in silent {
+                let heard = self.peer(r).map(|p| lock(&p.st).last_heard);
+                if heard.is_some_and(|h| now.saturating_duration_since(h) > timeout) {
+                    lost.push((
+                        r,
+                        format!("nothing heard from it for {timeout:?} (BTL_UDP_PEER_TIMEOUT_MS)"),
+                    ));
+                }
+            }
         }
         for (r, why) in lost {
             self.lose(r, &why);

@@ -98,6 +98,9 @@ impl RxState {
 /// starve the rest of the driver.
 const ROUNDS: usize = 4;
 
+/// Most `recvmmsg` batches per socket one [`UdpTransport::drain`] reads.
+const DRAIN_BATCHES: usize = 4096;
+
 /// Every this many progress calls, the socket that is not hot is also asked
 /// directly (a system call), whatever tokio's readiness says.
 const OTHER_EVERY: u32 = 8;
@@ -157,6 +160,39 @@ impl UdpTransport {
             *hot = 1 - *hot;
         }
         work + got[0] + got[1]
+    }
+
+    /// Read everything already queued in both sockets, whatever tokio's
+    /// readiness says (at most [`DRAIN_BATCHES`] batches per socket, so
+    /// peers that keep sending cannot hold us here). Used before a peer is
+    /// declared lost: after a stall of our own (the process was stopped),
+    /// its keepalives may sit in our sockets behind other traffic. Returns
+    /// datagrams read. Takes the `rx` lock: never call with it held.
+    pub(crate) fn drain(&self, now: Instant) -> usize {
+        let mut rx = lock(&self.rx);
+        let RxState {
+            batch,
+            peers,
+            events,
+            ..
+        } = &mut *rx;
+        let mut read = 0;
+        for sock in [&self.io.prio, &self.io.data] {
+            for _ in 0..DRAIN_BATCHES {
+                let n = io::recv_now(sock, batch).unwrap_or_else(|e| {
+                    tracing::debug!("udp: receive failed: {e}");
+                    0
+                });
+                read += n;
+                for (from, d) in batch.iter() {
+                    self.on_datagram(peers, from, d, now, events);
+                }
+                if n < io::BATCH {
+                    break;
+                }
+            }
+        }
+        read
     }
 
     fn on_datagram(
