@@ -230,7 +230,9 @@ impl UdpTransport {
         let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
         for (rank, a) in peers {
             let cfg = self.proto_config(a);
-            let stash_limit = cfg.recv_window as usize + 64;
+            // A receive window of full datagrams: what the peer may have in
+            // flight when we pause it.
+            let stash_limit = cfg.recv_window as usize * (cfg.max_datagram + rx::STASH_OVERHEAD);
             let ids = proto::ConnIds {
                 job: self.job,
                 local_rank: me,

@@ -40,7 +40,8 @@ pub(crate) struct Peer {
     pub(crate) rank: Rank,
     pub(crate) data_addr: SocketAddr,
     pub(crate) prio_addr: SocketAddr,
-    /// Most raw datagrams kept while the peer is paused (receive backpressure).
+    /// Most bytes of raw datagrams kept while the peer is paused (receive
+    /// backpressure).
     pub(crate) stash_limit: usize,
     pub(crate) lost: AtomicBool,
     /// Our receive side holds this peer's data back (its tag is full): our

@@ -7,10 +7,12 @@
 //! tag's queue full (`Dispatcher::has_room`), it and everything after it
 //! from the same peer is *held* here (order is per peer), and from then on
 //! that peer's DATA datagrams are *not fed* to the protocol: they are kept
-//! raw in a small stash (at most a receive window of them; further ones are
-//! dropped and will be retransmitted). Unacknowledged, the sender's window
-//! closes and its futures wait. ACK-only datagrams still go in, so our own
-//! sends to that peer keep flowing (no deadlock when both sides send). When
+//! raw in a small stash (at most a receive window's bytes of them; further
+//! ones are dropped and will be retransmitted). Unacknowledged, the
+//! sender's window closes and its futures wait. ACKs still go in at once
+//! (ACK-only datagrams, and the ACK a stashed DATA datagram carries), so
+//! our own sends to that peer keep flowing and complete (no deadlock when
+//! both sides send). When
 //! the application makes room, held messages go out first, then the stash
 //! is fed in arrival order, so nothing is lost and there is no burst of
 //! retransmissions. Memory: one window of datagrams plus what one datagram
@@ -44,7 +46,13 @@ pub(crate) struct PeerRx {
     held: VecDeque<(Kind, u64, Bytes)>,
     held_bytes: usize,
     stash: VecDeque<Vec<u8>>,
+    /// Bytes charged for `stash` (see [`STASH_OVERHEAD`]).
+    stash_bytes: usize,
 }
+
+/// Bytes charged per stashed datagram besides its length (its `Vec` and
+/// the allocator's share), so a flood of tiny datagrams is bounded too.
+pub(crate) const STASH_OVERHEAD: usize = 64;
 
 /// Held user bytes per peer beyond which that peer's data datagrams are
 /// stashed unprocessed (so the sender's window closes). Below it, datagrams
@@ -65,6 +73,25 @@ impl PeerRx {
         self.held.clear();
         self.held_bytes = 0;
         self.stash.clear();
+        self.stash_bytes = 0;
+    }
+
+    /// Keep a held-back datagram if the stash stays within `limit` bytes;
+    /// otherwise drop it (the peer resends it). Returns whether it was kept.
+    fn stash_push(&mut self, d: &[u8], limit: usize) -> bool {
+        let cost = d.len() + STASH_OVERHEAD;
+        if self.stash_bytes + cost > limit {
+            return false;
+        }
+        self.stash_bytes += cost;
+        self.stash.push_back(d.to_vec());
+        true
+    }
+
+    fn stash_pop(&mut self) -> Option<Vec<u8>> {
+        let d = self.stash.pop_front()?;
+        self.stash_bytes -= d.len() + STASH_OVERHEAD;
+        Some(d)
     }
 }
 
@@ -222,12 +249,16 @@ impl UdpTransport {
             match proto::decode(d) {
                 Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank => {
                     if let proto::Kind::Data(_) = h.kind {
+                        // Hold the data back, but act on the ACK it carries
+                        // now: our own sends to this peer must not wait for
+                        // our receiver to make room.
                         let mut st = lock(&peer.st);
                         st.last_heard = now;
+                        st.conn.handle_ack(now, &h);
+                        events.extend(std::iter::from_fn(|| st.conn.poll_event()));
                         drop(st);
-                        if prx.stash.len() < peer.stash_limit {
-                            prx.stash.push_back(d.to_vec());
-                        }
+                        self.on_events(prx, rank, events);
+                        prx.stash_push(d, peer.stash_limit);
                         return;
                     }
                 }
@@ -299,7 +330,7 @@ impl UdpTransport {
             return work;
         };
         while prx.held_bytes <= HOLD_LIMIT {
-            let Some(d) = prx.stash.pop_front() else {
+            let Some(d) = prx.stash_pop() else {
                 break;
             };
             lock(&peer.st).feed(now, &d, events);
@@ -307,5 +338,33 @@ impl UdpTransport {
             work += 1;
         }
         work
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stash_is_bounded_by_bytes() {
+        let limit = 4 * (1000 + STASH_OVERHEAD);
+        let mut p = PeerRx::default();
+        // Large datagrams: as many as fit in the byte limit.
+        let big = vec![7u8; 1000];
+        assert!((0..4).all(|_| p.stash_push(&big, limit)));
+        assert!(!p.stash_push(&big, limit));
+        // Tiny ones are charged their overhead too: bounded as well.
+        let mut q = PeerRx::default();
+        let kept = (0..10_000)
+            .filter(|_| q.stash_push(&[1u8; 8], limit))
+            .count();
+        assert_eq!(kept, limit / (8 + STASH_OVERHEAD));
+        // Popping gives the bytes back, in arrival order.
+        assert_eq!(p.stash_pop().as_deref(), Some(&big[..]));
+        assert!(p.stash_push(&[2u8; 10], limit));
+        while p.stash_pop().is_some() {}
+        assert_eq!(p.stash_bytes, 0);
+        p.clear();
+        assert_eq!((p.stash.len(), p.stash_bytes), (0, 0));
     }
 }

@@ -199,6 +199,38 @@ impl Connection {
             self.stats.misdirected += 1;
             return;
         }
+        self.apply_ack(now, &hdr);
+        match hdr.kind {
+            Kind::Data(chunk) => {
+                self.recv
+                    .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
+            }
+            Kind::Ack(_) => self.stats.acks_received += 1,
+        }
+    }
+
+    /// Processes only the acknowledgement in a datagram's header (`hdr`,
+    /// as [`decode`](super::decode) returned it, checksum verified): its
+    /// cumulative ACK, SACK blocks and flags; any data it carries is left
+    /// unread. For a driver that holds a peer's DATA datagrams back
+    /// (receive backpressure) but must keep acting on the peer's ACKs of
+    /// our own data, so that our window and completions move on. Feeding
+    /// the whole datagram later with
+    /// [`handle_datagram`](Self::handle_datagram) is harmless: its ACK is
+    /// old news then. A header for another connection is ignored (counted
+    /// when the datagram itself is fed).
+    pub fn handle_ack(&mut self, now: Instant, hdr: &Header) {
+        if self.lost
+            || hdr.job != self.ids.job
+            || hdr.src != self.ids.peer_rank
+            || hdr.dst != self.ids.local_rank
+        {
+            return;
+        }
+        self.apply_ack(now, hdr);
+    }
+
+    fn apply_ack(&mut self, now: Instant, hdr: &Header) {
         let ack = AckInfo {
             ack: hdr.ack,
             gap: hdr.flags.contains(Flags::GAP),
@@ -212,13 +244,6 @@ impl Connection {
             .on_ack(now, ack, &mut self.events, &mut self.stats);
         if matches!(hdr.kind, Kind::Ack(_)) && hdr.flags.contains(Flags::BUSY) {
             self.send.peer_busy(now);
-        }
-        match hdr.kind {
-            Kind::Data(chunk) => {
-                self.recv
-                    .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
-            }
-            Kind::Ack(_) => self.stats.acks_received += 1,
         }
     }
 

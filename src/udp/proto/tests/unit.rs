@@ -158,6 +158,39 @@ fn a_requested_ack_rides_on_a_prompt_reply() {
 }
 
 #[test]
+fn the_ack_of_a_held_back_datagram_applies_alone() {
+    let t0 = Instant::now();
+    let mut a = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut b = Connection::new(Config::default(), ids(1, 0), 0, 0, t0).unwrap();
+    let mut buf = Vec::new();
+    a.send(t0, message(0, 100)).unwrap();
+    a.poll_transmit(t0, &mut buf).unwrap();
+    b.handle_datagram(t0, &buf);
+    // b's reply carries the ACK of a's message.
+    b.send(t0, message(1, 100)).unwrap();
+    b.poll_transmit(t0, &mut buf).unwrap();
+    let (h, _) = decode(&buf).unwrap();
+    assert!(matches!(h.kind, Kind::Data(_)));
+    // a holds the reply back but takes its ACK: its message completes.
+    a.handle_ack(t0, &h);
+    assert_eq!(a.poll_event(), Some(Event::Acked(MsgId(0))));
+    assert_eq!(a.poll_event(), None);
+    assert_eq!(a.stats().send_unacked, 0);
+    assert_eq!(a.stats().messages_delivered, 0);
+    // A header for another connection changes nothing.
+    let mut other = h;
+    other.src = 7;
+    a.handle_ack(t0, &other);
+    assert_eq!(a.poll_event(), None);
+    // Fed whole later: the data is delivered once, the ACK is no news.
+    a.handle_datagram(t0, &buf);
+    assert_eq!(a.poll_event(), Some(Event::Message(message(1, 100))));
+    assert_eq!(a.poll_event(), None);
+    let s = a.stats();
+    assert_eq!((s.messages_acked, s.old_acks, s.invalid_acks), (1, 0, 0));
+}
+
+#[test]
 fn foreign_and_broken_datagrams_are_counted() {
     let t0 = Instant::now();
     let mut c = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
