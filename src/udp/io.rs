@@ -63,11 +63,54 @@ pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize>
     b.n = 0;
     let r = recvmmsg(sock.as_raw_fd(), b);
     if matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
-        let _ = sock.try_io(Interest::READABLE, || {
-            Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
-        });
+        clear_readable(sock);
     }
     finish(r, b)
+}
+
+/// Like [`recv_now`], for one datagram only, with `recvfrom`: the cheapest
+/// way to ask a socket that is usually empty (a hot poll waiting for the
+/// next message).
+pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    b.n = 0;
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let buf = &mut b.bufs[0];
+    // SAFETY: the buffer is live and writable for its length, `name` and
+    // `len` are live for the call and `len` says how much `name` holds; the
+    // kernel writes at most that.
+    let n = unsafe {
+        libc::recvfrom(
+            sock.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+            (&mut name as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    };
+    let r = if n < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock {
+            clear_readable(sock);
+        }
+        Err(e)
+    } else {
+        b.lens[0] = (n as usize).min(RECV_BUF);
+        b.from[0] = to_addr(&name, len);
+        Ok(1)
+    };
+    finish(r, b)
+}
+
+/// Clear tokio's read readiness of `sock` after a receive that found
+/// nothing (a datagram landing later raises a new edge, so no wake-up is
+/// lost).
+fn clear_readable(sock: &UdpSocket) {
+    let _ = sock.try_io(Interest::READABLE, || {
+        Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
+    });
 }
 
 fn finish(r: io::Result<usize>, b: &mut RecvBatch) -> io::Result<usize> {

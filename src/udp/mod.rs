@@ -445,20 +445,27 @@ impl Transport for UdpTransport {
     }
 
     fn progress(&self) -> usize {
-        let now = Instant::now();
         let mut work = 0;
+        let mut timers = true;
         if let Ok(mut rx) = self.rx.try_lock() {
-            work += self.rx_progress(&mut rx, now);
+            work += self.rx_progress(&mut rx);
+            timers = rx.timer_turn();
         }
         // Timers, queues and keepalives only change when something arrived,
         // a deadline passed, or the kernel refused datagrams (user sends
         // lower `wake_at` themselves): a hot poll that found nothing skips
-        // the walk over every peer.
-        // Acquire: pairs with the AcqRel updates in `after_send`.
-        if work > 0
-            || self.backlog.load(Ordering::Relaxed)
-            || self.nanos(now) >= self.wake_at.load(Ordering::Acquire)
-        {
+        // the walk over every peer, and reads the clock for the timers only
+        // now and then.
+        let now = if work > 0 || self.backlog.load(Ordering::Relaxed) {
+            Some(Instant::now())
+        } else if timers {
+            let now = Instant::now();
+            // Acquire: pairs with the AcqRel updates in `after_send`.
+            (self.nanos(now) >= self.wake_at.load(Ordering::Acquire)).then_some(now)
+        } else {
+            None
+        };
+        if let Some(now) = now {
             work += self.service(now);
         }
         work

@@ -107,6 +107,27 @@ pub(crate) struct RxState {
     hot: usize,
     /// Calls so far (wrapping), for [`OTHER_EVERY`].
     turn: u32,
+    /// The hot socket had nothing last time: ask it for one datagram
+    /// (`recvfrom`, cheaper than a batch) until it has something again.
+    idle: bool,
+}
+
+impl RxState {
+    /// Whether this call should also check the timers (one in
+    /// [`TIMER_EVERY`] calls): a hot poll that received nothing saves the
+    /// clock read.
+    pub(crate) fn timer_turn(&self) -> bool {
+        self.turn % TIMER_EVERY == 0
+    }
+}
+
+/// The current time, read once, when first needed.
+struct Clock(Option<Instant>);
+
+impl Clock {
+    fn get(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
 }
 
 impl RxState {
@@ -117,6 +138,7 @@ impl RxState {
             events: Vec::new(),
             hot: 0,
             turn: 0,
+            idle: false,
         }
     }
 }
@@ -132,16 +154,22 @@ const DRAIN_BATCHES: usize = 4096;
 /// directly (a system call), whatever tokio's readiness says.
 const OTHER_EVERY: u32 = 8;
 
+/// A progress call that received nothing checks the timers once in this
+/// many calls (deadlines are tens of microseconds or more apart).
+const TIMER_EVERY: u32 = 4;
+
 impl UdpTransport {
     /// Receive and dispatch. Returns datagrams and messages handled.
-    pub(crate) fn rx_progress(&self, rx: &mut RxState, now: Instant) -> usize {
+    pub(crate) fn rx_progress(&self, rx: &mut RxState) -> usize {
         let RxState {
             batch,
             peers,
             events,
             hot,
             turn,
+            idle,
         } = rx;
+        let mut now = Clock(None);
         let mut work = 0;
         for (rank, prx) in peers.iter_mut().enumerate() {
             if self.peer(rank as Rank).is_some_and(|p| p.is_lost()) {
@@ -149,7 +177,7 @@ impl UdpTransport {
                 // announced; drop what was held for it.
                 prx.clear();
             } else if prx.has_held() {
-                work += self.release(prx, rank as Rank, now, events);
+                work += self.release(prx, rank as Rank, now.get(), events);
             }
             if let Some(p) = self.peer(rank as Rank) {
                 p.busy
@@ -164,8 +192,11 @@ impl UdpTransport {
         let mut got = [0usize; 2];
         for (i, sock) in [&self.io.prio, &self.io.data].into_iter().enumerate() {
             let direct = i == *hot || *turn % OTHER_EVERY == 0;
+            let one = i == *hot && *idle;
             for _ in 0..ROUNDS {
-                let r = if direct {
+                let r = if one {
+                    io::recv_one_now(sock, batch)
+                } else if direct {
                     io::recv_now(sock, batch)
                 } else {
                     io::recv(sock, batch)
@@ -176,9 +207,10 @@ impl UdpTransport {
                 });
                 got[i] += n;
                 for (from, d) in batch.iter() {
-                    self.on_datagram(peers, from, d, now, events);
+                    self.on_datagram(peers, from, d, now.get(), events);
                 }
-                if n < io::BATCH {
+                // After a lone datagram, the next call asks for a batch.
+                if one || n < io::BATCH {
                     break;
                 }
             }
@@ -186,6 +218,7 @@ impl UdpTransport {
         if got[*hot] == 0 && got[1 - *hot] > 0 {
             *hot = 1 - *hot;
         }
+        *idle = got[*hot] == 0;
         work + got[0] + got[1]
     }
 
