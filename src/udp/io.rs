@@ -1,6 +1,8 @@
 //! Batched datagram I/O on the two sockets: `recvmmsg` and `sendmmsg`
 //! through tokio's readiness (`try_io`), so a `WouldBlock` clears readiness
-//! and `readable()`/`writable()` wake us when there is more to do.
+//! and `readable()`/`writable()` wake us when there is more to do. A hot
+//! poller also asks a socket directly (`recv_now`, `recv_one_now`), which
+//! clears readiness the same way when it finds nothing.
 //!
 //! GSO/GRO are not used: on loopback a datagram is already 64 KiB (the
 //! largest a GSO super-packet may be), so batching syscalls is what helps

@@ -20,7 +20,10 @@
 //!   on the latency path); what the protocol's send budget refuses waits in
 //!   an ordered per-peer queue whose `Completion` fires when the protocol
 //!   takes it (local completion: held in retransmit storage).
-//! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness.
+//! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness; while
+//!   hot, the socket that delivered last is asked directly (`recvfrom`
+//!   when it was empty last time), so a datagram is found as soon as it
+//!   lands; a lone datagram goes out with `sendto`.
 //! - `rx`: filtering (job id, source address and ranks: anything else is
 //!   counted in `Stats::foreign_datagrams`), receive-side backpressure.
 //! - Liveness: every peer hears from us at least every quarter of
