@@ -102,11 +102,14 @@ pub(crate) struct RxState {
     peers: Vec<PeerRx>,
     events: Vec<Event>,
     /// The socket that delivered last (0: priority, 1: data): asked every
-    /// call, the other one when tokio saw it readable or every
-    /// [`OTHER_EVERY`] calls.
+    /// call, the other one too if it delivered within [`ACTIVE_TURNS`]
+    /// calls, else when tokio saw it readable or every [`OTHER_EVERY`]
+    /// calls.
     hot: usize,
     /// Calls so far (wrapping), for [`OTHER_EVERY`].
     turn: u32,
+    /// `turn` of the last call in which each socket delivered.
+    last_got: [u32; 2],
     /// The hot socket had nothing last time: ask it for one datagram
     /// (`recvfrom`, cheaper than a batch) until it has something again.
     idle: bool,
@@ -138,6 +141,7 @@ impl RxState {
             events: Vec::new(),
             hot: 0,
             turn: 0,
+            last_got: [0; 2],
             idle: false,
         }
     }
@@ -154,6 +158,12 @@ const DRAIN_BATCHES: usize = 4096;
 /// directly (a system call), whatever tokio's readiness says.
 const OTHER_EVERY: u32 = 8;
 
+/// A socket that delivered within this many progress calls is asked
+/// directly every call: while data streams, heads and ACKs arrive on the
+/// priority socket and bodies on the data socket, and both must be read
+/// at once.
+const ACTIVE_TURNS: u32 = 64;
+
 /// A progress call that received nothing checks the timers once in this
 /// many calls (deadlines are tens of microseconds or more apart).
 const TIMER_EVERY: u32 = 4;
@@ -167,6 +177,7 @@ impl UdpTransport {
             events,
             hot,
             turn,
+            last_got,
             idle,
         } = rx;
         let mut now = Clock(None);
@@ -186,12 +197,15 @@ impl UdpTransport {
         }
         // Polling while hot costs one system call per call: the socket that
         // delivered last is asked directly, so a datagram is found as soon
-        // as it lands; the other one only when tokio's reactor saw it
-        // readable (free to check), or every OTHER_EVERY calls.
+        // as it lands; the other one too while it is active, else only when
+        // tokio's reactor saw it readable (free to check), or every
+        // OTHER_EVERY calls.
         *turn = turn.wrapping_add(1);
         let mut got = [0usize; 2];
         for (i, sock) in [&self.io.prio, &self.io.data].into_iter().enumerate() {
-            let direct = i == *hot || *turn % OTHER_EVERY == 0;
+            let direct = i == *hot
+                || turn.wrapping_sub(last_got[i]) < ACTIVE_TURNS
+                || *turn % OTHER_EVERY == 0;
             let one = i == *hot && *idle;
             for _ in 0..ROUNDS {
                 let r = if one {
@@ -213,6 +227,11 @@ impl UdpTransport {
                 if one || n < io::BATCH {
                     break;
                 }
+            }
+        }
+        for (i, n) in got.iter().enumerate() {
+            if *n > 0 {
+                last_got[i] = *turn;
             }
         }
         if got[*hot] == 0 && got[1 - *hot] > 0 {
