@@ -118,6 +118,20 @@ fn publish_wake_at(wake_at: &AtomicU64, planned: u64, next: u64) {
     }
 }
 
+/// Large received messages are reassembled in the fabric's recycled
+/// buffers (no page faults for every message).
+struct Pool(Arc<crate::bufpool::BufPool>);
+
+impl proto::Buffers for Pool {
+    fn take(&self, len: usize) -> Vec<u8> {
+        self.0.take(len)
+    }
+
+    fn freeze(&self, buf: Vec<u8>) -> bytes::Bytes {
+        self.0.freeze(buf)
+    }
+}
+
 fn mix(isn: u64, rank: Rank) -> u64 {
     isn ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
@@ -241,9 +255,10 @@ impl UdpTransport {
                 local_rank: me,
                 peer_rank: *rank,
             };
-            let conn =
+            let mut conn =
                 proto::Connection::new(cfg, ids, mix(self.me.isn, *rank), mix(a.isn, me), now)
                     .map_err(|e| Error::Config(e.to_string()))?;
+            conn.set_buffers(Arc::new(Pool(self.core.buffers.clone())));
             let peer = Arc::new(Peer {
                 rank: *rank,
                 data_addr: SocketAddr::new(a.ip, a.data_port),

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
 use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
-use super::recv::RecvSide;
+use super::recv::{Buffers, RecvSide};
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
 use crate::Rank;
@@ -134,6 +134,13 @@ impl Connection {
             stats: Stats::default(),
             lost: false,
         })
+    }
+
+    /// Take the buffers of messages that span several datagrams from `b`
+    /// (for example a pool that recycles large buffers) instead of fresh
+    /// allocations.
+    pub fn set_buffers(&mut self, b: std::sync::Arc<dyn Buffers>) {
+        self.recv.set_buffers(b);
     }
 
     /// Who this connection belongs to.

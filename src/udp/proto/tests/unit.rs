@@ -190,6 +190,72 @@ fn the_ack_of_a_held_back_datagram_applies_alone() {
     assert_eq!((s.messages_acked, s.old_acks, s.invalid_acks), (1, 0, 0));
 }
 
+/// Counts what the connection asks of its buffer source.
+#[derive(Default)]
+struct CountingBuffers {
+    taken: std::sync::Mutex<Vec<usize>>,
+    frozen: std::sync::atomic::AtomicUsize,
+}
+
+impl super::super::Buffers for CountingBuffers {
+    fn take(&self, len: usize) -> Vec<u8> {
+        self.taken.lock().unwrap().push(len);
+        Vec::with_capacity(len)
+    }
+    fn freeze(&self, buf: Vec<u8>) -> Bytes {
+        self.frozen
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Bytes::from(buf)
+    }
+}
+
+#[test]
+fn multi_datagram_messages_use_the_buffer_source_within_a_window() {
+    let cfg = Config {
+        max_datagram: 572,
+        send_window: 8,
+        recv_window: 8,
+        ..Config::default()
+    };
+    let t0 = Instant::now();
+    let mut a = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut b = Connection::new(cfg.clone(), ids(1, 0), 0, 0, t0).unwrap();
+    let bufs = std::sync::Arc::new(CountingBuffers::default());
+    b.set_buffers(bufs.clone());
+    let window_bytes = 8 * cfg.chunk_payload();
+    // Fits a receive window: one buffer of the whole length, frozen once.
+    // Larger: grows as data comes (the source is not asked to reserve it).
+    let sizes = [window_bytes, window_bytes + 1, 100];
+    for (i, len) in sizes.iter().enumerate() {
+        a.send(t0, message(i as u64, *len)).unwrap();
+    }
+    let mut buf = Vec::new();
+    let mut got = Vec::new();
+    for _ in 0..1000 {
+        while a.poll_transmit(t0, &mut buf).is_some() {
+            b.handle_datagram(t0, &buf);
+        }
+        while b.poll_transmit(t0, &mut buf).is_some() {
+            a.handle_datagram(t0, &buf);
+        }
+        while let Some(e) = b.poll_event() {
+            got.push(e);
+        }
+        if got.len() == sizes.len() {
+            break;
+        }
+    }
+    let want: Vec<Event> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, len)| Event::Message(message(i as u64, *len)))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(*bufs.taken.lock().unwrap(), vec![window_bytes]);
+    // Both multi-datagram messages are handed over through the source.
+    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 2);
+}
+
 #[test]
 fn foreign_and_broken_datagrams_are_counted() {
     let t0 = Instant::now();
