@@ -19,6 +19,11 @@ use tokio::net::UdpSocket;
 
 /// Datagrams moved per system call.
 pub(crate) const BATCH: usize = 16;
+/// Parts of an outgoing datagram, sent without joining them: header,
+/// payload (a slice of the user's message), checksum trailer.
+pub(crate) const PARTS: usize = 3;
+/// One outgoing datagram, in parts (see [`PARTS`]).
+pub(crate) type Parts<'a> = [&'a [u8]; PARTS];
 /// Size of a receive buffer: the largest UDP payload fits.
 const RECV_BUF: usize = 65_536;
 
@@ -190,49 +195,43 @@ fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAdd
 /// of `bufs`); fewer than asked when the socket buffer is full. A datagram
 /// the kernel refuses for another reason is skipped (counted as sent): the
 /// protocol retransmits what matters.
-pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[&[u8]]) -> usize {
+pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usize {
     let addr = SockAddr::from(dst);
     let fd = sock.as_raw_fd();
     let mut done = 0;
     while done < bufs.len() {
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
         let r = sock.try_io(Interest::WRITABLE, || {
-            if let [one] = chunk {
-                // A lone datagram (the latency path): plain sendto, which
+            // SAFETY: all-zero bytes are a valid value of these C structs.
+            let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+            for (i, parts) in chunk.iter().enumerate() {
+                for (iov, part) in iovs[i].iter_mut().zip(parts) {
+                    iov.iov_base = part.as_ptr() as *mut libc::c_void;
+                    iov.iov_len = part.len();
+                }
+                hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+                hdrs[i].msg_hdr.msg_namelen = addr.len();
+                hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+                hdrs[i].msg_hdr.msg_iovlen = PARTS;
+            }
+            if chunk.len() == 1 {
+                // A lone datagram (the latency path): plain sendmsg, which
                 // does less work in the kernel than a one-entry sendmmsg.
-                // SAFETY: the buffer and the address are live for the call
-                // and sendto only reads them.
-                let n = unsafe {
-                    libc::sendto(
-                        fd,
-                        one.as_ptr().cast(),
-                        one.len(),
-                        libc::MSG_DONTWAIT,
-                        addr.as_ptr().cast(),
-                        addr.len(),
-                    )
-                };
+                // SAFETY: the header points at PARTS iovecs over live
+                // buffers and at the destination address, all outliving the
+                // call; sendmsg only reads them.
+                let n = unsafe { libc::sendmsg(fd, &hdrs[0].msg_hdr, libc::MSG_DONTWAIT) };
                 return if n < 0 {
                     Err(io::Error::last_os_error())
                 } else {
                     Ok(1)
                 };
             }
-            // SAFETY: all-zero bytes are a valid value of these C structs.
-            let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            for (i, b) in chunk.iter().enumerate() {
-                iovs[i].iov_base = b.as_ptr() as *mut libc::c_void;
-                iovs[i].iov_len = b.len();
-                hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
-                hdrs[i].msg_hdr.msg_namelen = addr.len();
-                hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
-                hdrs[i].msg_hdr.msg_iovlen = 1;
-            }
-            // SAFETY: each header points at one iovec over a live buffer and
-            // at the destination address, all outliving the call; sendmmsg
-            // only reads them (and writes msg_len in the headers).
+            // SAFETY: each header points at PARTS iovecs over live buffers
+            // and at the destination address, all outliving the call;
+            // sendmmsg only reads them (and writes msg_len in the headers).
             let n = unsafe {
                 libc::sendmmsg(
                     fd,

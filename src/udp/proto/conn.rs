@@ -264,27 +264,51 @@ impl Connection {
     /// delayed ACK that fell due with no data to ride on.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
+        let (t, hdr, payload) = self.next_transmit(now)?;
+        hdr.encode(&payload, buf);
+        Some(t)
+    }
+
+    /// Like [`poll_transmit`](Self::poll_transmit), for a vectored send
+    /// that never copies the payload: writes the header into `head`
+    /// (cleared first) and returns the payload (a slice of the message sent,
+    /// empty for ACKs) and the checksum trailer. The datagram is `head`,
+    /// then the payload, then the trailer.
+    pub fn poll_transmit_split(
+        &mut self,
+        now: Instant,
+        head: &mut Vec<u8>,
+    ) -> Option<(Transmit, Bytes, [u8; 4])> {
+        head.clear();
+        let (t, hdr, payload) = self.next_transmit(now)?;
+        let crc = hdr.encode_split(&payload, head);
+        Some((t, payload, crc))
+    }
+
+    /// The next datagram to send, as a header and its payload, with the
+    /// bookkeeping of it being sent done.
+    fn next_transmit(&mut self, now: Instant) -> Option<(Transmit, Header, Bytes)> {
         if self.lost {
             return None;
         }
         if self.recv.take_owed_ack() {
-            return Some(self.write_ack(buf));
+            return Some(self.ack_header());
         }
         if let Some(seg) = self.send.next_segment(now, &mut self.stats) {
             let flags = self.gap_flag(seg.flags);
             let hdr = self.header(seg.seq, flags, Kind::Data(seg.chunk));
-            hdr.encode(&seg.payload, buf);
             self.recv.ack_sent();
             self.stats.datagrams_sent += 1;
             if seg.priority {
                 self.stats.priority_sent += 1;
             }
-            return Some(Transmit {
+            let t = Transmit {
                 priority: seg.priority,
-            });
+            };
+            return Some((t, hdr, seg.payload));
         }
         if self.recv.ack_due(now) {
-            return Some(self.write_ack(buf));
+            return Some(self.ack_header());
         }
         None
     }
@@ -309,19 +333,18 @@ impl Connection {
         }
     }
 
-    fn write_ack(&mut self, buf: &mut Vec<u8>) -> Transmit {
+    fn ack_header(&mut self) -> (Transmit, Header, Bytes) {
         let sack = self.recv.sack_blocks();
         let hdr = self.header(
             self.send.nxt().0,
             self.gap_flag(Flags::NONE),
             Kind::Ack(sack),
         );
-        hdr.encode(&[], buf);
         self.recv.ack_sent();
         self.stats.datagrams_sent += 1;
         self.stats.priority_sent += 1;
         self.stats.acks_sent += 1;
-        Transmit { priority: true }
+        (Transmit { priority: true }, hdr, Bytes::new())
     }
 
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)

@@ -409,17 +409,40 @@ impl Header {
     /// If `payload` is longer than `u32::MAX`, or non-empty on an ACK-only
     /// header: both are bugs in the caller, never caused by peer input.
     pub fn encode(&self, payload: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        self.encode_head(payload.len(), out);
+        out.extend_from_slice(payload);
+        let crc = crc32c::crc32c(&out[start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+
+    /// The same datagram as [`encode`](Self::encode), in three parts for a
+    /// vectored send, so the payload is never copied: appends the header
+    /// (with SACK blocks) to `head` and returns the checksum trailer; the
+    /// datagram is `head`'s new bytes, then `payload`, then the trailer.
+    ///
+    /// # Panics
+    ///
+    /// As [`encode`](Self::encode).
+    pub fn encode_split(&self, payload: &[u8], head: &mut Vec<u8>) -> [u8; CRC_LEN] {
+        let start = head.len();
+        self.encode_head(payload.len(), head);
+        crc32c::crc32c_append(crc32c::crc32c(&head[start..]), payload).to_le_bytes()
+    }
+
+    /// Appends everything before the payload.
+    fn encode_head(&self, payload_len: usize, out: &mut Vec<u8>) {
+        let payload = payload_len;
         assert!(
-            matches!(self.kind, Kind::Data(_)) || payload.is_empty(),
+            matches!(self.kind, Kind::Data(_)) || payload == 0,
             "ACK-only packets carry no payload"
         );
         let payload_len = match self.kind {
-            Kind::Data(_) => payload.len(),
+            Kind::Data(_) => payload,
             Kind::Ack(sack) => sack.encoded_len(),
         };
         let payload_len = u32::try_from(payload_len).expect("payload longer than u32::MAX");
-        let start = out.len();
-        out.reserve(self.encoded_len(payload.len()));
+        out.reserve(self.encoded_len(payload) - payload - CRC_LEN);
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
         out.push(match self.kind {
@@ -446,9 +469,6 @@ impl Header {
                 }
             }
         }
-        out.extend_from_slice(payload);
-        let crc = crc32c::crc32c(&out[start..]);
-        out.extend_from_slice(&crc.to_le_bytes());
     }
 }
 
@@ -513,6 +533,19 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn split_encoding_is_the_same_datagram((h, payload) in arb_header()) {
+            let payload = if matches!(h.kind, Kind::Ack(_)) { Vec::new() } else { payload };
+            let mut whole = Vec::new();
+            h.encode(&payload, &mut whole);
+            let mut head = vec![0xee; 3];
+            let crc = h.encode_split(&payload, &mut head);
+            let mut parts = head[3..].to_vec();
+            parts.extend_from_slice(&payload);
+            parts.extend_from_slice(&crc);
+            prop_assert_eq!(parts, whole);
+        }
+
         #[test]
         fn any_bytes_decode_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode(&bytes);
