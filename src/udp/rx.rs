@@ -99,6 +99,9 @@ impl PeerRx {
 /// thread receives at a time, so messages reach the core in order).
 pub(crate) struct RxState {
     batch: RecvBatch,
+    /// For the priority socket, read after each data batch (see
+    /// `rx_progress`).
+    prio_batch: RecvBatch,
     peers: Vec<PeerRx>,
     events: Vec<Event>,
     /// The socket that delivered last (0: priority, 1: data): asked every
@@ -137,6 +140,7 @@ impl RxState {
     pub(crate) fn new(size: usize) -> RxState {
         RxState {
             batch: RecvBatch::new(),
+            prio_batch: RecvBatch::new(),
             peers: (0..size).map(|_| PeerRx::default()).collect(),
             events: Vec::new(),
             hot: 0,
@@ -173,6 +177,7 @@ impl UdpTransport {
     pub(crate) fn rx_progress(&self, rx: &mut RxState) -> usize {
         let RxState {
             batch,
+            prio_batch,
             peers,
             events,
             hot,
@@ -220,6 +225,18 @@ impl UdpTransport {
                     0
                 });
                 got[i] += n;
+                if i == 1 && n > 0 {
+                    // What the peer sent on the priority socket before this
+                    // data (a large message's head goes there, its body
+                    // here) is in that socket by now: feed it first, or the
+                    // body looks out of order (each chunk copied aside and
+                    // answered with a duplicate ACK).
+                    let m = io::recv_now(&self.io.prio, prio_batch).unwrap_or(0);
+                    got[0] += m;
+                    for (from, d) in prio_batch.iter() {
+                        self.on_datagram(peers, from, d, now.get(), events);
+                    }
+                }
                 for (from, d) in batch.iter() {
                     self.on_datagram(peers, from, d, now.get(), events);
                 }
