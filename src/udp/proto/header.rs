@@ -312,7 +312,7 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
     let mut r = preamble(buf)?;
     let body_len = buf.len() - CRC_LEN;
     let (body, crc) = buf.split_at(body_len);
-    if crc32c::crc32c(body).to_le_bytes() != crc {
+    if crc32c(body).to_le_bytes() != crc {
         return Err(DecodeError::BadChecksum);
     }
     let kind = r.u8()?;
@@ -391,6 +391,14 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
     Ok((header, payload))
 }
 
+/// CRC-32C (Castagnoli, the iSCSI polynomial) of `data`: `crc-fast` uses
+/// the widest carry-less multiply the CPU has (several times the speed of
+/// the SSE4.2 `crc32` instruction on 64 KiB datagrams).
+fn crc32c(data: &[u8]) -> u32 {
+    // A CRC-32 fits in 32 bits; crc-fast returns every width as a u64.
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data) as u32
+}
+
 impl Header {
     /// Length of the datagram this header makes with `payload_len` bytes.
     pub fn encoded_len(&self, payload_len: usize) -> usize {
@@ -412,7 +420,7 @@ impl Header {
         let start = out.len();
         self.encode_head(payload.len(), out);
         out.extend_from_slice(payload);
-        let crc = crc32c::crc32c(&out[start..]);
+        let crc = crc32c(&out[start..]);
         out.extend_from_slice(&crc.to_le_bytes());
     }
 
@@ -427,7 +435,13 @@ impl Header {
     pub fn encode_split(&self, payload: &[u8], head: &mut Vec<u8>) -> [u8; CRC_LEN] {
         let start = head.len();
         self.encode_head(payload.len(), head);
-        crc32c::crc32c_append(crc32c::crc32c(&head[start..]), payload).to_le_bytes()
+        // One running checksum over both parts (combining two checksums
+        // afterwards costs time in proportion to the payload's length).
+        let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        d.update(&head[start..]);
+        d.update(payload);
+        // A CRC-32 fits in 32 bits; crc-fast returns every width as a u64.
+        (d.finalize() as u32).to_le_bytes()
     }
 
     /// Appends everything before the payload.
@@ -532,6 +546,13 @@ mod tests {
         buf
     }
 
+    #[test]
+    fn checksum_is_crc32c() {
+        // The check value of CRC-32C, and the empty input.
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(b""), 0);
+    }
+
     proptest! {
         #[test]
         fn split_encoding_is_the_same_datagram((h, payload) in arb_header()) {
@@ -567,7 +588,7 @@ mod tests {
             let claimed = if claimed % 2 == 0 { blocks.len() as u32 } else { claimed };
             bytes.extend_from_slice(&claimed.to_le_bytes());
             bytes.extend_from_slice(&blocks);
-            let crc = crc32c::crc32c(&bytes);
+            let crc = crc32c(&bytes);
             bytes.extend_from_slice(&crc.to_le_bytes());
             if let Ok((h, payload)) = decode(&bytes) {
                 prop_assert!(payload.is_empty());
@@ -653,7 +674,7 @@ mod tests {
         // Build datagrams by hand with a correct CRC but contradictory fields.
         let reseal = |mut buf: Vec<u8>| {
             let n = buf.len() - CRC_LEN;
-            let crc = crc32c::crc32c(&buf[..n]);
+            let crc = crc32c(&buf[..n]);
             buf[n..].copy_from_slice(&crc.to_le_bytes());
             buf
         };
