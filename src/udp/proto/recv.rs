@@ -171,7 +171,7 @@ impl RecvSide {
             },
             ack_every: cfg.ack_every,
             ack_delay: cfg.ack_delay,
-            reply_ack_delay: cfg.reply_ack_delay,
+            reply_ack_delay: cfg.reply_ack_delay.min(cfg.ack_delay),
             ack_deadline: None,
             since_ack: 0,
             owed_acks: 0,

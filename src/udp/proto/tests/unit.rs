@@ -158,6 +158,19 @@ fn a_requested_ack_rides_on_a_prompt_reply() {
 }
 
 #[test]
+fn a_requested_ack_never_waits_longer_than_ack_delay() {
+    let cfg = Config {
+        ack_delay: Duration::from_micros(10),
+        ..Config::default()
+    };
+    assert!(cfg.reply_ack_delay > cfg.ack_delay);
+    let t0 = Instant::now();
+    let mut c = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    c.handle_datagram(t0, &data(0, 0, Flags::ACK_NOW));
+    assert_eq!(c.poll_timeout(), Some(t0 + cfg.ack_delay));
+}
+
+#[test]
 fn the_ack_of_a_held_back_datagram_applies_alone() {
     let t0 = Instant::now();
     let mut a = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
