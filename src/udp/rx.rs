@@ -196,8 +196,12 @@ impl UdpTransport {
                 work += self.release(prx, rank as Rank, now.get(), events);
             }
             if let Some(p) = self.peer(rank as Rank) {
-                p.busy
-                    .store(prx.has_held(), std::sync::atomic::Ordering::Relaxed);
+                // Stored only when it changes: a hot poll does not dirty
+                // the cache line that senders read.
+                let held = prx.has_held();
+                if p.busy.load(std::sync::atomic::Ordering::Relaxed) != held {
+                    p.busy.store(held, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
         // Polling while hot costs one system call per call: the socket that
