@@ -217,7 +217,7 @@ impl Connection {
     }
 
     /// Processes only the acknowledgement in a datagram's header (`hdr`,
-    /// as [`decode`](super::decode) returned it, checksum verified): its
+    /// as [`decode`] returned it, checksum verified): its
     /// cumulative ACK, SACK blocks and flags; any data it carries is left
     /// unread. For a driver that holds a peer's DATA datagrams back
     /// (receive backpressure) but must keep acting on the peer's ACKs of

@@ -40,7 +40,7 @@ pub trait Buffers: Send + Sync {
     /// An empty buffer with room for at least `len` bytes.
     fn take(&self, len: usize) -> Vec<u8>;
     /// The whole message, as handed to the owner in
-    /// [`Event::Message`](super::Event::Message).
+    /// [`Event::Message`].
     fn freeze(&self, buf: Vec<u8>) -> Bytes;
 }
 
