@@ -1,8 +1,8 @@
 //! Batched datagram I/O on the two sockets: `recvmmsg` and `sendmmsg`
 //! through tokio's readiness (`try_io`), so a `WouldBlock` clears readiness
 //! and `readable()`/`writable()` wake us when there is more to do. A hot
-//! poller also asks a socket directly (`recv_now`, `recv_one_now`), which
-//! clears readiness the same way when it finds nothing.
+//! poller also asks a socket when tokio does not hold it readable
+//! (`recv_now`, `recv_one_now`).
 //!
 //! GSO/GRO are not used: on loopback a datagram is already 64 KiB (the
 //! largest a GSO super-packet may be), so batching syscalls is what helps
@@ -60,18 +60,23 @@ pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     finish(r, b)
 }
 
-/// Like [`recv`], but always asks the kernel, whatever tokio's readiness
-/// says: a poller that expects data finds it as soon as it lands, without
-/// waiting for the runtime's next `epoll_wait` to notice. When nothing is
-/// there, tokio's readiness is cleared as a `recv` would clear it, so a
-/// later `readable()` waits for new data (a datagram that lands after our
-/// empty receive raises a new edge, so no wake-up is lost).
+/// Like [`recv`], but asks the kernel whatever tokio's readiness says: a
+/// poller that expects data finds it as soon as it lands, without waiting
+/// for the runtime's next `epoll_wait` to notice. When tokio holds the
+/// socket readable, the call goes through `try_io`, which clears that
+/// readiness if nothing is there, against the readiness it read *before*
+/// the call (so a datagram that lands meanwhile, and the edge the reactor
+/// records for it, is never forgotten); otherwise the call is made
+/// directly and there is no readiness to clear.
 pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
-    let r = recvmmsg(sock.as_raw_fd(), b);
-    if matches!(&r, Err(e) if e.kind() == io::ErrorKind::WouldBlock) {
-        clear_readable(sock);
-    }
+    let fd = sock.as_raw_fd();
+    let mut asked = false;
+    let r = sock.try_io(Interest::READABLE, || {
+        asked = true;
+        recvmmsg(fd, b)
+    });
+    let r = if asked { r } else { recvmmsg(fd, b) };
     finish(r, b)
 }
 
@@ -80,6 +85,18 @@ pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize>
 /// next message).
 pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
+    let fd = sock.as_raw_fd();
+    let mut asked = false;
+    let r = sock.try_io(Interest::READABLE, || {
+        asked = true;
+        recvfrom(fd, b)
+    });
+    let r = if asked { r } else { recvfrom(fd, b) };
+    finish(r, b)
+}
+
+/// One non-blocking `recvfrom` into `b`'s first buffer.
+fn recvfrom(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
     // SAFETY: all-zero bytes are a valid sockaddr_storage.
     let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
@@ -89,7 +106,7 @@ pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<us
     // kernel writes at most that.
     let n = unsafe {
         libc::recvfrom(
-            sock.as_raw_fd(),
+            fd,
             buf.as_mut_ptr().cast(),
             buf.len(),
             libc::MSG_DONTWAIT,
@@ -97,30 +114,19 @@ pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<us
             &mut len,
         )
     };
-    let r = if n < 0 {
+    if n < 0 {
         let e = io::Error::last_os_error();
-        // The usual answer of a hot poll: checked by number, which is
-        // cheaper than mapping the error to its kind.
-        if e.raw_os_error() == Some(libc::EAGAIN) {
-            clear_readable(sock);
-            return Ok(0);
-        }
-        Err(e)
-    } else {
-        b.lens[0] = (n as usize).min(RECV_BUF);
-        b.from[0] = to_addr(&name, len);
-        Ok(1)
-    };
-    finish(r, b)
-}
-
-/// Clear tokio's read readiness of `sock` after a receive that found
-/// nothing (a datagram landing later raises a new edge, so no wake-up is
-/// lost).
-fn clear_readable(sock: &UdpSocket) {
-    let _ = sock.try_io(Interest::READABLE, || {
-        Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
-    });
+        // The usual answer of a hot poll, checked by number: a plain
+        // WouldBlock is cheaper to match than an OS error's kind.
+        return Err(if e.raw_os_error() == Some(libc::EAGAIN) {
+            io::ErrorKind::WouldBlock.into()
+        } else {
+            e
+        });
+    }
+    b.lens[0] = (n as usize).min(RECV_BUF);
+    b.from[0] = to_addr(&name, len);
+    Ok(1)
 }
 
 fn finish(r: io::Result<usize>, b: &mut RecvBatch) -> io::Result<usize> {
