@@ -23,7 +23,9 @@
 //! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness; while
 //!   hot, the socket that delivered last is asked directly (`recvfrom`
 //!   when it was empty last time), so a datagram is found as soon as it
-//!   lands; a lone datagram goes out with `sendto`.
+//!   lands. A datagram goes out in parts (header, a slice of the user's
+//!   `Bytes`, checksum) with `sendmsg`, or `sendmmsg` for several: the
+//!   payload is never copied into a transmit buffer.
 //! - `rx`: filtering (job id, source address and ranks: anything else is
 //!   counted in `Stats::foreign_datagrams`), receive-side backpressure.
 //! - Liveness: every peer hears from us at least every quarter of
