@@ -46,6 +46,7 @@ fn rank_main() {
             "stall" => stall(f).await,
             "kill" => kill(f).await,
             "foreign" => foreign(f).await,
+            "stopped" => stopped(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -185,6 +186,58 @@ async fn kill(f: Fabric) {
     kill_scenario(f, false).await;
 }
 
+/// Messages rank 0 sends in `stopped`, one every 20 ms.
+const TICKS: u64 = 220;
+
+/// Rank 0 stops rank 1 (SIGSTOP) for three of rank 1's peer timeouts,
+/// fills rank 1's sockets with foreign datagrams, and keeps sending small
+/// messages behind them. When rank 1 runs again, rank 0's datagrams are
+/// queued in its sockets, fresh but behind more datagrams than one progress
+/// call reads: rank 1 must read them before it calls rank 0 silent.
+async fn stopped(f: Fabric) {
+    if f.rank() == 1 {
+        let (data, prio) = f.udp_addrs().unwrap();
+        let ep = f.endpoint(0).unwrap();
+        let me = format!("{} {data} {prio}", std::process::id());
+        ep.send(1, me.into_bytes()).await.unwrap();
+        let mut ticks = f.receiver(2).unwrap();
+        for i in 0..TICKS {
+            let m = ticks.recv().await.expect("rank 0 was declared lost");
+            assert_eq!(m.data, pattern(8, i));
+        }
+        println!("peers_lost={}", f.stats().peers_lost);
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let m = rx.recv().await.unwrap();
+        let text = String::from_utf8(m.data.to_vec()).unwrap();
+        let mut words = text.split(' ');
+        let pid: i32 = words.next().unwrap().parse().unwrap();
+        let addrs: Vec<&str> = words.collect();
+        let ep = f.endpoint(1).unwrap();
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        for i in 0..TICKS {
+            if i == 10 {
+                // SAFETY: kill only sends a signal to the pid rank 1 gave us.
+                assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+                // More than one progress call reads, on both sockets.
+                for addr in &addrs {
+                    for _ in 0..1000 {
+                        sock.send_to(b"not ours", addr).unwrap();
+                    }
+                }
+            }
+            if i == 160 {
+                // SAFETY: as above.
+                assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+            }
+            ep.send(2, pattern(8, i)).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 /// Datagrams that are not ours reach rank 1's ports: garbage, and a
 /// well-formed datagram with another job's id. They are counted and
 /// dropped; the job carries on.
@@ -276,6 +329,26 @@ fn udp_stalled_receiver_slows_sender_without_false_loss() {
         peak < before + 48 * 1024,
         "sender RSS grew from {before} KiB to {peak} KiB"
     );
+}
+
+#[test]
+fn udp_stopped_process_reads_queued_keepalives_before_declaring_loss() {
+    // Rank 0 keeps a long timeout (so it does not lose rank 1 while rank 1
+    // is stopped) and ticks every 20 ms, well within rank 1's 1 s timeout.
+    let wrap = |r: u32| {
+        if r == 0 {
+            vec![
+                "env".to_string(),
+                "BTL_UDP_PEER_TIMEOUT_MS=20000".to_string(),
+            ]
+        } else {
+            Vec::new()
+        }
+    };
+    let env: Vec<(&str, &str)> = UDP.to_vec();
+    let outs = spawn_job_wrapped(2, "stopped", &env, &wrap).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[1], "peers_lost").as_deref(), Some("0"));
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Batched datagram I/O on the two sockets: `recvmmsg` and `sendmmsg`
 //! through tokio's readiness (`try_io`), so a `WouldBlock` clears readiness
-//! and `readable()`/`writable()` wake us when there is more to do.
+//! and `readable()`/`writable()` wake us when there is more to do. A hot
+//! poller also asks a socket when tokio does not hold it readable
+//! (`recv_now`, `recv_one_now`).
 //!
 //! GSO/GRO are not used: on loopback a datagram is already 64 KiB (the
 //! largest a GSO super-packet may be), so batching syscalls is what helps
@@ -17,6 +19,11 @@ use tokio::net::UdpSocket;
 
 /// Datagrams moved per system call.
 pub(crate) const BATCH: usize = 16;
+/// Parts of an outgoing datagram, sent without joining them: header,
+/// payload (a slice of the user's message), checksum trailer.
+pub(crate) const PARTS: usize = 3;
+/// One outgoing datagram, in parts (see [`PARTS`]).
+pub(crate) type Parts<'a> = [&'a [u8]; PARTS];
 /// Size of a receive buffer: the largest UDP payload fits.
 const RECV_BUF: usize = 65_536;
 
@@ -45,47 +52,84 @@ impl RecvBatch {
 }
 
 /// Receive up to [`BATCH`] datagrams without blocking; `Ok(0)` when none.
+/// Asks the kernel only when tokio's readiness says the socket may have
+/// data (no system call otherwise).
 pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
+    let r = sock.try_io(Interest::READABLE, || recvmmsg(sock.as_raw_fd(), b));
+    finish(r, b)
+}
+
+/// Like [`recv`], but asks the kernel whatever tokio's readiness says: a
+/// poller that expects data finds it as soon as it lands, without waiting
+/// for the runtime's next `epoll_wait` to notice. When tokio holds the
+/// socket readable, the call goes through `try_io`, which clears that
+/// readiness if nothing is there, against the readiness it read *before*
+/// the call (so a datagram that lands meanwhile, and the edge the reactor
+/// records for it, is never forgotten); otherwise the call is made
+/// directly and there is no readiness to clear.
+pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    b.n = 0;
     let fd = sock.as_raw_fd();
+    let mut asked = false;
     let r = sock.try_io(Interest::READABLE, || {
-        // SAFETY: all-zero bytes are a valid value of these plain C structs.
-        let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        for i in 0..BATCH {
-            iovs[i].iov_base = b.bufs[i].as_mut_ptr().cast();
-            iovs[i].iov_len = b.bufs[i].len();
-            hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
-            hdrs[i].msg_hdr.msg_namelen =
-                std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-            hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
-            hdrs[i].msg_hdr.msg_iovlen = 1;
-        }
-        // SAFETY: every header points at one iovec covering a live buffer
-        // of iov_len bytes and at a sockaddr_storage of msg_namelen bytes,
-        // all of which outlive the call; the kernel writes at most that.
-        let n = unsafe {
-            libc::recvmmsg(
-                fd,
-                hdrs.as_mut_ptr(),
-                BATCH as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let n = n as usize;
-        for i in 0..n {
-            b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
-            b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
-        }
-        Ok(n)
+        asked = true;
+        recvmmsg(fd, b)
     });
+    let r = if asked { r } else { recvmmsg(fd, b) };
+    finish(r, b)
+}
+
+/// Like [`recv_now`], for one datagram only, with `recvfrom`: the cheapest
+/// way to ask a socket that is usually empty (a hot poll waiting for the
+/// next message).
+pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    b.n = 0;
+    let fd = sock.as_raw_fd();
+    let mut asked = false;
+    let r = sock.try_io(Interest::READABLE, || {
+        asked = true;
+        recvfrom(fd, b)
+    });
+    let r = if asked { r } else { recvfrom(fd, b) };
+    finish(r, b)
+}
+
+/// One non-blocking `recvfrom` into `b`'s first buffer.
+fn recvfrom(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let buf = &mut b.bufs[0];
+    // SAFETY: the buffer is live and writable for its length, `name` and
+    // `len` are live for the call and `len` says how much `name` holds; the
+    // kernel writes at most that.
+    let n = unsafe {
+        libc::recvfrom(
+            fd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+            (&mut name as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        // The usual answer of a hot poll, checked by number: a plain
+        // WouldBlock is cheaper to match than an OS error's kind.
+        return Err(if e.raw_os_error() == Some(libc::EAGAIN) {
+            io::ErrorKind::WouldBlock.into()
+        } else {
+            e
+        });
+    }
+    b.lens[0] = (n as usize).min(RECV_BUF);
+    b.from[0] = to_addr(&name, len);
+    Ok(1)
+}
+
+fn finish(r: io::Result<usize>, b: &mut RecvBatch) -> io::Result<usize> {
     match r {
         Ok(n) => {
             b.n = n;
@@ -94,6 +138,46 @@ pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
         Err(e) => Err(e),
     }
+}
+
+/// One non-blocking `recvmmsg` into `b`'s buffers.
+fn recvmmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid value of these plain C structs.
+    let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    for i in 0..BATCH {
+        iovs[i].iov_base = b.bufs[i].as_mut_ptr().cast();
+        iovs[i].iov_len = b.bufs[i].len();
+        hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+        hdrs[i].msg_hdr.msg_namelen =
+            std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
+        hdrs[i].msg_hdr.msg_iovlen = 1;
+    }
+    // SAFETY: every header points at one iovec covering a live buffer of
+    // iov_len bytes and at a sockaddr_storage of msg_namelen bytes, all of
+    // which outlive the call; the kernel writes at most that.
+    let n = unsafe {
+        libc::recvmmsg(
+            fd,
+            hdrs.as_mut_ptr(),
+            BATCH as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let n = n as usize;
+    for i in 0..n {
+        b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
+        b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
+    }
+    Ok(n)
 }
 
 fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
@@ -120,7 +204,7 @@ fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAdd
 /// of `bufs`); fewer than asked when the socket buffer is full. A datagram
 /// the kernel refuses for another reason is skipped (counted as sent): the
 /// protocol retransmits what matters.
-pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[&[u8]]) -> usize {
+pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usize {
     let addr = SockAddr::from(dst);
     let fd = sock.as_raw_fd();
     let mut done = 0;
@@ -128,20 +212,35 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[&[u8]]) -> usize {
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
         let r = sock.try_io(Interest::WRITABLE, || {
             // SAFETY: all-zero bytes are a valid value of these C structs.
-            let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
+            let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
             // SAFETY: as above.
             let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            for (i, b) in chunk.iter().enumerate() {
-                iovs[i].iov_base = b.as_ptr() as *mut libc::c_void;
-                iovs[i].iov_len = b.len();
+            for (i, parts) in chunk.iter().enumerate() {
+                for (iov, part) in iovs[i].iter_mut().zip(parts) {
+                    iov.iov_base = part.as_ptr() as *mut libc::c_void;
+                    iov.iov_len = part.len();
+                }
                 hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
                 hdrs[i].msg_hdr.msg_namelen = addr.len();
-                hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
-                hdrs[i].msg_hdr.msg_iovlen = 1;
+                hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+                hdrs[i].msg_hdr.msg_iovlen = PARTS;
             }
-            // SAFETY: each header points at one iovec over a live buffer and
-            // at the destination address, all outliving the call; sendmmsg
-            // only reads them (and writes msg_len in the headers).
+            if chunk.len() == 1 {
+                // A lone datagram (the latency path): plain sendmsg, which
+                // does less work in the kernel than a one-entry sendmmsg.
+                // SAFETY: the header points at PARTS iovecs over live
+                // buffers and at the destination address, all outliving the
+                // call; sendmsg only reads them.
+                let n = unsafe { libc::sendmsg(fd, &hdrs[0].msg_hdr, libc::MSG_DONTWAIT) };
+                return if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(1)
+                };
+            }
+            // SAFETY: each header points at PARTS iovecs over live buffers
+            // and at the destination address, all outliving the call;
+            // sendmmsg only reads them (and writes msg_len in the headers).
             let n = unsafe {
                 libc::sendmmsg(
                     fd,

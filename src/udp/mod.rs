@@ -20,7 +20,12 @@
 //!   on the latency path); what the protocol's send budget refuses waits in
 //!   an ordered per-peer queue whose `Completion` fires when the protocol
 //!   takes it (local completion: held in retransmit storage).
-//! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness.
+//! - `io`: `recvmmsg`/`sendmmsg` batches through tokio readiness; while
+//!   hot, the socket that delivered last is asked directly (`recvfrom`
+//!   when it was empty last time), so a datagram is found as soon as it
+//!   lands. A datagram goes out in parts (header, a slice of the user's
+//!   `Bytes`, checksum) with `sendmsg`, or `sendmmsg` for several: the
+//!   payload is never copied into a transmit buffer.
 //! - `rx`: filtering (job id, source address and ranks: anything else is
 //!   counted in `Stats::foreign_datagrams`), receive-side backpressure.
 //! - Liveness: every peer hears from us at least every quarter of
@@ -98,6 +103,35 @@ pub(crate) struct UdpTransport {
     backlog: AtomicBool,
     epoch: Instant,
     last_report: Mutex<Instant>,
+}
+
+/// Store `next`, a deadline computed from a walk over the peers that began
+/// when `wake_at` held `planned`, unless `wake_at` changed meanwhile (a
+/// user send lowered it for a peer already walked past): then keep the
+/// earlier of the two, so a concurrent lowering is never overwritten by a
+/// later deadline (which would delay that timer).
+fn publish_wake_at(wake_at: &AtomicU64, planned: u64, next: u64) {
+    // AcqRel: pairs with the fetch_min in `after_send`.
+    if wake_at
+        .compare_exchange(planned, next, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        wake_at.fetch_min(next, Ordering::AcqRel);
+    }
+}
+
+/// Large received messages are reassembled in the fabric's recycled
+/// buffers (no page faults for every message).
+struct Pool(Arc<crate::bufpool::BufPool>);
+
+impl proto::Buffers for Pool {
+    fn take(&self, len: usize) -> Vec<u8> {
+        self.0.take(len)
+    }
+
+    fn freeze(&self, buf: Vec<u8>) -> bytes::Bytes {
+        self.0.freeze(buf)
+    }
 }
 
 fn mix(isn: u64, rank: Rank) -> u64 {
@@ -215,15 +249,18 @@ impl UdpTransport {
         let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
         for (rank, a) in peers {
             let cfg = self.proto_config(a);
-            let stash_limit = cfg.recv_window as usize + 64;
+            // A receive window of full datagrams: what the peer may have in
+            // flight when we pause it.
+            let stash_limit = cfg.recv_window as usize * (cfg.max_datagram + rx::STASH_OVERHEAD);
             let ids = proto::ConnIds {
                 job: self.job,
                 local_rank: me,
                 peer_rank: *rank,
             };
-            let conn =
+            let mut conn =
                 proto::Connection::new(cfg, ids, mix(self.me.isn, *rank), mix(a.isn, me), now)
                     .map_err(|e| Error::Config(e.to_string()))?;
+            conn.set_buffers(Arc::new(Pool(self.core.buffers.clone())));
             let peer = Arc::new(Peer {
                 rank: *rank,
                 data_addr: SocketAddr::new(a.ip, a.data_port),
@@ -308,16 +345,22 @@ impl UdpTransport {
         u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// After a send from a user task: wake a parked progress task if the
-    /// connection now needs it sooner than it planned to wake.
+    /// After a send from a user task (called with the peer's state still
+    /// locked): lower `wake_at` to the connection's new deadline, note a
+    /// backlog, and wake a parked progress task if it must act sooner than
+    /// it planned to.
     pub(crate) fn after_send(&self, st: &PeerState) {
+        let due = st.conn.poll_timeout().map_or(u64::MAX, |t| self.nanos(t));
+        // AcqRel: pairs with the loads in `progress` and `wait` and with the
+        // compare-exchange in `publish_wake_at`.
+        let planned = self.wake_at.fetch_min(due, Ordering::AcqRel);
+        let backlog = st.has_backlog();
+        if backlog {
+            self.backlog.store(true, Ordering::Relaxed);
+        }
         // Pairs with the SeqCst store in `arm`: either we see the task armed,
         // or it computes its wake time after our change.
-        if !self.armed.load(Ordering::SeqCst) {
-            return;
-        }
-        let due = st.conn.poll_timeout().map_or(u64::MAX, |t| self.nanos(t));
-        if st.has_backlog() || due < self.wake_at.load(Ordering::Relaxed) {
+        if self.armed.load(Ordering::SeqCst) && (backlog || due < planned) {
             self.kick.notify_one();
         }
     }
@@ -327,7 +370,13 @@ impl UdpTransport {
     fn service(&self, now: Instant) -> usize {
         let mut work = 0;
         let mut lost: Vec<(Rank, String)> = Vec::new();
+        let mut silent: Vec<Rank> = Vec::new();
         let mut next = u64::MAX;
+        // Acquire: pairs with the AcqRel updates in `after_send`.
+        let planned = self.wake_at.load(Ordering::Acquire);
+        // Cleared before the walk, set again after it if a peer still has a
+        // backlog: a user send that sets it meanwhile is not overwritten.
+        self.backlog.store(false, Ordering::Relaxed);
         let mut backlog = false;
         let timeout = self.core.config.udp_peer_timeout;
         for p in self.peer_list() {
@@ -349,10 +398,7 @@ impl UdpTransport {
                 st.keepalive(&self.io, p, self.job, self.core.rank);
             }
             if now.saturating_duration_since(st.last_heard) > timeout {
-                lost.push((
-                    p.rank,
-                    format!("nothing heard from it for {timeout:?} (BTL_UDP_PEER_TIMEOUT_MS)"),
-                ));
+                silent.push(p.rank);
             }
             backlog |= st.has_backlog();
             for t in [
@@ -366,8 +412,27 @@ impl UdpTransport {
                 next = next.min(self.nanos(t));
             }
         }
-        self.wake_at.store(next, Ordering::Relaxed);
-        self.backlog.store(backlog, Ordering::Relaxed);
+        publish_wake_at(&self.wake_at, planned, next);
+        if backlog {
+            self.backlog.store(true, Ordering::Relaxed);
+        }
+        if !silent.is_empty() {
+            // Before calling a peer lost, read what is already queued for
+            // us: after a stall of our own (this process was stopped, or
+            // starved of CPU), its keepalives may be waiting in our sockets
+            // behind other traffic.
+            let now = Instant::now();
+            work += self.drain(now);
+            for r in silent {
+                let heard = self.peer(r).map(|p| lock(&p.st).last_heard);
+                if heard.is_some_and(|h| now.saturating_duration_since(h) > timeout) {
+                    lost.push((
+                        r,
+                        format!("nothing heard from it for {timeout:?} (BTL_UDP_PEER_TIMEOUT_MS)"),
+                    ));
+                }
+            }
+        }
         for (r, why) in lost {
             self.lose(r, &why);
         }
@@ -400,12 +465,30 @@ impl Transport for UdpTransport {
     }
 
     fn progress(&self) -> usize {
-        let now = Instant::now();
         let mut work = 0;
+        let mut timers = true;
         if let Ok(mut rx) = self.rx.try_lock() {
-            work += self.rx_progress(&mut rx, now);
+            work += self.rx_progress(&mut rx);
+            timers = rx.timer_turn();
         }
-        work + self.service(now)
+        // Timers, queues and keepalives only change when something arrived,
+        // a deadline passed, or the kernel refused datagrams (user sends
+        // lower `wake_at` themselves): a hot poll that found nothing skips
+        // the walk over every peer, and reads the clock for the timers only
+        // now and then.
+        let now = if work > 0 || self.backlog.load(Ordering::Relaxed) {
+            Some(Instant::now())
+        } else if timers {
+            let now = Instant::now();
+            // Acquire: pairs with the AcqRel updates in `after_send`.
+            (self.nanos(now) >= self.wake_at.load(Ordering::Acquire)).then_some(now)
+        } else {
+            None
+        };
+        if let Some(now) = now {
+            work += self.service(now);
+        }
+        work
     }
 
     fn arm(&self) -> bool {
@@ -424,7 +507,7 @@ impl Transport for UdpTransport {
     }
 
     async fn wait(&self, timeout: Duration) {
-        let due = self.wake_at.load(Ordering::Relaxed);
+        let due = self.wake_at.load(Ordering::Acquire);
         let now = self.nanos(Instant::now());
         let until = Duration::from_nanos(due.saturating_sub(now)).min(timeout);
         let backlog = self.backlog.load(Ordering::Relaxed);
@@ -474,5 +557,32 @@ impl Transport for UdpTransport {
         for p in self.peers.get().into_iter().flatten().flatten() {
             lock(&p.st).fail_queue(p.rank, "this fabric closed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lowered_deadline_survives_a_concurrent_walk() {
+        // A walk began with wake_at at 1000 and computed 900; nothing
+        // changed meanwhile: its value is stored, later or earlier.
+        let w = AtomicU64::new(1000);
+        publish_wake_at(&w, 1000, 900);
+        assert_eq!(w.load(Ordering::Relaxed), 900);
+        publish_wake_at(&w, 900, 5000);
+        assert_eq!(w.load(Ordering::Relaxed), 5000);
+        // A walk began at 5000 and computed 4000, but a send lowered
+        // wake_at to 300 for a peer it had already walked past: 300 stays.
+        let planned = w.load(Ordering::Relaxed);
+        w.fetch_min(300, Ordering::AcqRel);
+        publish_wake_at(&w, planned, 4000);
+        assert_eq!(w.load(Ordering::Relaxed), 300);
+        // The walk's own deadline is still taken when it is the earlier.
+        let planned = w.load(Ordering::Relaxed);
+        w.fetch_min(200, Ordering::AcqRel);
+        publish_wake_at(&w, planned, 100);
+        assert_eq!(w.load(Ordering::Relaxed), 100);
     }
 }

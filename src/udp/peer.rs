@@ -26,8 +26,8 @@ pub(crate) struct PeerState {
     pub(crate) conn: Connection,
     queue: VecDeque<Pending>,
     /// Datagrams the kernel had no room for, sent first next time.
-    backlog: VecDeque<(bool, Vec<u8>)>,
-    /// Recycled transmit buffers.
+    backlog: VecDeque<Out>,
+    /// Recycled header buffers.
     spare: Vec<Vec<u8>>,
     pub(crate) last_sent: Instant,
     pub(crate) last_heard: Instant,
@@ -35,12 +35,28 @@ pub(crate) struct PeerState {
     valid_seen: u64,
 }
 
+/// A datagram to send, in parts, so the payload (a slice of the user's
+/// message) is never copied: header, payload, checksum trailer.
+struct Out {
+    priority: bool,
+    head: Vec<u8>,
+    payload: Bytes,
+    crc: [u8; 4],
+}
+
+impl Out {
+    fn parts(&self) -> io::Parts<'_> {
+        [&self.head, &self.payload, &self.crc]
+    }
+}
+
 /// One remote rank.
 pub(crate) struct Peer {
     pub(crate) rank: Rank,
     pub(crate) data_addr: SocketAddr,
     pub(crate) prio_addr: SocketAddr,
-    /// Most raw datagrams kept while the peer is paused (receive backpressure).
+    /// Most bytes of raw datagrams kept while the peer is paused (receive
+    /// backpressure).
     pub(crate) stash_limit: usize,
     pub(crate) lost: AtomicBool,
     /// Our receive side holds this peer's data back (its tag is full): our
@@ -179,14 +195,19 @@ impl PeerState {
             }
             let mut n = 0;
             while n < io::BATCH {
-                let mut buf = self.spare.pop().unwrap_or_default();
-                match self.conn.poll_transmit(now, &mut buf) {
-                    Some(t) => {
-                        self.backlog.push_back((t.priority, buf));
+                let mut head = self.spare.pop().unwrap_or_default();
+                match self.conn.poll_transmit_split(now, &mut head) {
+                    Some((t, payload, crc)) => {
+                        self.backlog.push_back(Out {
+                            priority: t.priority,
+                            head,
+                            payload,
+                            crc,
+                        });
                         n += 1;
                     }
                     None => {
-                        self.spare.push(buf);
+                        self.spare.push(head);
                         break;
                     }
                 }
@@ -200,24 +221,26 @@ impl PeerState {
     /// Send queued datagrams, grouped by channel, until the kernel says full.
     fn send_backlog(&mut self, io: &Sockets, peer: &Peer) -> usize {
         let mut sent = 0;
-        while let Some((prio, _)) = self.backlog.front() {
-            let prio = *prio;
-            let run = self
-                .backlog
-                .iter()
-                .take(io::BATCH)
-                .take_while(|(p, _)| *p == prio)
-                .count();
-            let bufs: Vec<&[u8]> = self.backlog.iter().take(run).map(|(_, b)| &b[..]).collect();
+        while let Some(first) = self.backlog.front() {
+            let prio = first.priority;
+            let mut parts: [io::Parts<'_>; io::BATCH] = [[&[]; io::PARTS]; io::BATCH];
+            let mut run = 0;
+            for (slot, out) in parts.iter_mut().zip(&self.backlog) {
+                if out.priority != prio {
+                    break;
+                }
+                *slot = out.parts();
+                run += 1;
+            }
             let (sock, dst) = if prio {
                 (&io.prio, peer.prio_addr)
             } else {
                 (&io.data, peer.data_addr)
             };
-            let n = io::send(sock, dst, &bufs);
-            for (_, b) in self.backlog.drain(..n) {
+            let n = io::send(sock, dst, &parts[..run]);
+            for out in self.backlog.drain(..n) {
                 if self.spare.len() < io::BATCH {
-                    self.spare.push(b);
+                    self.spare.push(out.head);
                 }
             }
             sent += n;
@@ -250,9 +273,14 @@ impl PeerState {
             ack: s.recv_base,
             kind: proto::Kind::Ack(proto::Sack::EMPTY),
         };
-        let mut buf = Vec::new();
-        h.encode(&[], &mut buf);
-        self.backlog.push_back((true, buf));
+        let mut head = Vec::new();
+        let crc = h.encode_split(&[], &mut head);
+        self.backlog.push_back(Out {
+            priority: true,
+            head,
+            payload: Bytes::new(),
+            crc,
+        });
         self.send_backlog(io, peer);
     }
 }

@@ -7,10 +7,12 @@
 //! tag's queue full (`Dispatcher::has_room`), it and everything after it
 //! from the same peer is *held* here (order is per peer), and from then on
 //! that peer's DATA datagrams are *not fed* to the protocol: they are kept
-//! raw in a small stash (at most a receive window of them; further ones are
-//! dropped and will be retransmitted). Unacknowledged, the sender's window
-//! closes and its futures wait. ACK-only datagrams still go in, so our own
-//! sends to that peer keep flowing (no deadlock when both sides send). When
+//! raw in a small stash (at most a receive window's bytes of them; further
+//! ones are dropped and will be retransmitted). Unacknowledged, the
+//! sender's window closes and its futures wait. ACKs still go in at once
+//! (ACK-only datagrams, and the ACK a stashed DATA datagram carries), so
+//! our own sends to that peer keep flowing and complete (no deadlock when
+//! both sides send). When
 //! the application makes room, held messages go out first, then the stash
 //! is fed in arrival order, so nothing is lost and there is no burst of
 //! retransmissions. Memory: one window of datagrams plus what one datagram
@@ -44,7 +46,13 @@ pub(crate) struct PeerRx {
     held: VecDeque<(Kind, u64, Bytes)>,
     held_bytes: usize,
     stash: VecDeque<Vec<u8>>,
+    /// Bytes charged for `stash` (see [`STASH_OVERHEAD`]).
+    stash_bytes: usize,
 }
+
+/// Bytes charged per stashed datagram besides its length (its `Vec` and
+/// the allocator's share), so a flood of tiny datagrams is bounded too.
+pub(crate) const STASH_OVERHEAD: usize = 64;
 
 /// Held user bytes per peer beyond which that peer's data datagrams are
 /// stashed unprocessed (so the sender's window closes). Below it, datagrams
@@ -65,6 +73,25 @@ impl PeerRx {
         self.held.clear();
         self.held_bytes = 0;
         self.stash.clear();
+        self.stash_bytes = 0;
+    }
+
+    /// Keep a held-back datagram if the stash stays within `limit` bytes;
+    /// otherwise drop it (the peer resends it). Returns whether it was kept.
+    fn stash_push(&mut self, d: &[u8], limit: usize) -> bool {
+        let cost = d.len() + STASH_OVERHEAD;
+        if self.stash_bytes + cost > limit {
+            return false;
+        }
+        self.stash_bytes += cost;
+        self.stash.push_back(d.to_vec());
+        true
+    }
+
+    fn stash_pop(&mut self) -> Option<Vec<u8>> {
+        let d = self.stash.pop_front()?;
+        self.stash_bytes -= d.len() + STASH_OVERHEAD;
+        Some(d)
     }
 }
 
@@ -72,16 +99,54 @@ impl PeerRx {
 /// thread receives at a time, so messages reach the core in order).
 pub(crate) struct RxState {
     batch: RecvBatch,
+    /// For the priority socket, read after each data batch (see
+    /// `rx_progress`).
+    prio_batch: RecvBatch,
     peers: Vec<PeerRx>,
     events: Vec<Event>,
+    /// The socket that delivered last (0: priority, 1: data): asked every
+    /// call, the other one too if it delivered within [`ACTIVE_TURNS`]
+    /// calls, else when tokio saw it readable or every [`OTHER_EVERY`]
+    /// calls.
+    hot: usize,
+    /// Calls so far (wrapping), for [`OTHER_EVERY`].
+    turn: u32,
+    /// `turn` of the last call in which each socket delivered.
+    last_got: [u32; 2],
+    /// The hot socket had nothing last time: ask it for one datagram
+    /// (`recvfrom`, cheaper than a batch) until it has something again.
+    idle: bool,
+}
+
+impl RxState {
+    /// Whether this call should also check the timers (one in
+    /// [`TIMER_EVERY`] calls): a hot poll that received nothing saves the
+    /// clock read.
+    pub(crate) fn timer_turn(&self) -> bool {
+        self.turn % TIMER_EVERY == 0
+    }
+}
+
+/// The current time, read once, when first needed.
+struct Clock(Option<Instant>);
+
+impl Clock {
+    fn get(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
 }
 
 impl RxState {
     pub(crate) fn new(size: usize) -> RxState {
         RxState {
             batch: RecvBatch::new(),
+            prio_batch: RecvBatch::new(),
             peers: (0..size).map(|_| PeerRx::default()).collect(),
             events: Vec::new(),
+            hot: 0,
+            turn: 0,
+            last_got: [0; 2],
+            idle: false,
         }
     }
 }
@@ -90,14 +155,37 @@ impl RxState {
 /// starve the rest of the driver.
 const ROUNDS: usize = 4;
 
+/// Most `recvmmsg` batches per socket one [`UdpTransport::drain`] reads.
+const DRAIN_BATCHES: usize = 4096;
+
+/// Every this many progress calls, the socket that is not hot is also asked
+/// directly (a system call), whatever tokio's readiness says.
+const OTHER_EVERY: u32 = 8;
+
+/// A socket that delivered within this many progress calls is asked
+/// directly every call: while data streams, heads and ACKs arrive on the
+/// priority socket and bodies on the data socket, and both must be read
+/// at once.
+const ACTIVE_TURNS: u32 = 64;
+
+/// A progress call that received nothing checks the timers once in this
+/// many calls (deadlines are tens of microseconds or more apart).
+const TIMER_EVERY: u32 = 4;
+
 impl UdpTransport {
     /// Receive and dispatch. Returns datagrams and messages handled.
-    pub(crate) fn rx_progress(&self, rx: &mut RxState, now: Instant) -> usize {
+    pub(crate) fn rx_progress(&self, rx: &mut RxState) -> usize {
         let RxState {
             batch,
+            prio_batch,
             peers,
             events,
+            hot,
+            turn,
+            last_got,
+            idle,
         } = rx;
+        let mut now = Clock(None);
         let mut work = 0;
         for (rank, prx) in peers.iter_mut().enumerate() {
             if self.peer(rank as Rank).is_some_and(|p| p.is_lost()) {
@@ -105,23 +193,97 @@ impl UdpTransport {
                 // announced; drop what was held for it.
                 prx.clear();
             } else if prx.has_held() {
-                work += self.release(prx, rank as Rank, now, events);
+                work += self.release(prx, rank as Rank, now.get(), events);
             }
             if let Some(p) = self.peer(rank as Rank) {
-                p.busy
-                    .store(prx.has_held(), std::sync::atomic::Ordering::Relaxed);
+                // Stored only when it changes: a hot poll does not dirty
+                // the cache line that senders read.
+                let held = prx.has_held();
+                if p.busy.load(std::sync::atomic::Ordering::Relaxed) != held {
+                    p.busy.store(held, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
-        for sock in [&self.io.prio, &self.io.data] {
+        // Polling while hot costs one system call per call: the socket that
+        // delivered last is asked directly, so a datagram is found as soon
+        // as it lands; the other one too while it is active, else only when
+        // tokio's reactor saw it readable (free to check), or every
+        // OTHER_EVERY calls.
+        *turn = turn.wrapping_add(1);
+        let mut got = [0usize; 2];
+        for (i, sock) in [&self.io.prio, &self.io.data].into_iter().enumerate() {
+            let direct = i == *hot
+                || turn.wrapping_sub(last_got[i]) < ACTIVE_TURNS
+                || *turn % OTHER_EVERY == 0;
+            let one = i == *hot && *idle;
             for _ in 0..ROUNDS {
-                let n = match io::recv(sock, batch) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        tracing::debug!("udp: receive failed: {e}");
-                        0
-                    }
+                let r = if one {
+                    io::recv_one_now(sock, batch)
+                } else if direct {
+                    io::recv_now(sock, batch)
+                } else {
+                    io::recv(sock, batch)
                 };
-                work += n;
+                let n = r.unwrap_or_else(|e| {
+                    tracing::debug!("udp: receive failed: {e}");
+                    0
+                });
+                got[i] += n;
+                if i == 1 && n > 0 {
+                    // What the peer sent on the priority socket before this
+                    // data (a large message's head goes there, its body
+                    // here) is in that socket by now: feed it first, or the
+                    // body looks out of order (each chunk copied aside and
+                    // answered with a duplicate ACK).
+                    let m = io::recv_now(&self.io.prio, prio_batch).unwrap_or(0);
+                    got[0] += m;
+                    for (from, d) in prio_batch.iter() {
+                        self.on_datagram(peers, from, d, now.get(), events);
+                    }
+                }
+                for (from, d) in batch.iter() {
+                    self.on_datagram(peers, from, d, now.get(), events);
+                }
+                // After a lone datagram, the next call asks for a batch.
+                if one || n < io::BATCH {
+                    break;
+                }
+            }
+        }
+        for (i, n) in got.iter().enumerate() {
+            if *n > 0 {
+                last_got[i] = *turn;
+            }
+        }
+        if got[*hot] == 0 && got[1 - *hot] > 0 {
+            *hot = 1 - *hot;
+        }
+        *idle = got[*hot] == 0;
+        work + got[0] + got[1]
+    }
+
+    /// Read everything already queued in both sockets, whatever tokio's
+    /// readiness says (at most [`DRAIN_BATCHES`] batches per socket, so
+    /// peers that keep sending cannot hold us here). Used before a peer is
+    /// declared lost: after a stall of our own (the process was stopped),
+    /// its keepalives may sit in our sockets behind other traffic. Returns
+    /// datagrams read. Takes the `rx` lock: never call with it held.
+    pub(crate) fn drain(&self, now: Instant) -> usize {
+        let mut rx = lock(&self.rx);
+        let RxState {
+            batch,
+            peers,
+            events,
+            ..
+        } = &mut *rx;
+        let mut read = 0;
+        for sock in [&self.io.prio, &self.io.data] {
+            for _ in 0..DRAIN_BATCHES {
+                let n = io::recv_now(sock, batch).unwrap_or_else(|e| {
+                    tracing::debug!("udp: receive failed: {e}");
+                    0
+                });
+                read += n;
                 for (from, d) in batch.iter() {
                     self.on_datagram(peers, from, d, now, events);
                 }
@@ -130,7 +292,7 @@ impl UdpTransport {
                 }
             }
         }
-        work
+        read
     }
 
     fn on_datagram(
@@ -160,12 +322,16 @@ impl UdpTransport {
             match proto::decode(d) {
                 Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank => {
                     if let proto::Kind::Data(_) = h.kind {
+                        // Hold the data back, but act on the ACK it carries
+                        // now: our own sends to this peer must not wait for
+                        // our receiver to make room.
                         let mut st = lock(&peer.st);
                         st.last_heard = now;
+                        st.conn.handle_ack(now, &h);
+                        events.extend(std::iter::from_fn(|| st.conn.poll_event()));
                         drop(st);
-                        if prx.stash.len() < peer.stash_limit {
-                            prx.stash.push_back(d.to_vec());
-                        }
+                        self.on_events(prx, rank, events);
+                        prx.stash_push(d, peer.stash_limit);
                         return;
                     }
                 }
@@ -237,7 +403,7 @@ impl UdpTransport {
             return work;
         };
         while prx.held_bytes <= HOLD_LIMIT {
-            let Some(d) = prx.stash.pop_front() else {
+            let Some(d) = prx.stash_pop() else {
                 break;
             };
             lock(&peer.st).feed(now, &d, events);
@@ -245,5 +411,33 @@ impl UdpTransport {
             work += 1;
         }
         work
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stash_is_bounded_by_bytes() {
+        let limit = 4 * (1000 + STASH_OVERHEAD);
+        let mut p = PeerRx::default();
+        // Large datagrams: as many as fit in the byte limit.
+        let big = vec![7u8; 1000];
+        assert!((0..4).all(|_| p.stash_push(&big, limit)));
+        assert!(!p.stash_push(&big, limit));
+        // Tiny ones are charged their overhead too: bounded as well.
+        let mut q = PeerRx::default();
+        let kept = (0..10_000)
+            .filter(|_| q.stash_push(&[1u8; 8], limit))
+            .count();
+        assert_eq!(kept, limit / (8 + STASH_OVERHEAD));
+        // Popping gives the bytes back, in arrival order.
+        assert_eq!(p.stash_pop().as_deref(), Some(&big[..]));
+        assert!(p.stash_push(&[2u8; 10], limit));
+        while p.stash_pop().is_some() {}
+        assert_eq!(p.stash_bytes, 0);
+        p.clear();
+        assert_eq!((p.stash.len(), p.stash_bytes), (0, 0));
     }
 }

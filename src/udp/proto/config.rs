@@ -37,6 +37,13 @@ pub struct Config {
     /// granularity of tokio's timer, and well below `rto_min` so a delayed
     /// ACK never causes a spurious retransmission.
     pub ack_delay: Duration,
+    /// How long an ACK the sender asked for (`ACK_NOW`: the tail of what it
+    /// could send) waits for a reply to ride on. Default 50 µs: a
+    /// request/response pair then costs one datagram each way instead of
+    /// two, while the sender's window and `flush` wait only a few
+    /// microseconds more. Retransmissions are still acknowledged at once.
+    /// Never more than `ack_delay`.
+    pub reply_ack_delay: Duration,
     /// Send an ACK at once after this many in-order segments. Default 8:
     /// 1/32 of the window, so the sender's window slides smoothly while ACK
     /// traffic stays an eighth of data traffic.
@@ -82,6 +89,7 @@ impl Default for Config {
             recv_window: 256,
             send_budget: 1 << 20,
             ack_delay: Duration::from_millis(1),
+            reply_ack_delay: Duration::from_micros(50),
             ack_every: 8,
             rto_initial: Duration::from_millis(20),
             rto_min: Duration::from_millis(5),

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
 use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
-use super::recv::RecvSide;
+use super::recv::{Buffers, RecvSide};
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
 use crate::Rank;
@@ -136,6 +136,13 @@ impl Connection {
         })
     }
 
+    /// Take the buffers of messages that span several datagrams from `b`
+    /// (for example a pool that recycles large buffers) instead of fresh
+    /// allocations.
+    pub fn set_buffers(&mut self, b: std::sync::Arc<dyn Buffers>) {
+        self.recv.set_buffers(b);
+    }
+
     /// Who this connection belongs to.
     pub fn ids(&self) -> ConnIds {
         self.ids
@@ -199,6 +206,38 @@ impl Connection {
             self.stats.misdirected += 1;
             return;
         }
+        self.apply_ack(now, &hdr);
+        match hdr.kind {
+            Kind::Data(chunk) => {
+                self.recv
+                    .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
+            }
+            Kind::Ack(_) => self.stats.acks_received += 1,
+        }
+    }
+
+    /// Processes only the acknowledgement in a datagram's header (`hdr`,
+    /// as [`decode`] returned it, checksum verified): its
+    /// cumulative ACK, SACK blocks and flags; any data it carries is left
+    /// unread. For a driver that holds a peer's DATA datagrams back
+    /// (receive backpressure) but must keep acting on the peer's ACKs of
+    /// our own data, so that our window and completions move on. Feeding
+    /// the whole datagram later with
+    /// [`handle_datagram`](Self::handle_datagram) is harmless: its ACK is
+    /// old news then. A header for another connection is ignored (counted
+    /// when the datagram itself is fed).
+    pub fn handle_ack(&mut self, now: Instant, hdr: &Header) {
+        if self.lost
+            || hdr.job != self.ids.job
+            || hdr.src != self.ids.peer_rank
+            || hdr.dst != self.ids.local_rank
+        {
+            return;
+        }
+        self.apply_ack(now, hdr);
+    }
+
+    fn apply_ack(&mut self, now: Instant, hdr: &Header) {
         let ack = AckInfo {
             ack: hdr.ack,
             gap: hdr.flags.contains(Flags::GAP),
@@ -213,13 +252,6 @@ impl Connection {
         if matches!(hdr.kind, Kind::Ack(_)) && hdr.flags.contains(Flags::BUSY) {
             self.send.peer_busy(now);
         }
-        match hdr.kind {
-            Kind::Data(chunk) => {
-                self.recv
-                    .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
-            }
-            Kind::Ack(_) => self.stats.acks_received += 1,
-        }
     }
 
     /// Writes the next datagram to send into `buf` (cleared first) and says
@@ -232,27 +264,51 @@ impl Connection {
     /// delayed ACK that fell due with no data to ride on.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
+        let (t, hdr, payload) = self.next_transmit(now)?;
+        hdr.encode(&payload, buf);
+        Some(t)
+    }
+
+    /// Like [`poll_transmit`](Self::poll_transmit), for a vectored send
+    /// that never copies the payload: writes the header into `head`
+    /// (cleared first) and returns the payload (a slice of the message sent,
+    /// empty for ACKs) and the checksum trailer. The datagram is `head`,
+    /// then the payload, then the trailer.
+    pub fn poll_transmit_split(
+        &mut self,
+        now: Instant,
+        head: &mut Vec<u8>,
+    ) -> Option<(Transmit, Bytes, [u8; 4])> {
+        head.clear();
+        let (t, hdr, payload) = self.next_transmit(now)?;
+        let crc = hdr.encode_split(&payload, head);
+        Some((t, payload, crc))
+    }
+
+    /// The next datagram to send, as a header and its payload, with the
+    /// bookkeeping of it being sent done.
+    fn next_transmit(&mut self, now: Instant) -> Option<(Transmit, Header, Bytes)> {
         if self.lost {
             return None;
         }
         if self.recv.take_owed_ack() {
-            return Some(self.write_ack(buf));
+            return Some(self.ack_header());
         }
         if let Some(seg) = self.send.next_segment(now, &mut self.stats) {
             let flags = self.gap_flag(seg.flags);
             let hdr = self.header(seg.seq, flags, Kind::Data(seg.chunk));
-            hdr.encode(&seg.payload, buf);
             self.recv.ack_sent();
             self.stats.datagrams_sent += 1;
             if seg.priority {
                 self.stats.priority_sent += 1;
             }
-            return Some(Transmit {
+            let t = Transmit {
                 priority: seg.priority,
-            });
+            };
+            return Some((t, hdr, seg.payload));
         }
         if self.recv.ack_due(now) {
-            return Some(self.write_ack(buf));
+            return Some(self.ack_header());
         }
         None
     }
@@ -277,19 +333,18 @@ impl Connection {
         }
     }
 
-    fn write_ack(&mut self, buf: &mut Vec<u8>) -> Transmit {
+    fn ack_header(&mut self) -> (Transmit, Header, Bytes) {
         let sack = self.recv.sack_blocks();
         let hdr = self.header(
             self.send.nxt().0,
             self.gap_flag(Flags::NONE),
             Kind::Ack(sack),
         );
-        hdr.encode(&[], buf);
         self.recv.ack_sent();
         self.stats.datagrams_sent += 1;
         self.stats.priority_sent += 1;
         self.stats.acks_sent += 1;
-        Transmit { priority: true }
+        (Transmit { priority: true }, hdr, Bytes::new())
     }
 
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)

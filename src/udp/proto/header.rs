@@ -312,7 +312,7 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
     let mut r = preamble(buf)?;
     let body_len = buf.len() - CRC_LEN;
     let (body, crc) = buf.split_at(body_len);
-    if crc32c::crc32c(body).to_le_bytes() != crc {
+    if crc32c(body).to_le_bytes() != crc {
         return Err(DecodeError::BadChecksum);
     }
     let kind = r.u8()?;
@@ -391,6 +391,14 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
     Ok((header, payload))
 }
 
+/// CRC-32C (Castagnoli, the iSCSI polynomial) of `data`: `crc-fast` uses
+/// the widest carry-less multiply the CPU has (several times the speed of
+/// the SSE4.2 `crc32` instruction on 64 KiB datagrams).
+fn crc32c(data: &[u8]) -> u32 {
+    // A CRC-32 fits in 32 bits; crc-fast returns every width as a u64.
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data) as u32
+}
+
 impl Header {
     /// Length of the datagram this header makes with `payload_len` bytes.
     pub fn encoded_len(&self, payload_len: usize) -> usize {
@@ -409,17 +417,46 @@ impl Header {
     /// If `payload` is longer than `u32::MAX`, or non-empty on an ACK-only
     /// header: both are bugs in the caller, never caused by peer input.
     pub fn encode(&self, payload: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        self.encode_head(payload.len(), out);
+        out.extend_from_slice(payload);
+        let crc = crc32c(&out[start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+    }
+
+    /// The same datagram as [`encode`](Self::encode), in three parts for a
+    /// vectored send, so the payload is never copied: appends the header
+    /// (with SACK blocks) to `head` and returns the checksum trailer; the
+    /// datagram is `head`'s new bytes, then `payload`, then the trailer.
+    ///
+    /// # Panics
+    ///
+    /// As [`encode`](Self::encode).
+    pub fn encode_split(&self, payload: &[u8], head: &mut Vec<u8>) -> [u8; CRC_LEN] {
+        let start = head.len();
+        self.encode_head(payload.len(), head);
+        // One running checksum over both parts (combining two checksums
+        // afterwards costs time in proportion to the payload's length).
+        let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        d.update(&head[start..]);
+        d.update(payload);
+        // A CRC-32 fits in 32 bits; crc-fast returns every width as a u64.
+        (d.finalize() as u32).to_le_bytes()
+    }
+
+    /// Appends everything before the payload.
+    fn encode_head(&self, payload_len: usize, out: &mut Vec<u8>) {
+        let payload = payload_len;
         assert!(
-            matches!(self.kind, Kind::Data(_)) || payload.is_empty(),
+            matches!(self.kind, Kind::Data(_)) || payload == 0,
             "ACK-only packets carry no payload"
         );
         let payload_len = match self.kind {
-            Kind::Data(_) => payload.len(),
+            Kind::Data(_) => payload,
             Kind::Ack(sack) => sack.encoded_len(),
         };
         let payload_len = u32::try_from(payload_len).expect("payload longer than u32::MAX");
-        let start = out.len();
-        out.reserve(self.encoded_len(payload.len()));
+        out.reserve(self.encoded_len(payload) - payload - CRC_LEN);
         out.extend_from_slice(&MAGIC);
         out.push(VERSION);
         out.push(match self.kind {
@@ -446,9 +483,6 @@ impl Header {
                 }
             }
         }
-        out.extend_from_slice(payload);
-        let crc = crc32c::crc32c(&out[start..]);
-        out.extend_from_slice(&crc.to_le_bytes());
     }
 }
 
@@ -512,7 +546,27 @@ mod tests {
         buf
     }
 
+    #[test]
+    fn checksum_is_crc32c() {
+        // The check value of CRC-32C, and the empty input.
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(b""), 0);
+    }
+
     proptest! {
+        #[test]
+        fn split_encoding_is_the_same_datagram((h, payload) in arb_header()) {
+            let payload = if matches!(h.kind, Kind::Ack(_)) { Vec::new() } else { payload };
+            let mut whole = Vec::new();
+            h.encode(&payload, &mut whole);
+            let mut head = vec![0xee; 3];
+            let crc = h.encode_split(&payload, &mut head);
+            let mut parts = head[3..].to_vec();
+            parts.extend_from_slice(&payload);
+            parts.extend_from_slice(&crc);
+            prop_assert_eq!(parts, whole);
+        }
+
         #[test]
         fn any_bytes_decode_without_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = decode(&bytes);
@@ -534,7 +588,7 @@ mod tests {
             let claimed = if claimed % 2 == 0 { blocks.len() as u32 } else { claimed };
             bytes.extend_from_slice(&claimed.to_le_bytes());
             bytes.extend_from_slice(&blocks);
-            let crc = crc32c::crc32c(&bytes);
+            let crc = crc32c(&bytes);
             bytes.extend_from_slice(&crc.to_le_bytes());
             if let Ok((h, payload)) = decode(&bytes) {
                 prop_assert!(payload.is_empty());
@@ -620,7 +674,7 @@ mod tests {
         // Build datagrams by hand with a correct CRC but contradictory fields.
         let reseal = |mut buf: Vec<u8>| {
             let n = buf.len() - CRC_LEN;
-            let crc = crc32c::crc32c(&buf[..n]);
+            let crc = crc32c(&buf[..n]);
             buf[n..].copy_from_slice(&crc.to_le_bytes());
             buf
         };

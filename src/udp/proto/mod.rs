@@ -105,6 +105,7 @@ pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
 pub use header::{
     decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack, SackBlock,
 };
+pub use recv::Buffers;
 pub use seq::Seq;
 pub use stats::Stats;
 

@@ -2,6 +2,7 @@
 //! reassembly and the ACK schedule.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -30,11 +31,30 @@ struct Partial {
     buf: Vec<u8>,
 }
 
+/// Where the buffer of a message that spans several datagrams comes from,
+/// and how it is handed over once whole. Without one, each such message
+/// gets a fresh `Vec`; a driver can recycle large buffers instead, since
+/// faulting in fresh pages costs more than the copy at these sizes
+/// ([`Connection::set_buffers`](super::Connection::set_buffers)).
+pub trait Buffers: Send + Sync {
+    /// An empty buffer with room for at least `len` bytes.
+    fn take(&self, len: usize) -> Vec<u8>;
+    /// The whole message, as handed to the owner in
+    /// [`Event::Message`].
+    fn freeze(&self, buf: Vec<u8>) -> Bytes;
+}
+
 /// Rebuilds messages from in-order chunks and checks the framing.
 struct Reassembly {
     next_msg: u64,
     partial: Option<Partial>,
     max_message: u64,
+    /// Most bytes reserved for a message before its data arrives: a
+    /// receive window's payload, which the peer may legitimately have in
+    /// flight. A larger message grows by doubling as data comes, so a
+    /// lying `total_len` reserves nothing that data does not back.
+    reserve_max: usize,
+    buffers: Option<Arc<dyn Buffers>>,
 }
 
 impl Reassembly {
@@ -65,7 +85,12 @@ impl Reassembly {
                 return Ok(Some(msg));
             }
             let total = usize::try_from(c.total_len).map_err(|_| "message too large")?;
-            let mut buf = Vec::new();
+            let mut buf = match &self.buffers {
+                // One buffer for the whole message: no copy when growing.
+                Some(b) if total <= self.reserve_max => b.take(total),
+                _ if total <= self.reserve_max => Vec::with_capacity(total),
+                _ => Vec::new(),
+            };
             grow(&mut buf, payload.len(), total);
             buf.extend_from_slice(payload);
             self.partial = Some(Partial {
@@ -85,7 +110,10 @@ impl Reassembly {
             return Ok(None);
         }
         self.next_msg = self.next_msg.wrapping_add(1);
-        Ok(self.partial.take().map(|p| Bytes::from(p.buf)))
+        Ok(self.partial.take().map(|p| match &self.buffers {
+            Some(b) => b.freeze(p.buf),
+            None => Bytes::from(p.buf),
+        }))
     }
 }
 
@@ -114,6 +142,7 @@ pub(super) struct RecvSide {
     reasm: Reassembly,
     ack_every: u32,
     ack_delay: Duration,
+    reply_ack_delay: Duration,
     /// When the pending ACK must go out, if one is pending.
     ack_deadline: Option<Instant>,
     /// In-order segments received since the last ACK went out.
@@ -137,15 +166,23 @@ impl RecvSide {
                 next_msg: 0,
                 partial: None,
                 max_message: cfg.max_message,
+                reserve_max: (cfg.recv_window as usize).saturating_mul(cfg.chunk_payload()),
+                buffers: None,
             },
             ack_every: cfg.ack_every,
             ack_delay: cfg.ack_delay,
+            reply_ack_delay: cfg.reply_ack_delay.min(cfg.ack_delay),
             ack_deadline: None,
             since_ack: 0,
             owed_acks: 0,
             owed_cap: cfg.dup_ack_threshold,
             sack: cfg.sack,
         }
+    }
+
+    /// Use `b` for the buffers of multi-datagram messages.
+    pub fn set_buffers(&mut self, b: Arc<dyn Buffers>) {
+        self.reasm.buffers = Some(b);
     }
 
     /// The cumulative ACK to put on outgoing packets.
@@ -159,7 +196,12 @@ impl RecvSide {
     }
 
     fn ack_now(&mut self, now: Instant) {
-        self.ack_deadline = Some(self.ack_deadline.map_or(now, |d| d.min(now)));
+        self.ack_by(now);
+    }
+
+    /// Make sure the pending ACK goes out by `t` at the latest.
+    fn ack_by(&mut self, t: Instant) {
+        self.ack_deadline = Some(self.ack_deadline.map_or(t, |d| d.min(t)));
     }
 
     fn owe_ack(&mut self) {
@@ -204,8 +246,16 @@ impl RecvSide {
         self.slots.pop_front();
         self.since_ack += 1;
         let filled = self.drain_buffered(events, stats);
-        if filled || hdr.flags.contains(Flags::ACK_NOW) || self.since_ack >= self.ack_every {
+        let asked = hdr.flags.contains(Flags::ACK_NOW);
+        if filled
+            || self.since_ack >= self.ack_every
+            || (asked && hdr.flags.contains(Flags::RETRANSMIT))
+        {
             self.ack_now(now);
+        } else if asked {
+            // The tail of what the peer could send: it waits for this ACK,
+            // but a reply sent within `reply_ack_delay` carries it for free.
+            self.ack_by(now.checked_add(self.reply_ack_delay).unwrap_or(now));
         } else if self.ack_deadline.is_none() {
             self.ack_deadline = now.checked_add(self.ack_delay);
         }

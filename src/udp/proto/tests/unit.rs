@@ -122,6 +122,154 @@ fn ack_policy_delayed_every_n_and_immediate_on_gap() {
 }
 
 #[test]
+fn a_requested_ack_rides_on_a_prompt_reply() {
+    let cfg = Config::default();
+    let t0 = Instant::now();
+    let mut c = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut buf = Vec::new();
+    // ACK_NOW (the peer's tail): no ACK-only at once, one within
+    // reply_ack_delay.
+    c.handle_datagram(t0, &data(0, 0, Flags::ACK_NOW));
+    assert_eq!(c.poll_transmit(t0, &mut buf), None);
+    assert_eq!(c.poll_timeout(), Some(t0 + cfg.reply_ack_delay));
+    // A reply sent before then carries the ACK: exactly one datagram.
+    c.send(t0, message(0, 8)).unwrap();
+    assert!(c.poll_transmit(t0, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert!(matches!(h.kind, Kind::Data(_)));
+    assert_eq!(h.ack, 1);
+    assert_eq!(c.poll_transmit(t0, &mut buf), None);
+    assert_eq!(c.stats().acks_sent, 0);
+    // No reply: the ACK-only goes out when reply_ack_delay has passed.
+    c.handle_datagram(t0, &data(1, 1, Flags::ACK_NOW));
+    let t1 = t0 + cfg.reply_ack_delay;
+    assert_eq!(
+        c.poll_transmit(t1 - Duration::from_nanos(1), &mut buf),
+        None
+    );
+    assert!(c.poll_transmit(t1, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert_eq!((h.kind, h.ack), (Kind::Ack(Sack::EMPTY), 2));
+    // A retransmission asking for an ACK gets it at once.
+    c.handle_datagram(t1, &data(2, 2, Flags::ACK_NOW.with(Flags::RETRANSMIT)));
+    assert!(c.poll_transmit(t1, &mut buf).is_some());
+    let (h, _) = decode(&buf).unwrap();
+    assert_eq!((h.kind, h.ack), (Kind::Ack(Sack::EMPTY), 3));
+}
+
+#[test]
+fn a_requested_ack_never_waits_longer_than_ack_delay() {
+    let cfg = Config {
+        ack_delay: Duration::from_micros(10),
+        ..Config::default()
+    };
+    assert!(cfg.reply_ack_delay > cfg.ack_delay);
+    let t0 = Instant::now();
+    let mut c = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    c.handle_datagram(t0, &data(0, 0, Flags::ACK_NOW));
+    assert_eq!(c.poll_timeout(), Some(t0 + cfg.ack_delay));
+}
+
+#[test]
+fn the_ack_of_a_held_back_datagram_applies_alone() {
+    let t0 = Instant::now();
+    let mut a = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut b = Connection::new(Config::default(), ids(1, 0), 0, 0, t0).unwrap();
+    let mut buf = Vec::new();
+    a.send(t0, message(0, 100)).unwrap();
+    a.poll_transmit(t0, &mut buf).unwrap();
+    b.handle_datagram(t0, &buf);
+    // b's reply carries the ACK of a's message.
+    b.send(t0, message(1, 100)).unwrap();
+    b.poll_transmit(t0, &mut buf).unwrap();
+    let (h, _) = decode(&buf).unwrap();
+    assert!(matches!(h.kind, Kind::Data(_)));
+    // a holds the reply back but takes its ACK: its message completes.
+    a.handle_ack(t0, &h);
+    assert_eq!(a.poll_event(), Some(Event::Acked(MsgId(0))));
+    assert_eq!(a.poll_event(), None);
+    assert_eq!(a.stats().send_unacked, 0);
+    assert_eq!(a.stats().messages_delivered, 0);
+    // A header for another connection changes nothing.
+    let mut other = h;
+    other.src = 7;
+    a.handle_ack(t0, &other);
+    assert_eq!(a.poll_event(), None);
+    // Fed whole later: the data is delivered once, the ACK is no news.
+    a.handle_datagram(t0, &buf);
+    assert_eq!(a.poll_event(), Some(Event::Message(message(1, 100))));
+    assert_eq!(a.poll_event(), None);
+    let s = a.stats();
+    assert_eq!((s.messages_acked, s.old_acks, s.invalid_acks), (1, 0, 0));
+}
+
+/// Counts what the connection asks of its buffer source.
+#[derive(Default)]
+struct CountingBuffers {
+    taken: std::sync::Mutex<Vec<usize>>,
+    frozen: std::sync::atomic::AtomicUsize,
+}
+
+impl super::super::Buffers for CountingBuffers {
+    fn take(&self, len: usize) -> Vec<u8> {
+        self.taken.lock().unwrap().push(len);
+        Vec::with_capacity(len)
+    }
+    fn freeze(&self, buf: Vec<u8>) -> Bytes {
+        self.frozen
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Bytes::from(buf)
+    }
+}
+
+#[test]
+fn multi_datagram_messages_use_the_buffer_source_within_a_window() {
+    let cfg = Config {
+        max_datagram: 572,
+        send_window: 8,
+        recv_window: 8,
+        ..Config::default()
+    };
+    let t0 = Instant::now();
+    let mut a = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    let mut b = Connection::new(cfg.clone(), ids(1, 0), 0, 0, t0).unwrap();
+    let bufs = std::sync::Arc::new(CountingBuffers::default());
+    b.set_buffers(bufs.clone());
+    let window_bytes = 8 * cfg.chunk_payload();
+    // Fits a receive window: one buffer of the whole length, frozen once.
+    // Larger: grows as data comes (the source is not asked to reserve it).
+    let sizes = [window_bytes, window_bytes + 1, 100];
+    for (i, len) in sizes.iter().enumerate() {
+        a.send(t0, message(i as u64, *len)).unwrap();
+    }
+    let mut buf = Vec::new();
+    let mut got = Vec::new();
+    for _ in 0..1000 {
+        while a.poll_transmit(t0, &mut buf).is_some() {
+            b.handle_datagram(t0, &buf);
+        }
+        while b.poll_transmit(t0, &mut buf).is_some() {
+            a.handle_datagram(t0, &buf);
+        }
+        while let Some(e) = b.poll_event() {
+            got.push(e);
+        }
+        if got.len() == sizes.len() {
+            break;
+        }
+    }
+    let want: Vec<Event> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, len)| Event::Message(message(i as u64, *len)))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(*bufs.taken.lock().unwrap(), vec![window_bytes]);
+    // Both multi-datagram messages are handed over through the source.
+    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 2);
+}
+
+#[test]
 fn foreign_and_broken_datagrams_are_counted() {
     let t0 = Instant::now();
     let mut c = Connection::new(Config::default(), ids(0, 1), 0, 0, t0).unwrap();
