@@ -27,8 +27,10 @@ cargo clippy --all-targets -- -D warnings
 # The example tests run the example binaries (target/debug/examples/NAME),
 # which a test build alone does not leave there on a fresh checkout.
 cargo build --examples --bins
-cargo test --all-targets
-cargo test --doc
+# A watchdog, not a speed limit: a hung test fails the run in bounded time
+# (the whole suite takes a few minutes).
+timeout -k 30 1500 cargo test --all-targets
+timeout -k 30 600 cargo test --doc
 RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test --lib loom
 
 after=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)

@@ -54,7 +54,7 @@ impl Endpoint {
     /// the peer's FIFO (shared memory) and cannot be lost by this process.
     /// Messages on one tag from one sender arrive in send order.
     ///
-    /// On `sm`, a message of `BTL_SM_CMA_MIN` bytes (64 KiB) or more goes by
+    /// On `sm`, a message of `BTL_SM_CMA_MIN` bytes (16 KiB) or more goes by
     /// rendezvous where the kernel allows cross-memory copies: the receiver
     /// copies it straight out of `data` (one copy instead of two), and the
     /// future resolves once it has. `data` is kept alive until then even if

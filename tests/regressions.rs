@@ -23,11 +23,14 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
         .expect("fabrics open")
 }
 
+/// Tiny pools and budgets. Single copy is off: these cases are about
+/// fragments (with it, a large send would wait for the receiver's copy).
 fn small() -> Config {
     Config {
         sm_eager_count: 4,
         sm_max_size: 32 * 1024,
         sm_max_count: 1,
+        sm_cma_min: usize::MAX,
         recv_budget: 1024,
         ..Config::default()
     }
