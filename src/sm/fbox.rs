@@ -9,9 +9,10 @@
 //! far it read on a line of its own, which the sender re-reads only when it
 //! believes the box is full).
 //!
-//! Layout (in the receiver's segment; every `u64` word is accessed
-//! atomically, so no byte of it is ever read while another process writes
-//! it non-atomically):
+//! Layout (in the receiver's segment; marks, tag, length and `consumed`
+//! are accessed atomically, payload bytes by bulk copies that the marks
+//! order: the sender writes a slot's payload only after the receiver
+//! released it, the receiver reads it only after its head mark):
 //!
 //! ```text
 //! word 0        consumed: slots the receiver is done with (written by the receiver)
@@ -38,6 +39,7 @@
 //! as the delivery, so the next message on the other path cannot be
 //! delivered first.
 
+use crate::mem::RawBuf;
 use crate::sync::{AtomicU64, Ordering};
 
 /// Slots per box in a segment (16 KiB of slots).
@@ -80,6 +82,8 @@ pub(crate) struct Corrupt;
 #[derive(Clone, Copy)]
 pub(crate) struct FBox<'a> {
     words: &'a [AtomicU64],
+    /// The same memory as `words`, for the payload copies.
+    raw: RawBuf,
     slots: u64,
 }
 
@@ -107,11 +111,40 @@ pub(crate) struct Found {
 
 impl<'a> FBox<'a> {
     /// A box over `words`: the lead words and a whole number of slots
-    /// ([`BOX_WORDS`] in a segment; fewer slots in model tests).
-    pub(crate) fn new(words: &'a [AtomicU64]) -> Option<FBox<'a>> {
+    /// ([`BOX_WORDS`] in a segment; fewer slots in model tests). `raw` must
+    /// be the same memory (checked: same address and length).
+    pub(crate) fn new(words: &'a [AtomicU64], raw: RawBuf) -> Option<FBox<'a>> {
         let body = words.len().checked_sub(LEAD_WORDS)?;
         let slots = (body / SLOT_WORDS) as u64;
-        (body % SLOT_WORDS == 0 && slots >= 1).then_some(FBox { words, slots })
+        // (Under loom the words are models, not memory: only they are used.)
+        let same = cfg!(btl_loom)
+            || (raw.addr() == words.as_ptr() as usize && raw.len() == words.len() * 8);
+        (same && body % SLOT_WORDS == 0 && slots >= 1).then_some(FBox { words, raw, slots })
+    }
+
+    /// Byte offset in the box of word `w` of slot `n`.
+    fn offset(&self, n: u64, w: usize) -> u64 {
+        ((LEAD_WORDS + (n % self.slots) as usize * SLOT_WORDS + w) * 8) as u64
+    }
+
+    /// The payload byte ranges (offset in the box, length) of a message of
+    /// `len` bytes whose first slot is `n`: the rest of the first slot
+    /// after mark, tag and length, then each further slot after its mark.
+    fn payload_ranges(&self, n: u64, len: usize) -> impl Iterator<Item = (u64, usize)> + 'a {
+        let me = *self;
+        let first = (
+            me.offset(n, SLOT_WORDS - FIRST_WORDS),
+            len.min(FIRST_WORDS * 8),
+        );
+        let rest = len.saturating_sub(FIRST_WORDS * 8);
+        let conts = (0..rest.div_ceil(CONT_WORDS * 8)).map(move |i| {
+            let done = i * CONT_WORDS * 8;
+            (
+                me.offset(n + 1 + i as u64, 1),
+                (rest - done).min(CONT_WORDS * 8),
+            )
+        });
+        std::iter::once(first).chain(conts)
     }
 
     fn slot(&self, n: u64) -> &'a [AtomicU64] {
@@ -119,28 +152,43 @@ impl<'a> FBox<'a> {
         &self.words[start..start + SLOT_WORDS]
     }
 
-    fn consumed(&self) -> &'a AtomicU64 {
-        &self.words[0]
+    /// Copy payload bytes into the box at byte offset `off` (in range:
+    /// `offset` stays inside the box for any slot number, and a message
+    /// never runs past the last slot).
+    #[cfg(not(btl_loom))]
+    fn copy_in(&self, off: u64, data: &[u8]) {
+        let _ = self.raw.write(off, data);
     }
 
-    /// The payload words of the message whose first slot is `n`, in order
-    /// (its slots are contiguous: a message never wraps).
-    fn payload_words(&self, n: u64, len: usize) -> impl Iterator<Item = &'a AtomicU64> + 'a {
-        let start = LEAD_WORDS + (n % self.slots) as usize * SLOT_WORDS;
-        let end = start + slots_for(len) as usize * SLOT_WORDS;
-        // Skip each slot's mark, and the tag and length of the first.
-        let skip = SLOT_WORDS - FIRST_WORDS;
-        self.words[start..end]
-            .iter()
-            .enumerate()
-            .filter(move |(i, _)| {
-                if *i < SLOT_WORDS {
-                    *i >= skip
-                } else {
-                    i % SLOT_WORDS != 0
-                }
-            })
-            .map(|(_, w)| w)
+    /// Copy payload bytes out of the box at byte offset `off`.
+    #[cfg(not(btl_loom))]
+    fn copy_out(&self, off: u64, out: &mut [u8]) {
+        let _ = self.raw.read(off, out);
+    }
+
+    /// Under loom, payload words are models too: copy word by word (`off`
+    /// and lengths are whole words except a message's last piece).
+    #[cfg(btl_loom)]
+    fn copy_in(&self, off: u64, data: &[u8]) {
+        let first = off as usize / 8;
+        for (i, chunk) in data.chunks(8).enumerate() {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.words[first + i].store(u64::from_le_bytes(b), Ordering::Relaxed);
+        }
+    }
+
+    #[cfg(btl_loom)]
+    fn copy_out(&self, off: u64, out: &mut [u8]) {
+        let first = off as usize / 8;
+        for (i, chunk) in out.chunks_mut(8).enumerate() {
+            let b = self.words[first + i].load(Ordering::Relaxed).to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+    }
+
+    fn consumed(&self) -> &'a AtomicU64 {
+        &self.words[0]
     }
 
     /// Re-read how far the receiver got.
@@ -205,18 +253,10 @@ impl<'a> FBox<'a> {
         let head = self.slot(n);
         head[1].store(tag, Ordering::Relaxed);
         head[2].store(data.len() as u64, Ordering::Relaxed);
-        let mut words = self.payload_words(n, data.len());
-        let whole = data.chunks_exact(8);
-        let tail = whole.remainder();
-        // Chunks first: `zip` must not take a word it then drops.
-        for (chunk, w) in whole.zip(words.by_ref()) {
-            let b: [u8; 8] = chunk.try_into().unwrap_or_default();
-            w.store(u64::from_le_bytes(b), Ordering::Relaxed);
-        }
-        if let (Some(w), false) = (words.next(), tail.is_empty()) {
-            let mut b = [0u8; 8];
-            b[..tail.len()].copy_from_slice(tail);
-            w.store(u64::from_le_bytes(b), Ordering::Relaxed);
+        let mut at = 0;
+        for (off, n) in self.payload_ranges(n, data.len()) {
+            self.copy_in(off, &data[at..at + n]);
+            at += n;
         }
         st.next += k;
         // Release pairs with the receiver's Acquire load in `peek`: every
@@ -251,16 +291,10 @@ impl<'a> FBox<'a> {
 
     /// Copy the payload of the message `peek` found into `out` (its length).
     pub(crate) fn read(&self, st: &Receiver, out: &mut [u8]) {
-        let mut words = self.payload_words(st.next, out.len());
-        let mut whole = out.chunks_exact_mut(8);
-        // Chunks first: `zip` must not take a word it then drops.
-        for (chunk, w) in whole.by_ref().zip(words.by_ref()) {
-            chunk.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
-        }
-        let tail = whole.into_remainder();
-        if let (Some(w), false) = (words.next(), tail.is_empty()) {
-            let b = w.load(Ordering::Relaxed).to_le_bytes();
-            tail.copy_from_slice(&b[..tail.len()]);
+        let mut at = 0;
+        for (off, n) in self.payload_ranges(st.next, out.len()) {
+            self.copy_out(off, &mut out[at..at + n]);
+            at += n;
         }
     }
 
@@ -298,7 +332,11 @@ pub(crate) mod testing {
             )
         }
         pub(crate) fn fbox(&self) -> FBox<'_> {
-            FBox::new(&self.0).expect("right size")
+            // SAFETY: the vector's memory is valid for reads and writes while
+            // `self` lives, which the returned box borrows. (Under loom the
+            // words are models and the box never uses this range.)
+            let raw = unsafe { RawBuf::new(self.0.as_ptr() as *mut u8, self.0.len() * 8) };
+            FBox::new(&self.0, raw).expect("right size")
         }
     }
 }

@@ -359,10 +359,10 @@ impl Segment {
     /// The fast box that local rank `from` writes into this segment.
     pub(crate) fn fbox(&self, from: u32) -> super::fbox::FBox<'_> {
         let off = self.layout.fbox_off + from as usize * super::fbox::BOX_BYTES;
-        self.file
-            .raw_ref()
-            .atomics_u64(off, super::fbox::BOX_WORDS)
-            .and_then(super::fbox::FBox::new)
+        let raw = self.file.raw_ref();
+        raw.atomics_u64(off, super::fbox::BOX_WORDS)
+            .zip(raw.slice(off as u64, super::fbox::BOX_BYTES).ok())
+            .and_then(|(words, bytes)| super::fbox::FBox::new(words, bytes))
             .expect("fast-box offsets come from a validated layout and are in range")
     }
 
