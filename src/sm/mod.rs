@@ -287,7 +287,7 @@ impl SmTransport {
             // fail instead of waiting for fragments we will never return.
             self.seg.refused(peer.local).store(1, Ordering::Release);
         }
-        self.with_tx(|tx| tx.peer_lost(peer));
+        self.with_tx(|tx| tx.peer_lost(peer, how == Loss::Crashed));
         lock(&self.rx).peer_lost(peer.local);
         if how == Loss::Crashed {
             peer.seg.unlink();

@@ -325,8 +325,10 @@ impl RxState {
                 answer(t, p, handle, true);
                 Step::Took
             }
-            // The sender is exiting: the liveness check will say so.
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Step::Blocked,
+            // The sender is exiting: the liveness check will say so. (A
+            // live one that the kernel cannot find, as from another PID
+            // namespace, is a refusal like any other.)
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) && p.watch.exited() => Step::Blocked,
             Err(e) => {
                 tracing::info!(
                     peer = p.rank,

@@ -193,7 +193,10 @@ impl TxState {
     }
 
     fn take(&mut self, d: u32, want_eager: bool, ch: usize) -> Option<usize> {
-        if self.inflight[d as usize] >= self.cap {
+        // The per-destination cap is for user messages: control messages
+        // (answers, barriers, the data of a refused rendezvous) must still
+        // reach a receiver that holds our share of the pool.
+        if ch == USER && self.inflight[d as usize] >= self.cap {
             return None;
         }
         // User messages leave the last few eager fragments to control
@@ -387,8 +390,9 @@ impl TxState {
         } else {
             0
         };
+        let capped = channel(kind) == USER && self.inflight[peer.local as usize] >= self.cap;
         let fits = |s: &Self| {
-            s.inflight[peer.local as usize] < s.cap
+            !capped
                 && if need_max {
                     !s.free_max.is_empty()
                 } else {
@@ -580,12 +584,22 @@ impl TxState {
         t.peer_list().iter().flatten().all(|p| {
             let l = p.local as usize;
             let returns_empty = t.seg.returns(p.local).looks_empty(&self.ret[l]);
-            let no_frag = !can_push || self.inflight[l] >= self.cap;
             // User messages also wait on the peer's fast box, which rings us
-            // when it takes from it.
+            // when it takes from it. A head that fits the box needs no
+            // fragment: it is stuck only while the box is busy.
             let box_busy = !p.seg.fbox(t.seg.local_rank).looks_drained(&self.fb[l]);
-            let user_stuck = self.queues[l * CHANNELS + USER].is_empty() || no_frag || box_busy;
-            let control_stuck = self.queues[l * CHANNELS + USER + 1].is_empty() || no_frag;
+            let user_stuck = match self.queues[l * CHANNELS + USER].front() {
+                None => true,
+                Some(h)
+                    if h.kind == Kind::User
+                        && !h.at.started
+                        && h.data.len() <= fbox::MAX_PAYLOAD =>
+                {
+                    box_busy
+                }
+                Some(_) => !can_push || self.inflight[l] >= self.cap || box_busy,
+            };
+            let control_stuck = self.queues[l * CHANNELS + USER + 1].is_empty() || !can_push;
             let stuck = p.is_lost() || (user_stuck && control_stuck);
             returns_empty && stuck
         })
@@ -611,7 +625,11 @@ impl TxState {
     }
 
     /// Fail the lost peer's queues and take back the fragments it held.
-    pub(crate) fn peer_lost(&mut self, peer: &SmPeer) {
+    /// `crashed`: its process is gone. Otherwise it may still be running
+    /// (closed, cut off) and in the middle of copying a rendezvous message
+    /// out of our memory, so those buffers are leaked, never freed (like
+    /// the quarantine of single-copy regions).
+    pub(crate) fn peer_lost(&mut self, peer: &SmPeer, crashed: bool) {
         for ch in 0..CHANNELS {
             let queue = &mut self.queues[peer.local as usize * CHANNELS + ch];
             self.queued -= queue.len();
@@ -624,13 +642,20 @@ impl TxState {
                 self.free(i);
             }
         }
-        self.rndv.retain(|_, r| {
-            let theirs = r.peer == peer.local;
-            if theirs {
+        let theirs: Vec<u64> = self
+            .rndv
+            .iter()
+            .filter(|(_, r)| r.peer == peer.local)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in theirs {
+            if let Some(r) = self.rndv.remove(&h) {
                 r.done.complete(Err(peer.lost_error()));
+                if !crashed {
+                    std::mem::forget(r.data);
+                }
             }
-            !theirs
-        });
+        }
     }
 
     /// Fail everything still queued (the fabric is closing).
@@ -641,8 +666,11 @@ impl TxState {
                 m.done.complete(Err(Error::Closed));
             }
         }
+        // Peers may still be copying these out of our memory: leak them
+        // rather than free them under a running reader.
         for (_, r) in self.rndv.drain() {
             r.done.complete(Err(Error::Closed));
+            std::mem::forget(r.data);
         }
     }
 }
