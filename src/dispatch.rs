@@ -88,6 +88,12 @@ pub(crate) struct Dispatcher {
     policy: Hot,
 }
 
+/// What a queued message counts against the receive budgets: its bytes and
+/// a fixed charge for its bookkeeping, so that empty messages are not free.
+fn cost(len: usize) -> usize {
+    len.saturating_add(64)
+}
+
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
 
@@ -239,6 +245,7 @@ impl Dispatcher {
     /// together have room, and everything empty always has room, so any
     /// single message gets through.
     fn room(&self, queued: usize, len: usize) -> (bool, bool) {
+        let len = cost(len);
         let total = self.total.load(Ordering::Relaxed);
         let tag_ok = queued == 0 || queued + len <= self.budget;
         let all_ok = total == 0 || total + len <= self.total_budget;
@@ -258,10 +265,16 @@ impl Dispatcher {
     /// Whether a message of `len` bytes for `tag` may be accepted now.
     pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
         let mut tags = lock(&self.tags);
-        let q = tags.entry(tag).or_default();
-        let (tag_ok, all_ok) = self.room(q.bytes, len);
-        if !(tag_ok && all_ok) {
-            self.refuse(q, tag_ok);
+        // No entry is made for a tag only asked about: a peer naming many
+        // tags must not grow the table.
+        let queued = tags.get(&tag).map_or(0, |q| q.bytes);
+        let (tag_ok, all_ok) = self.room(queued, len);
+        if !tag_ok {
+            if let Some(q) = tags.get_mut(&tag) {
+                self.refuse(q, false);
+            }
+        } else if !all_ok {
+            self.starved.store(true, Ordering::Relaxed);
         }
         tag_ok && all_ok
     }
@@ -277,8 +290,9 @@ impl Dispatcher {
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
-            q.bytes += msg.data.len();
-            self.total.fetch_add(msg.data.len(), Ordering::Relaxed);
+            q.bytes += cost(msg.data.len());
+            self.total
+                .fetch_add(cost(msg.data.len()), Ordering::Relaxed);
             q.items.push_back(Ok(msg));
             q.waker.take()
         };
@@ -306,8 +320,8 @@ impl Dispatcher {
                 return false;
             }
             let data = make();
-            q.bytes += data.len();
-            self.total.fetch_add(data.len(), Ordering::Relaxed);
+            q.bytes += cost(data.len());
+            self.total.fetch_add(cost(data.len()), Ordering::Relaxed);
             q.items.push_back(Ok(Message { src, tag, data }));
             q.waker.take()
         };
@@ -373,8 +387,8 @@ impl Dispatcher {
         match q.items.pop_front() {
             Some(item) => {
                 if let Ok(m) = &item {
-                    q.bytes -= m.data.len();
-                    self.total.fetch_sub(m.data.len(), Ordering::Relaxed);
+                    q.bytes -= cost(m.data.len());
+                    self.total.fetch_sub(cost(m.data.len()), Ordering::Relaxed);
                 }
                 // Load first: a swap on every pop would cost an atomic
                 // read-modify-write per message.

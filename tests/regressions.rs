@@ -253,7 +253,7 @@ async fn r6_udp_full_tag_does_not_block_barrier_or_get() {
 async fn r7_messages_over_many_tags_stay_within_the_total_budget() {
     let c = Config {
         recv_budget: 1 << 20,
-        recv_total_budget: 64 * 8,
+        recv_total_budget: 64 * (8 + 64),
         ..Config::default()
     };
     let f = job(2, c).await;
