@@ -267,7 +267,7 @@ async fn r7_messages_over_many_tags_stay_within_the_total_budget() {
     assert_eq!(
         f[1].stats().recvs,
         64,
-        "64 messages of 8 B fill the 512 B budget"
+        "64 messages of 8 B (and 64 B of bookkeeping each) fill the budget"
     );
     for t in 0..80u64 {
         let mut rx = f[1].receiver(100 + t).unwrap();
