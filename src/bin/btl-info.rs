@@ -94,7 +94,14 @@ fn render_text(r: &Report) -> String {
         "  sm max          {} x {} B",
         l.sm_max_count, l.sm_max_size
     ));
-    out.push(format!("  receive budget  {} B per tag", l.recv_budget));
+    out.push(format!(
+        "  sm paths        fast box up to {} B, fragments, single copy from {} B",
+        l.sm_fast_box_max, l.sm_single_copy_min
+    ));
+    out.push(format!(
+        "  receive budget  {} B per tag, {} B in all",
+        l.recv_budget, l.recv_total_budget
+    ));
     out.push(format!(
         "  timeouts        boot {} ms, close {} ms",
         l.boot_timeout_ms, l.close_timeout_ms

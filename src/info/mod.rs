@@ -76,6 +76,13 @@ pub struct Limits {
     pub sm_max_count: usize,
     /// Bytes received but not consumed per tag before senders are held back.
     pub recv_budget: usize,
+    /// The same for all tags together.
+    pub recv_total_budget: usize,
+    /// Shared memory: largest message that goes through a fast box.
+    pub sm_fast_box_max: usize,
+    /// Shared memory: sends (and put/get to registered buffers) of at least
+    /// this many bytes use a single kernel copy where allowed.
+    pub sm_single_copy_min: usize,
     /// Address exchange limit at start-up, in milliseconds.
     pub boot_timeout_ms: u64,
     /// Limit on `Fabric::close`, in milliseconds.
@@ -101,6 +108,9 @@ impl From<&Config> for Limits {
             sm_max_size: c.sm_max_size,
             sm_max_count: c.sm_max_count,
             recv_budget: c.recv_budget,
+            recv_total_budget: c.recv_total_budget,
+            sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
+            sm_single_copy_min: c.sm_cma_min,
             boot_timeout_ms: ms(c.boot_timeout),
             close_timeout_ms: ms(c.close_timeout),
             allowed_transports: c.transports.clone(),
