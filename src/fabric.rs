@@ -89,7 +89,8 @@ impl Core {
     }
 
     /// Accept a user message of `len` bytes if its tag has room (see
-    /// [`crate::dispatch::Dispatcher::offer`]).
+    /// [`crate::dispatch::Dispatcher::offer`]). Not counted in `recvs`: the
+    /// caller adds what it took, once per batch.
     pub(crate) fn offer(
         &self,
         src: Rank,
@@ -97,11 +98,7 @@ impl Core {
         len: usize,
         make: impl FnOnce() -> Bytes,
     ) -> bool {
-        let taken = self.dispatcher.offer(src, tag, len, make);
-        if taken {
-            Counters::bump(&self.counters.recvs);
-        }
-        taken
+        self.dispatcher.offer(src, tag, len, make)
     }
 
     /// A complete message arrived from `src`.

@@ -62,7 +62,8 @@ pub struct Stats {
     pub peers_lost: u64,
     /// Messages sent.
     pub sends: u64,
-    /// Messages received and queued for a tag.
+    /// Messages received and queued for a tag (fast-box messages are added
+    /// at the end of the progress call that took them).
     pub recvs: u64,
     /// put operations done by direct copy into a mapped region.
     pub direct_puts: u64,

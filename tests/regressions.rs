@@ -277,5 +277,4 @@ async fn r7_messages_over_many_tags_stay_within_the_total_budget() {
             .unwrap();
         assert_eq!(m.data, Bytes::copy_from_slice(&t.to_le_bytes()));
     }
-    assert_eq!(f[1].stats().recvs, 80);
 }
