@@ -146,22 +146,7 @@ async fn putget(f: Fabric) {
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Access(_)), "{e}");
-        // A forged key claiming a huge length: the target refuses it.
-        let mut big = heap.to_bytes();
-        big.truncate(17);
-        big.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
-        let forged = RemoteKey::from_bytes(&big).unwrap();
-        let e = ep
-            .put(&src, 0..64, &forged, (1 << 20) - 32)
-            .await
-            .unwrap_err();
-        assert!(matches!(e, Error::Access(_)), "forged length: {e}");
-        // A forged id: unknown at the target.
-        let mut bad = heap.to_bytes();
-        bad[5] ^= 0x55;
-        let forged = RemoteKey::from_bytes(&bad).unwrap();
-        let e = ep.get(&back, 0..64, &forged, 0).await.unwrap_err();
-        assert!(matches!(e, Error::Access(_)), "forged id: {e}");
+        assert_forged_keys_refused(&ep, &src, &back, &heap, 1 << 20).await;
         let s = f.stats();
         println!(
             "direct_puts={}\nemulated_puts={}",

@@ -188,15 +188,8 @@ fn launch_self(args: &Args) -> ExitCode {
     if std::io::stdout().is_terminal() {
         job = job.env(TTY_VAR, "1");
     }
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("btl-perf: cannot start a runtime: {e}");
-            return ExitCode::from(1);
-        }
+    let Some(rt) = runtime() else {
+        return ExitCode::from(1);
     };
     match rt.block_on(job.run()) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -249,15 +242,8 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
     let bar = (rank == 0)
         .then(|| progress_bar(settings.steps()))
         .flatten();
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("btl-perf: cannot start a runtime: {e}");
-            return ExitCode::from(1);
-        }
+    let Some(rt) = runtime() else {
+        return ExitCode::from(1);
     };
     let mut tick = |what: &str| {
         if let Some(b) = &bar {
@@ -318,4 +304,19 @@ fn progress_bar(steps: u64) -> Option<indicatif::ProgressBar> {
         bar.set_style(style);
     }
     Some(bar)
+}
+
+/// The one-thread tokio runtime each rank measures on (`None`, said why, if
+/// it cannot start).
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("btl-perf: cannot start a runtime: {e}");
+            None
+        }
+    }
 }

@@ -452,7 +452,7 @@ pub async fn connect_baselines(
     } else {
         (None, [0, 0])
     };
-    let out = if fabric.rank() == 1 {
+    let (mut out, theirs) = if fabric.rank() == 1 {
         let tcp = TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(io("binding the TCP baseline listener"))?;
@@ -497,11 +497,7 @@ pub async fn connect_baselines(
             };
             out.push((*b, w));
         }
-        if let Some(u) = udp {
-            u.connect(theirs).await?;
-            out.push((Baseline::Udp, SocketWire::Udp(u)));
-        }
-        out
+        (out, theirs)
     } else {
         let text = rx.recv().await?.data;
         let text = String::from_utf8_lossy(&text).into_owned();
@@ -544,14 +540,13 @@ pub async fn connect_baselines(
             };
             out.push((*b, w));
         }
-        if let Some(u) = udp {
-            u.connect(theirs).await?;
-            out.push((Baseline::Udp, SocketWire::Udp(u)));
-        }
-        out
+        (out, theirs)
     };
+    if let Some(u) = udp {
+        u.connect(theirs).await?;
+        out.push((Baseline::Udp, SocketWire::Udp(u)));
+    }
     // Keep the report order the caller asked for.
-    let mut out = out;
     out.sort_by_key(|(b, _)| which.iter().position(|x| x == b));
     Ok(out)
 }

@@ -334,3 +334,28 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
     assert!(e.is_peer_lost(), "get after the loss: {e}");
     drop(f);
 }
+
+/// Forged keys reach nothing: one claiming a huge length (put just inside
+/// it, past the real region of `len` bytes) and one with a changed id (get)
+/// are both refused by the target with `Error::Access`.
+pub async fn assert_forged_keys_refused(
+    ep: &async_btl::Endpoint,
+    src: &async_btl::MemoryRegion,
+    back: &async_btl::MemoryRegion,
+    key: &async_btl::RemoteKey,
+    len: u64,
+) {
+    use async_btl::{Error, RemoteKey};
+    let mut big = key.to_bytes();
+    // postcard varint of owner (1 byte) + 16 id bytes, then the length varint.
+    big.truncate(17);
+    big.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
+    let forged = RemoteKey::from_bytes(&big).unwrap();
+    let e = ep.put(src, 0..64, &forged, len - 32).await.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "forged length: {e}");
+    let mut bad = key.to_bytes();
+    bad[5] ^= 0x55;
+    let forged = RemoteKey::from_bytes(&bad).unwrap();
+    let e = ep.get(back, 0..64, &forged, 0).await.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "forged id: {e}");
+}
