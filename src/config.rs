@@ -60,6 +60,13 @@ pub struct Config {
     /// fragments in latency here (16 KiB ping-pong 4.6 → 3.2 µs). Env:
     /// `BTL_SM_CMA_MIN` (a huge value turns CMA off).
     pub sm_cma_min: usize,
+    /// Shared memory: rendezvous sends of at least this many bytes are
+    /// copied by both processes at once (the receiver reads the head, the
+    /// sender writes the tail into the receiver's buffer; see ARCHITECTURE),
+    /// so two cores run the kernel's copy instead of one. A sender that does
+    /// not take its part in time leaves it to the receiver. Env:
+    /// `BTL_SM_SPLIT_MIN` (a huge value turns it off).
+    pub sm_split_min: usize,
     /// Bytes of received but not yet consumed messages kept per tag before the
     /// transports stop reading from that sender (backpressure). Env: `BTL_RECV_BUDGET`.
     pub recv_budget: usize,
@@ -109,6 +116,7 @@ impl Default for Config {
             sm_max_size: 128 * 1024,
             sm_max_count: 16,
             sm_cma_min: 16 * 1024,
+            sm_split_min: 128 * 1024,
             recv_budget: 32 << 20,
             recv_total_budget: 1 << 30,
             boot_timeout: Duration::from_secs(30),
@@ -180,6 +188,7 @@ impl Config {
             ("BTL_RECV_BUDGET", &mut c.recv_budget),
             ("BTL_RECV_TOTAL_BUDGET", &mut c.recv_total_budget),
             ("BTL_SM_CMA_MIN", &mut c.sm_cma_min),
+            ("BTL_SM_SPLIT_MIN", &mut c.sm_split_min),
         ] {
             if let Some(v) = get(k) {
                 *f = parse(k, &v)?;

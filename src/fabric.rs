@@ -119,7 +119,7 @@ impl Core {
                 lock(&self.sync).byes.insert(src);
                 self.sync_notify.notify_waiters();
             }
-            Kind::UserCma | Kind::CmaDone | Kind::CmaData => {
+            Kind::UserCma | Kind::CmaDone | Kind::CmaData | Kind::CmaSplit => {
                 // The shared-memory rendezvous handles these itself; over any
                 // other transport they are a peer's mistake.
                 Counters::bump(&self.counters.bad_frames);

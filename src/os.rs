@@ -200,3 +200,137 @@ pub(crate) fn cma_read_into(
     unsafe { dst.set_len(dst.len() + n) };
     Ok(())
 }
+
+/// Write `src` into process `pid` at `remote_addr` by single copy
+/// (`process_vm_writev`). The kernel checks the remote range (EFAULT) and
+/// our right to touch that process (EPERM).
+pub(crate) fn cma_write_from(pid: u32, remote_addr: u64, src: &[u8]) -> std::io::Result<()> {
+    let mut done = 0usize;
+    while done < src.len() {
+        let rest = &src[done..];
+        let liov = libc::iovec {
+            iov_base: rest.as_ptr() as *mut libc::c_void,
+            iov_len: rest.len(),
+        };
+        let riov = libc::iovec {
+            iov_base: (remote_addr as usize).wrapping_add(done) as *mut libc::c_void,
+            iov_len: rest.len(),
+        };
+        // SAFETY: `liov` describes `rest`, a live shared slice that the
+        // kernel only reads (process_vm_writev never writes its local side);
+        // the remote iovec is only dereferenced by the kernel, inside the
+        // other process, with its own checks. One iovec each side; flags 0.
+        let r = unsafe { libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if r == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "cross-memory copy made no progress",
+            ));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
+/// A receive buffer whose tail another process may be writing by single
+/// copy (the `sm` split copy, see `sm::split`) while we fill its head.
+///
+/// The tail is never reached through a Rust reference while the buffer is
+/// out, only by address, and dropping a `SplitBuf` *leaks* the buffer: the
+/// other process might still write there. Only [`SplitBuf::complete`] and
+/// [`SplitBuf::reclaim`], whose callers vouch that no write is under way,
+/// give the memory back.
+pub(crate) struct SplitBuf {
+    buf: std::mem::ManuallyDrop<Vec<u8>>,
+    head: usize,
+    len: usize,
+}
+
+impl SplitBuf {
+    /// Use `buf` (emptied; its capacity grows to `len` first) for a message
+    /// of `len` bytes whose first `head` bytes we copy ourselves.
+    pub(crate) fn new(mut buf: Vec<u8>, len: usize, head: usize) -> SplitBuf {
+        buf.clear();
+        buf.reserve_exact(len);
+        SplitBuf {
+            buf: std::mem::ManuallyDrop::new(buf),
+            head: head.min(len),
+            len,
+        }
+    }
+
+    /// Bytes in the head (ours to copy).
+    pub(crate) fn head(&self) -> usize {
+        self.head
+    }
+
+    /// Bytes in the whole message.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Where the tail starts, for the process asked to write it.
+    pub(crate) fn tail_addr(&self) -> u64 {
+        // An address only: no reference into the tail is made.
+        self.buf.as_ptr() as u64 + self.head as u64
+    }
+
+    /// The raw range `[from, to)` of the allocation, made without a
+    /// reference to any byte (the tail may be written concurrently).
+    fn range(&mut self, from: usize, to: usize) -> crate::mem::RawBuf {
+        let base = self.buf.as_mut_ptr();
+        // SAFETY: from <= to <= len <= capacity (callers pass head/len), so
+        // the range lies inside the allocation, which stays put: nothing
+        // grows or frees `buf` while this struct holds it. Its only other
+        // writer is the kernel on behalf of the process that claimed the
+        // *other* part (the tail while we fill the head; nobody once taken
+        // back), never through a Rust reference.
+        unsafe { crate::mem::RawBuf::new(base.add(from), to - from) }
+    }
+
+    /// Copy the head from `remote_addr` in process `pid`.
+    pub(crate) fn read_head(&mut self, pid: u32, remote_addr: u64) -> std::io::Result<()> {
+        let raw = self.range(0, self.head);
+        cma_copy(Cma::Read, pid, raw, remote_addr)
+    }
+
+    /// Copy the tail ourselves from `remote_addr` (the start of the tail in
+    /// process `pid`), once it was taken back from the other process.
+    pub(crate) fn read_tail(&mut self, pid: u32, remote_addr: u64) -> std::io::Result<()> {
+        let raw = self.range(self.head, self.len);
+        cma_copy(Cma::Read, pid, raw, remote_addr)
+    }
+
+    /// The whole message.
+    ///
+    /// # Safety
+    /// The head was read ([`read_head`](Self::read_head) returned Ok) and
+    /// the tail is written and no longer being written: by us
+    /// ([`read_tail`](Self::read_tail) returned Ok), or by the other
+    /// process, which said so (`DONE` in the split word, loaded with
+    /// Acquire after its `process_vm_writev` of every tail byte returned).
+    pub(crate) unsafe fn complete(mut self) -> Vec<u8> {
+        let len = self.len;
+        // SAFETY: the caller vouches all `len` bytes are initialised and
+        // that no write is under way; the Vec's capacity is at least len.
+        unsafe { self.buf.set_len(len) };
+        // SAFETY: taken once, and `self` (which has no Drop of its own)
+        // ends here, so the ManuallyDrop is never used again.
+        unsafe { std::mem::ManuallyDrop::take(&mut self.buf) }
+    }
+
+    /// Give the (empty) buffer back for other uses.
+    ///
+    /// # Safety
+    /// No other process writes into the buffer any more: the tail was taken
+    /// back before anyone claimed it, or its writer finished (`DONE` or
+    /// `FAILED`).
+    pub(crate) unsafe fn reclaim(mut self) -> Vec<u8> {
+        // SAFETY: as in `complete`; the length stays 0 (nothing claimed as
+        // initialised).
+        unsafe { std::mem::ManuallyDrop::take(&mut self.buf) }
+    }
+}

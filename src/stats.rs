@@ -20,6 +20,8 @@ pub(crate) struct Counters {
     pub(crate) foreign_datagrams: AtomicU64,
     pub(crate) fast_box_recvs: AtomicU64,
     pub(crate) rendezvous_sends: AtomicU64,
+    pub(crate) split_tails_written: AtomicU64,
+    pub(crate) split_tails_taken_back: AtomicU64,
 }
 
 impl Counters {
@@ -46,6 +48,8 @@ impl Counters {
             foreign_datagrams: g(&self.foreign_datagrams),
             fast_box_recvs: g(&self.fast_box_recvs),
             rendezvous_sends: g(&self.rendezvous_sends),
+            split_tails_written: g(&self.split_tails_written),
+            split_tails_taken_back: g(&self.split_tails_taken_back),
         }
     }
 }
@@ -89,4 +93,10 @@ pub struct Stats {
     /// Large messages sent by rendezvous: announced, then copied by the
     /// receiver straight from the sender's memory (single copy, CMA).
     pub rendezvous_sends: u64,
+    /// Received rendezvous messages whose tail the sender wrote into our
+    /// buffer while we read the head (split copy: both cores copying).
+    pub split_tails_written: u64,
+    /// Offered tails the sender did not take in time (or could not write),
+    /// which we then copied ourselves.
+    pub split_tails_taken_back: u64,
 }

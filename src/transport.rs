@@ -63,6 +63,10 @@ pub(crate) enum Kind {
     CmaDone = 10,
     /// The data of a refused [`Kind::UserCma`], carried after all.
     CmaData = 11,
+    /// The receiver of a [`Kind::UserCma`] asks the sender to write the
+    /// message's tail into its buffer while it reads the head (`sm`'s split
+    /// copy): handle, destination address, offset and length.
+    CmaSplit = 12,
 }
 
 impl Kind {
@@ -81,6 +85,7 @@ impl Kind {
             9 => Kind::UserCma,
             10 => Kind::CmaDone,
             11 => Kind::CmaData,
+            12 => Kind::CmaSplit,
             _ => return None,
         })
     }

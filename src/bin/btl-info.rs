@@ -95,8 +95,8 @@ fn render_text(r: &Report) -> String {
         l.sm_max_count, l.sm_max_size
     ));
     out.push(format!(
-        "  sm paths        fast box up to {} B, fragments, single copy from {} B",
-        l.sm_fast_box_max, l.sm_single_copy_min
+        "  sm paths        fast box up to {} B, fragments, single copy from {} B, split copy from {} B",
+        l.sm_fast_box_max, l.sm_single_copy_min, l.sm_split_min
     ));
     out.push(format!(
         "  receive budget  {} B per tag, {} B in all",

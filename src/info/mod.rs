@@ -83,6 +83,9 @@ pub struct Limits {
     /// Shared memory: sends (and put/get to registered buffers) of at least
     /// this many bytes use a single kernel copy where allowed.
     pub sm_single_copy_min: usize,
+    /// Shared memory: sends of at least this many bytes are copied by both
+    /// processes at once (split copy).
+    pub sm_split_min: usize,
     /// Address exchange limit at start-up, in milliseconds.
     pub boot_timeout_ms: u64,
     /// Limit on `Fabric::close`, in milliseconds.
@@ -111,6 +114,7 @@ impl From<&Config> for Limits {
             recv_total_budget: c.recv_total_budget,
             sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
             sm_single_copy_min: c.sm_cma_min,
+            sm_split_min: c.sm_split_min,
             boot_timeout_ms: ms(c.boot_timeout),
             close_timeout_ms: ms(c.close_timeout),
             allowed_transports: c.transports.clone(),

@@ -16,6 +16,7 @@
 //!
 //! ```text
 //! word 0        consumed: slots the receiver is done with (written by the receiver)
+//! word 1        the pair's split-copy word (`sm::split`; not used by the box)
 //! words 8 ..    slots of 8 words (64 bytes):
 //!   first slot of a message:  mark(HEAD), tag, length, 5 payload words
 //!   each further slot:        mark(CONT), 7 payload words
@@ -189,6 +190,13 @@ impl<'a> FBox<'a> {
 
     fn consumed(&self) -> &'a AtomicU64 {
         &self.words[0]
+    }
+
+    /// The pair's split-copy word (see `sm::split`), which shares the box's
+    /// lead line: both are per-pair words in the receiver's segment, and
+    /// the box is idle while a large message is copied.
+    pub(crate) fn split_word(&self) -> &'a AtomicU64 {
+        &self.words[1]
     }
 
     /// Re-read how far the receiver got.

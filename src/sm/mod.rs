@@ -25,6 +25,7 @@ pub(crate) mod fbox;
 pub(crate) mod frag;
 pub(crate) mod rx;
 pub(crate) mod segment;
+pub(crate) mod split;
 pub(crate) mod tx;
 
 use std::collections::HashMap;
@@ -69,6 +70,9 @@ pub(crate) struct SmPeer {
     watch: ProcWatch,
     /// Both sides allow cross-memory copies (cleared when a copy is refused).
     pub(crate) cma: AtomicBool,
+    /// Split copies with this peer are on (cleared when it could not write
+    /// a tail we offered).
+    pub(crate) split: AtomicBool,
     pub(crate) lost: AtomicBool,
 }
 
@@ -233,6 +237,7 @@ impl SmTransport {
                 bell: Bell::new(&a.bell)?,
                 watch: ProcWatch::new(a.pid),
                 cma: AtomicBool::new(a.cma && crate::os::cma_status().is_ok()),
+                split: AtomicBool::new(true),
                 lost: AtomicBool::new(false),
             });
             *slot = Some(peer.clone());

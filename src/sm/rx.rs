@@ -7,6 +7,7 @@ use bytes::Bytes;
 use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::segment::CHANNELS;
+use super::split::{self, Tail};
 use super::tx::{channel, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
@@ -35,6 +36,18 @@ struct Awaiting {
     len: usize,
 }
 
+/// A rendezvous whose tail the sender was asked to write (split copy),
+/// waiting for it; its announcement stays at the head of the user ring.
+struct SplitWait {
+    handle: u64,
+    tag: u64,
+    /// The message's address in the sender.
+    addr: u64,
+    /// The announcement's offset in the ring (released on delivery).
+    off: u64,
+    buf: crate::os::SplitBuf,
+}
+
 struct Partial {
     kind: Kind,
     tag: u64,
@@ -56,6 +69,12 @@ pub(crate) struct RxState {
     blocked: Vec<bool>,
     /// Per sender: a refused rendezvous waiting for its data.
     awaiting: Vec<Option<Awaiting>>,
+    /// Per sender: a split copy under way.
+    split: Vec<Option<SplitWait>>,
+    /// Per sender: the last rendezvous handle whose tail we offered (never
+    /// offered twice: a late request for the first offer could claim the
+    /// second and write to the first buffer).
+    offered: Vec<u64>,
     /// Fast-box messages taken in the current progress call.
     fast: u64,
     /// Peers (local ranks) caught misbehaving, to be cut off once the rx
@@ -79,6 +98,8 @@ impl RxState {
             partial: (0..n * CHANNELS).map(|_| None).collect(),
             blocked: vec![false; n],
             awaiting: vec![None; n],
+            split: (0..n).map(|_| None).collect(),
+            offered: vec![0; n],
             fast: 0,
             misbehaved: Vec::new(),
         }
@@ -162,6 +183,9 @@ impl RxState {
     fn step(&mut self, t: &SmTransport, p: &SmPeer, ch: usize) -> Step {
         let l = p.local as usize;
         let idx = l * CHANNELS + ch;
+        if ch == USER && self.split[l].is_some() {
+            return self.split_resume(t, p, idx);
+        }
         let ring = t.seg.inbound(p.local, ch);
         let off = match ring.peek(&mut self.cons[idx]) {
             Ok(Some(off)) => off,
@@ -245,6 +269,8 @@ impl RxState {
                 t.core.deliver(p.rank, part.tag, data);
             } else if part.kind == Kind::CmaData {
                 return self.rendezvous_data(t, p, part.tag, data);
+            } else if part.kind == Kind::CmaSplit {
+                return self.split_write(t, p, part.tag, &data);
             } else if part.kind == Kind::CmaDone {
                 if data.len() != 1 {
                     return Step::Bad("malformed rendezvous answer");
@@ -320,6 +346,9 @@ impl RxState {
             return Step::Blocked;
         }
         self.blocked[l] = false;
+        if let Some(head) = self.split_point(t, p, handle, len) {
+            return self.split_start(t, p, idx, off, (handle, h.tag, addr, len), head);
+        }
         // Read in slices, so the buffer grows only as real data arrives (a
         // lying length costs nothing up front).
         let mut buf = t.core.buffers.take(len.min(RESERVE_LIMIT));
@@ -330,33 +359,196 @@ impl RxState {
             copied = crate::os::cma_read_into(p.seg.pid, at, n, &mut buf);
         }
         match copied {
-            Ok(()) => {
-                if let Err(what) = self.release(t, p, idx, off) {
-                    return Step::Bad(what);
-                }
-                t.core.deliver(p.rank, h.tag, t.core.buffers.freeze(buf));
-                answer(t, p, handle, true);
-                Step::Took
-            }
-            // The sender is exiting: the liveness check will say so. (A
-            // live one that the kernel cannot find, as from another PID
-            // namespace, is a refusal like any other.)
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) && p.watch.exited() => Step::Blocked,
-            Err(e) => {
-                tracing::info!(
-                    peer = p.rank,
-                    "single copy from the peer refused ({e}): asking for the data through fragments"
-                );
-                self.awaiting[l] = Some(Awaiting {
-                    handle,
-                    tag: h.tag,
-                    len,
-                });
-                self.blocked[l] = true;
-                answer(t, p, handle, false);
-                Step::Blocked
-            }
+            Ok(()) => self.rendezvous_copied(t, p, idx, off, (handle, h.tag), buf),
+            Err(e) => self.rendezvous_failed(t, p, e, handle, h.tag, len),
         }
+    }
+
+    /// The whole rendezvous message is in `buf`: release its announcement,
+    /// deliver, answer.
+    fn rendezvous_copied(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        off: u64,
+        (handle, tag): (u64, u64),
+        buf: Vec<u8>,
+    ) -> Step {
+        if let Err(what) = self.release(t, p, idx, off) {
+            return Step::Bad(what);
+        }
+        t.core.deliver(p.rank, tag, t.core.buffers.freeze(buf));
+        answer(t, p, handle, true);
+        Step::Took
+    }
+
+    /// Our copy of a rendezvous failed with `e`.
+    fn rendezvous_failed(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        e: std::io::Error,
+        handle: u64,
+        tag: u64,
+        len: usize,
+    ) -> Step {
+        let l = p.local as usize;
+        // The sender is exiting: the liveness check will say so. (A live
+        // one that the kernel cannot find, as from another PID namespace,
+        // is a refusal like any other.)
+        if e.raw_os_error() == Some(libc::ESRCH) && p.watch.exited() {
+            self.blocked[l] = true;
+            return Step::Blocked;
+        }
+        tracing::info!(
+            peer = p.rank,
+            "single copy from the peer refused ({e}): asking for the data through fragments"
+        );
+        self.awaiting[l] = Some(Awaiting { handle, tag, len });
+        self.blocked[l] = true;
+        answer(t, p, handle, false);
+        Step::Blocked
+    }
+
+    /// Where to split a rendezvous of `len` bytes between us (the head) and
+    /// its sender (the tail), if it is worth it and allowed.
+    fn split_point(&self, t: &SmTransport, p: &SmPeer, handle: u64, len: usize) -> Option<usize> {
+        let on = p.split.load(std::sync::atomic::Ordering::Relaxed);
+        // Page-aligned, so each side pins whole pages of its part.
+        let head = (len / 2) & !4095;
+        (on && len >= t.core.config.sm_split_min
+            && len <= RESERVE_LIMIT
+            && head > 0
+            && self.offered[p.local as usize] != handle)
+            .then_some(head)
+    }
+
+    /// Offer the tail of a rendezvous to its sender, read the head, then see
+    /// who has the tail.
+    fn split_start(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        off: u64,
+        (handle, tag, addr, len): (u64, u64, u64, usize),
+        head: usize,
+    ) -> Step {
+        let l = p.local as usize;
+        let mut buf = crate::os::SplitBuf::new(t.core.buffers.take(len), len, head);
+        let w = t.seg.fbox(p.local).split_word();
+        self.offered[l] = handle;
+        split::offer(w, handle);
+        ask_split(t, p, handle, buf.tail_addr(), head, len - head);
+        if let Err(e) = buf.read_head(p.seg.pid, addr) {
+            if split::take_back(w, handle) {
+                // SAFETY: taken back before the sender claimed it: it never
+                // writes into the buffer.
+                drop(unsafe { buf.reclaim() });
+            }
+            // (Otherwise the sender may be writing: `buf` is leaked.)
+            return self.rendezvous_failed(t, p, e, handle, tag, len);
+        }
+        self.split[l] = Some(SplitWait {
+            handle,
+            tag,
+            addr,
+            off,
+            buf,
+        });
+        self.split_resume(t, p, idx)
+    }
+
+    /// A split copy under way: deliver once the tail is in (the sender
+    /// wrote it, or we take it back and copy it ourselves); wait while the
+    /// sender writes it.
+    fn split_resume(&mut self, t: &SmTransport, p: &SmPeer, idx: usize) -> Step {
+        let l = p.local as usize;
+        let Some(handle) = self.split[l].as_ref().map(|s| s.handle) else {
+            return Step::Bad("internal: no split copy under way");
+        };
+        let w = t.seg.fbox(p.local).split_word();
+        let ours = loop {
+            match split::state(w, handle) {
+                Tail::Claimed => {
+                    self.blocked[l] = true;
+                    return Step::Blocked;
+                }
+                Tail::Done => break false,
+                Tail::Offered => {
+                    if split::take_back(w, handle) {
+                        break true;
+                    }
+                    // Claimed meanwhile: look again.
+                }
+                Tail::Failed => {
+                    p.split.store(false, std::sync::atomic::Ordering::Relaxed);
+                    break true;
+                }
+                // The SplitWait (and so the buffer) is leaked with the peer.
+                Tail::Corrupt => return Step::Bad("its split-copy word is corrupt"),
+            }
+        };
+        let Some(mut s) = self.split[l].take() else {
+            return Step::Bad("internal: no split copy under way");
+        };
+        let counters = &t.core.counters;
+        if ours {
+            Counters::bump(&counters.split_tails_taken_back);
+            let at = s.addr.wrapping_add(s.buf.head() as u64);
+            if let Err(e) = s.buf.read_tail(p.seg.pid, at) {
+                let len = s.buf.len();
+                // SAFETY: taken back (or the sender failed and stopped): no
+                // write into the buffer is under way or will come.
+                drop(unsafe { s.buf.reclaim() });
+                return self.rendezvous_failed(t, p, e, handle, s.tag, len);
+            }
+        } else {
+            Counters::bump(&counters.split_tails_written);
+        }
+        self.blocked[l] = false;
+        // SAFETY: the head was read before the SplitWait was stored; the
+        // tail was just read by us, or the sender published DONE (Acquire
+        // in `split::state`) after writing every byte of it.
+        let buf = unsafe { s.buf.complete() };
+        self.rendezvous_copied(t, p, idx, s.off, (handle, s.tag), buf)
+    }
+
+    /// The receiver of our rendezvous `handle` asks us to write part of it
+    /// into its buffer at `dst`: claim the part, write it, say how it went.
+    fn split_write(&mut self, t: &SmTransport, p: &SmPeer, handle: u64, req: &[u8]) -> Step {
+        let word = |i: usize| {
+            req.get(i * 8..i * 8 + 8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_le_bytes)
+        };
+        let (Some(dst), Some(at), Some(n), 24) = (word(0), word(1), word(2), req.len()) else {
+            return Step::Bad("malformed split-copy request");
+        };
+        let Some(data) = t.with_tx(|tx| tx.rendezvous_data(p.local, handle)) else {
+            return Step::Bad("split-copy request for a message we never announced");
+        };
+        let range = usize::try_from(at)
+            .ok()
+            .zip(usize::try_from(n).ok())
+            .and_then(|(at, n)| Some(at..at.checked_add(n)?))
+            .filter(|r| r.end <= data.len());
+        let Some(range) = range else {
+            return Step::Bad("split-copy request outside its message");
+        };
+        let w = p.seg.fbox(t.seg.local_rank).split_word();
+        // Without single copy (refused once) we leave the tail to the
+        // receiver, which takes it back.
+        if p.cma_ok() && split::claim(w, handle) {
+            let r = crate::os::cma_write_from(p.seg.pid, dst, &data[range]);
+            if let Err(e) = &r {
+                tracing::info!(peer = p.rank, "split copy into the peer refused ({e})");
+            }
+            split::finish(w, handle, r.is_ok());
+            t.notify(p);
+        }
+        Step::Took
     }
 
     /// The data of a refused rendezvous arrived: deliver it in the place of
@@ -403,6 +595,23 @@ impl RxState {
         }
         self.blocked[local as usize] = false;
         self.awaiting[local as usize] = None;
+        // A split copy's buffer is leaked (dropping a SplitBuf does that):
+        // the peer may have claimed its tail and still be writing.
+        self.split[local as usize] = None;
+    }
+}
+
+/// Ask the sender of rendezvous `handle` to write `n` bytes of it, from
+/// offset `at`, to `dst` in our memory (split copy).
+fn ask_split(t: &SmTransport, p: &SmPeer, handle: u64, dst: u64, at: usize, n: usize) {
+    if let Some(link) = t.core.link(p.rank) {
+        let mut req = [0u8; 24];
+        req[..8].copy_from_slice(&dst.to_le_bytes());
+        req[8..16].copy_from_slice(&(at as u64).to_le_bytes());
+        req[16..].copy_from_slice(&(n as u64).to_le_bytes());
+        // A failure means the peer is gone; its loss is reported elsewhere
+        // (and the offer is taken back when we look at it).
+        let _ = link.submit(Kind::CmaSplit, handle, Bytes::copy_from_slice(&req));
     }
 }
 

@@ -507,6 +507,15 @@ impl TxState {
         Ok(done)
     }
 
+    /// The data of our rendezvous `handle` to local peer `local`, if it is
+    /// still out (for a split-copy request).
+    pub(crate) fn rendezvous_data(&self, local: u32, handle: u64) -> Option<Bytes> {
+        self.rndv
+            .get(&handle)
+            .filter(|r| r.peer == local)
+            .map(|r| r.data.clone())
+    }
+
     /// The receiver's answer to a rendezvous: done, or refused (then the data
     /// goes as a control message, and single copy is off for this peer).
     pub(crate) fn rendezvous_done(

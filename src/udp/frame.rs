@@ -134,8 +134,8 @@ mod tests {
         let mut d = Decoder::default();
         assert_eq!(d.push(Bytes::from_static(&[0; 8])), Err(FrameError::Short));
         assert_eq!(
-            d.push(Bytes::from_static(&[12; 9])),
-            Err(FrameError::Kind(12))
+            d.push(Bytes::from_static(&[13; 9])),
+            Err(FrameError::Kind(13))
         );
         // A head of the wrong length.
         assert_eq!(
