@@ -58,6 +58,28 @@ impl RawBuf {
         self.ptr.as_ptr() as usize
     }
 
+    /// Ask the CPU to fetch the cache line at `off` for writing
+    /// (`prefetchw`), so that a store to it soon after does not wait for
+    /// the line to leave another core. A hint only: no effect on memory,
+    /// and out-of-range offsets are ignored.
+    #[inline]
+    pub(crate) fn prefetch_write(&self, off: u64) {
+        #[cfg(all(target_arch = "x86_64", not(btl_loom)))]
+        if (off as usize) < self.len {
+            let p = self.ptr.as_ptr().wrapping_add(off as usize);
+            // SAFETY: prefetchw only loads a line into this core's cache;
+            // it never faults (even on a bad address) and changes no memory
+            // or register. `p` lies inside our mapping anyway. CPUs without
+            // the instruction execute it as a no-op (it sits in the reserved
+            // NOP space, 0F 0D).
+            unsafe {
+                std::arch::asm!("prefetchw [{}]", in(reg) p, options(nostack, preserves_flags, readonly));
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(btl_loom))))]
+        let _ = off;
+    }
+
     /// Length in bytes.
     pub(crate) fn len(&self) -> usize {
         self.len

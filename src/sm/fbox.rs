@@ -60,6 +60,9 @@ pub(crate) const BOX_WORDS: usize = LEAD_WORDS + SLOTS * SLOT_WORDS;
 /// Bytes in one box.
 pub(crate) const BOX_BYTES: usize = BOX_WORDS * 8;
 
+/// How many slots ahead of the next write a push prefetches for writing.
+const PREFETCH_AHEAD: u64 = 8;
+
 const SEQ_MASK: u64 = (1 << 48) - 1;
 const HEAD: u64 = 1;
 const CONT: u64 = 2;
@@ -232,7 +235,18 @@ impl<'a> FBox<'a> {
     /// Put a message in the box. `Ok(false)`: no room now (or the message is
     /// larger than [`MAX_PAYLOAD`], or too large for a box this small ever
     /// to take; a segment's box takes every message up to `MAX_PAYLOAD`).
-    pub(crate) fn push(&self, st: &mut Sender, tag: u64, data: &[u8]) -> Result<bool, Corrupt> {
+    ///
+    /// With `stream`, the push also prefetches the lines of the next slots
+    /// for writing: worth it when messages follow each other (the receiver
+    /// is behind), a loss in a ping-pong (the receiver polls the box, and
+    /// 8 B half round trips took 0.1 µs longer here).
+    pub(crate) fn push(
+        &self,
+        st: &mut Sender,
+        tag: u64,
+        data: &[u8],
+        stream: bool,
+    ) -> Result<bool, Corrupt> {
         let k = slots_for(data.len());
         // A message may need to skip up to k - 1 slots at the end first.
         if data.len() > MAX_PAYLOAD || 2 * k - 1 > self.slots {
@@ -270,6 +284,17 @@ impl<'a> FBox<'a> {
         // Release pairs with the receiver's Acquire load in `peek`: every
         // word of the message stored above is visible before its head mark.
         head[0].store(mark(n, HEAD), Ordering::Release);
+        // Start taking the lines of the next messages' slots from the
+        // receiver's cache now (free slots: it read them a lap ago), so the
+        // next push's stores find them here. Otherwise every push waits for
+        // the previous one's line at its first locked instruction (the `tx`
+        // lock): 8 B streaming ran about 25% slower, 64 B 40%.
+        if stream {
+            let free = self.free(st);
+            for i in PREFETCH_AHEAD..(PREFETCH_AHEAD + k).min(free) {
+                self.raw.prefetch_write(self.offset(st.next + i, 0));
+            }
+        }
         Ok(true)
     }
 
@@ -370,7 +395,9 @@ mod tests {
         for lap in 0..3u64 {
             for len in 0..=MAX_PAYLOAD {
                 let data: Vec<u8> = (0..len).map(|i| (i as u64 * 7 + lap) as u8).collect();
-                assert!(b.push(&mut s, lap * 10_000 + len as u64, &data).unwrap());
+                assert!(b
+                    .push(&mut s, lap * 10_000 + len as u64, &data, true)
+                    .unwrap());
                 assert_eq!(take(&b, &mut r), Some((lap * 10_000 + len as u64, data)));
             }
         }
@@ -388,7 +415,10 @@ mod tests {
         while got < 5000 {
             // Fill until refused, then drain a few: the sender keeps lapping
             // the receiver with skips at the end of the box.
-            while sent < 5000 && b.push(&mut s, sent, &vec![sent as u8; len(sent)]).unwrap() {
+            while sent < 5000
+                && b.push(&mut s, sent, &vec![sent as u8; len(sent)], true)
+                    .unwrap()
+            {
                 sent += 1;
             }
             assert!(
@@ -403,7 +433,7 @@ mod tests {
             }
         }
         assert!(b.drained(&mut s).unwrap());
-        assert!(!b.push(&mut s, 0, &[0u8; MAX_PAYLOAD + 1]).unwrap());
+        assert!(!b.push(&mut s, 0, &[0u8; MAX_PAYLOAD + 1], true).unwrap());
     }
 
     #[test]
@@ -420,7 +450,7 @@ mod tests {
             .collect();
         for i in 0..200usize {
             let len = [MAX_PAYLOAD, 300, 41][i % 3];
-            assert!(b.push(&mut s, 1, &forged[..len]).unwrap());
+            assert!(b.push(&mut s, 1, &forged[..len], true).unwrap());
             assert_eq!(take(&b, &mut r).map(|(_, d)| d.len()), Some(len));
             assert_eq!(b.peek(&mut r), Ok(None), "a forged header was taken");
         }
@@ -434,7 +464,7 @@ mod tests {
         o.0[LEAD_WORDS].store(mark(0, HEAD), Ordering::Relaxed);
         o.0[LEAD_WORDS + 2].store(MAX_PAYLOAD as u64 + 1, Ordering::Relaxed);
         assert_eq!(b.peek(&mut r), Err(Corrupt));
-        b.push(&mut s, 0, b"a").unwrap();
+        b.push(&mut s, 0, b"a", true).unwrap();
         o.0[0].store(5, Ordering::Relaxed);
         assert_eq!(b.drained(&mut s), Err(Corrupt));
     }
@@ -466,7 +496,7 @@ mod loom_tests {
                 let mut next = 0;
                 let msgs: [(u64, &[u8]); 2] = [(7, &other), (8, &big)];
                 while next < 2 {
-                    if b.push(&mut s, msgs[next].0, msgs[next].1).unwrap() {
+                    if b.push(&mut s, msgs[next].0, msgs[next].1, true).unwrap() {
                         next += 1;
                     } else {
                         thread::yield_now();

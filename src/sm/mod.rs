@@ -73,6 +73,10 @@ pub(crate) struct SmPeer {
     /// Split copies with this peer are on (cleared when it could not write
     /// a tail we offered).
     pub(crate) split: AtomicBool,
+    /// We took a user message from this peer since our last fast-box send
+    /// to it: the next send is likely a reply in a ping-pong, whose peer
+    /// polls the box (see `fbox::FBox::push`'s prefetch).
+    pub(crate) heard: AtomicBool,
     pub(crate) lost: AtomicBool,
 }
 
@@ -238,6 +242,7 @@ impl SmTransport {
                 watch: ProcWatch::new(a.pid),
                 cma: AtomicBool::new(a.cma && crate::os::cma_status().is_ok()),
                 split: AtomicBool::new(true),
+                heard: AtomicBool::new(false),
                 lost: AtomicBool::new(false),
             });
             *slot = Some(peer.clone());

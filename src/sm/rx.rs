@@ -177,6 +177,9 @@ impl RxState {
         // Counted by the caller, once per batch (an atomic add per message
         // costs as much as the rest of taking it).
         self.fast += 1;
+        if !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+            p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         Step::Took
     }
 

@@ -323,10 +323,17 @@ impl TxState {
             Ok(false) => return Ok(None),
             Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
         }
+        // A load and a plain store, no locked instruction (this is the
+        // hot path of small sends; the flag is only a hint).
+        let reply = peer.heard.load(std::sync::atomic::Ordering::Relaxed);
+        if reply {
+            peer.heard
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         match peer
             .seg
             .fbox(t.seg.local_rank)
-            .push(&mut self.fb[l], tag, data)
+            .push(&mut self.fb[l], tag, data, !reply)
         {
             Ok(true) => {
                 t.notify(peer);
