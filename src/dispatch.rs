@@ -94,6 +94,9 @@ fn cost(len: usize) -> usize {
     len.saturating_add(64)
 }
 
+/// Items a receiver moves out of its tag's queue per lock.
+const POP_BATCH: usize = 32;
+
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
 
@@ -291,8 +294,7 @@ impl Dispatcher {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
             q.bytes += cost(msg.data.len());
-            self.total
-                .fetch_add(cost(msg.data.len()), Ordering::Relaxed);
+            self.add_total(cost(msg.data.len()));
             q.items.push_back(Ok(msg));
             q.waker.take()
         };
@@ -301,34 +303,34 @@ impl Dispatcher {
         }
     }
 
-    /// [`Dispatcher::has_room`] and [`Dispatcher::deliver`] under one lock:
-    /// if a message of `len` bytes for `tag` may be accepted, `make` builds
-    /// it and it is queued. Returns whether it was.
-    pub(crate) fn offer(
-        &self,
-        src: Rank,
-        tag: Tag,
-        len: usize,
-        make: impl FnOnce() -> Bytes,
-    ) -> bool {
-        let w = {
-            let mut tags = lock(&self.tags);
-            let q = tags.entry(tag).or_default();
-            let (tag_ok, all_ok) = self.room(q.bytes, len);
-            if !(tag_ok && all_ok) {
-                self.refuse(q, tag_ok);
-                return false;
-            }
-            let data = make();
-            q.bytes += cost(data.len());
-            self.total.fetch_add(cost(data.len()), Ordering::Relaxed);
-            q.items.push_back(Ok(Message { src, tag, data }));
-            q.waker.take()
+    /// Run `f` with the tag table locked once, for a run of
+    /// [`Offers::offer`]s (a lock per message cost the receive path as much
+    /// as the rest of taking a small message). Receivers are woken after
+    /// the lock is released.
+    pub(crate) fn offers<R>(&self, f: impl FnOnce(&mut Offers<'_>) -> R) -> R {
+        let mut o = Offers {
+            disp: self,
+            tags: lock(&self.tags),
+            wake: Vec::new(),
         };
-        if let Some(w) = w {
-            w.wake();
-        }
-        true
+        let r = f(&mut o);
+        let Offers { tags, wake, .. } = o;
+        drop(tags);
+        wake.into_iter().for_each(Waker::wake);
+        r
+    }
+
+    /// Add to `total` (under `tags`, its only writers: a plain load and
+    /// store, no locked read-modify-write on the receive path).
+    fn add_total(&self, n: usize) {
+        let t = self.total.load(Ordering::Relaxed);
+        self.total.store(t.saturating_add(n), Ordering::Relaxed);
+    }
+
+    /// Subtract from `total` (under `tags`, as [`add_total`](Self::add_total)).
+    fn sub_total(&self, n: usize) {
+        let t = self.total.load(Ordering::Relaxed);
+        self.total.store(t.saturating_sub(n), Ordering::Relaxed);
     }
 
     /// Tell every open receiver that `rank` is gone.
@@ -374,40 +376,70 @@ impl Dispatcher {
             disp: self.clone(),
             tag,
             closed,
+            local: VecDeque::new(),
+            handed: 0,
         })
     }
 
-    /// Take the next item of `tag`'s queue; with `cx`, register for a
-    /// wake-up when there is none.
-    fn poll_pop(&self, tag: Tag, cx: Option<&Context<'_>>) -> Poll<Option<Result<Message>>> {
+    /// Move up to [`POP_BATCH`] items of `tag`'s queue into `out` (empty),
+    /// first taking `handed` bytes (the cost of messages the caller handed
+    /// out since its last call) off the budgets; with `cx`, register for a
+    /// wake-up when there is none. `Ready(None)`: the tag has no queue.
+    ///
+    /// Messages moved out still count against the budgets until they are
+    /// handed out and reported back here, so memory stays bounded as if
+    /// they were still queued; batching saves a lock per message.
+    fn refill(
+        &self,
+        tag: Tag,
+        handed: &mut usize,
+        out: &mut VecDeque<Result<Message>>,
+        cx: Option<&Context<'_>>,
+    ) -> Poll<Option<()>> {
         let mut tags = lock(&self.tags);
         let Some(q) = tags.get_mut(&tag) else {
             return Poll::Ready(None);
         };
-        match q.items.pop_front() {
-            Some(item) => {
-                if let Ok(m) = &item {
-                    q.bytes -= cost(m.data.len());
-                    self.total.fetch_sub(cost(m.data.len()), Ordering::Relaxed);
-                }
-                // Load first: a swap on every pop would cost an atomic
-                // read-modify-write per message.
-                let starved = self.starved.load(Ordering::Relaxed)
-                    && self.starved.swap(false, Ordering::Relaxed);
-                if std::mem::take(&mut q.refused) || starved {
-                    self.space.notify_waiters();
-                    self.space.notify_one();
-                }
-                Poll::Ready(Some(item))
+        let gone = std::mem::take(handed);
+        if gone > 0 {
+            q.bytes = q.bytes.saturating_sub(gone);
+            self.sub_total(gone);
+            // Load first: a swap on every refill would cost an atomic
+            // read-modify-write.
+            let starved =
+                self.starved.load(Ordering::Relaxed) && self.starved.swap(false, Ordering::Relaxed);
+            if std::mem::take(&mut q.refused) || starved {
+                self.space.notify_waiters();
+                self.space.notify_one();
             }
-            None => {
-                if let Some(cx) = cx {
-                    match &mut q.waker {
-                        Some(w) if w.will_wake(cx.waker()) => {}
-                        w => *w = Some(cx.waker().clone()),
-                    }
+        }
+        if q.items.is_empty() {
+            if let Some(cx) = cx {
+                match &mut q.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    w => *w = Some(cx.waker().clone()),
                 }
-                Poll::Pending
+            }
+            return Poll::Pending;
+        }
+        let n = q.items.len().min(POP_BATCH);
+        out.extend(q.items.drain(..n));
+        Poll::Ready(Some(()))
+    }
+
+    /// Put back the items a receiver moved out but did not hand out (it is
+    /// dropped), in front and in order, and take `handed` bytes off.
+    fn unpop(&self, tag: Tag, handed: usize, back: VecDeque<Result<Message>>) {
+        let mut tags = lock(&self.tags);
+        if let Some(q) = tags.get_mut(&tag) {
+            q.bytes = q.bytes.saturating_sub(handed);
+            self.sub_total(handed);
+            for item in back.into_iter().rev() {
+                q.items.push_front(item);
+            }
+            if handed > 0 {
+                self.space.notify_waiters();
+                self.space.notify_one();
             }
         }
     }
@@ -417,6 +449,40 @@ impl Dispatcher {
             q.taken = false;
             q.waker = None;
         }
+    }
+}
+
+/// A run of offers under one lock of the tag table ([`Dispatcher::offers`]).
+pub(crate) struct Offers<'a> {
+    disp: &'a Dispatcher,
+    tags: std::sync::MutexGuard<'a, TagMap>,
+    wake: Vec<Waker>,
+}
+
+impl Offers<'_> {
+    /// [`Dispatcher::has_room`] and [`Dispatcher::deliver`] in one: if a
+    /// message of `len` bytes for `tag` may be accepted, `make` builds it
+    /// and it is queued. Returns whether it was.
+    pub(crate) fn offer(
+        &mut self,
+        src: Rank,
+        tag: Tag,
+        len: usize,
+        make: impl FnOnce() -> Bytes,
+    ) -> bool {
+        let d = self.disp;
+        let q = self.tags.entry(tag).or_default();
+        let (tag_ok, all_ok) = d.room(q.bytes, len);
+        if !(tag_ok && all_ok) {
+            d.refuse(q, tag_ok);
+            return false;
+        }
+        let data = make();
+        q.bytes += cost(data.len());
+        d.add_total(cost(data.len()));
+        q.items.push_back(Ok(Message { src, tag, data }));
+        self.wake.extend(q.waker.take());
+        true
     }
 }
 
@@ -431,6 +497,11 @@ pub struct Receiver {
     disp: Arc<Dispatcher>,
     tag: Tag,
     closed: Arc<std::sync::atomic::AtomicBool>,
+    /// Items taken from the tag's queue in one lock, handed out one by one.
+    local: VecDeque<Result<Message>>,
+    /// Budget bytes of messages handed out since the last refill, given
+    /// back to the budgets at the next one.
+    handed: usize,
 }
 
 impl Receiver {
@@ -452,25 +523,120 @@ impl Stream for Receiver {
     type Item = Result<Message>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let me = self.get_mut();
         // Look, make progress inline, and only then register for a wake-up:
         // a message found by our own progress needs no waker.
-        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, None) {
-            return Poll::Ready(x);
+        if let Some(x) = me.next_local() {
+            return Poll::Ready(Some(x));
         }
-        self.disp.progress_inline();
-        if let Poll::Ready(x) = self.disp.poll_pop(self.tag, Some(cx)) {
-            return Poll::Ready(x);
+        match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+            Poll::Pending => {}
         }
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+        me.disp.progress_inline();
+        match me
+            .disp
+            .refill(me.tag, &mut me.handed, &mut me.local, Some(cx))
+        {
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+            Poll::Pending => {}
+        }
+        if me.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Poll::Ready(None);
         }
-        self.disp.stay_hot(cx);
+        me.disp.stay_hot(cx);
         Poll::Pending
+    }
+}
+
+impl Receiver {
+    /// Hand out the next item taken from the queue, if any, noting its cost
+    /// for the next refill.
+    fn next_local(&mut self) -> Option<Result<Message>> {
+        let item = self.local.pop_front()?;
+        if let Ok(m) = &item {
+            self.handed += cost(m.data.len());
+        }
+        Some(item)
     }
 }
 
 impl Drop for Receiver {
     fn drop(&mut self) {
+        let back = std::mem::take(&mut self.local);
+        self.disp.unpop(self.tag, self.handed, back);
         self.disp.release(self.tag);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    fn msg(i: u8, len: usize) -> Message {
+        Message {
+            src: 0,
+            tag: 1,
+            data: Bytes::from(vec![i; len]),
+        }
+    }
+
+    fn queued(d: &Dispatcher, tag: Tag) -> usize {
+        lock(&d.tags).get(&tag).map_or(0, |q| q.bytes)
+    }
+
+    /// A receiver takes messages in batches, but they count against the
+    /// budgets until handed out; dropped unread, they go back in order to
+    /// the next receiver of the tag.
+    #[tokio::test]
+    async fn batched_receive_keeps_order_budgets_and_leftovers() {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let n = (POP_BATCH * 2 + 5) as u8;
+        for i in 0..n {
+            d.deliver(msg(i, 100));
+        }
+        let all = usize::from(n) * cost(100);
+        assert_eq!(queued(&d, 1), all);
+        let mut rx = d.take(1, closed.clone()).unwrap();
+        assert_eq!(rx.next().await.unwrap().unwrap().data[0], 0);
+        // A batch left the queue, but only what was handed out may leave
+        // the budget (at the next refill).
+        assert_eq!(queued(&d, 1), all);
+        assert_eq!(d.total.load(Ordering::Relaxed), all);
+        assert_eq!(rx.next().await.unwrap().unwrap().data[0], 1);
+        drop(rx);
+        // Two handed out: their cost is given back, the rest is queued again.
+        assert_eq!(queued(&d, 1), all - 2 * cost(100));
+        assert_eq!(d.total.load(Ordering::Relaxed), all - 2 * cost(100));
+        let mut rx = d.take(1, closed).unwrap();
+        for i in 2..n {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i, "message {i}");
+        }
+        // The last refill found nothing and settled the rest.
+        let pending = futures::poll!(rx.next());
+        assert!(pending.is_pending());
+        assert_eq!(queued(&d, 1), 0);
+        assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// Offers under one lock respect the tag's budget like single ones.
+    #[test]
+    fn offers_stop_at_the_budget() {
+        let d = Dispatcher::new(
+            (4 * cost(10), 1 << 30),
+            ProgressMode::BusyPoll,
+            Duration::ZERO,
+        );
+        let took = d.offers(|o| {
+            (0..10)
+                .take_while(|i| o.offer(0, 1, 10, || Bytes::from(vec![*i as u8; 10])))
+                .count()
+        });
+        assert_eq!(took, 4);
+        assert!(!d.has_room(1, 10));
     }
 }

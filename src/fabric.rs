@@ -88,19 +88,6 @@ impl Core {
         self.dispatcher.deliver(Message { src, tag, data });
     }
 
-    /// Accept a user message of `len` bytes if its tag has room (see
-    /// [`crate::dispatch::Dispatcher::offer`]). Not counted in `recvs`: the
-    /// caller adds what it took, once per batch.
-    pub(crate) fn offer(
-        &self,
-        src: Rank,
-        tag: u64,
-        len: usize,
-        make: impl FnOnce() -> Bytes,
-    ) -> bool {
-        self.dispatcher.offer(src, tag, len, make)
-    }
-
     /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {

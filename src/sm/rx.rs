@@ -113,20 +113,34 @@ impl RxState {
             }
             let mut returned = 0;
             'channels: for ch in (0..CHANNELS).rev() {
-                for _ in 0..BATCH {
-                    // User messages: the fast box first, then the ring (at
-                    // most one of them holds messages at a time).
-                    let step = match ch {
-                        USER => match self.fbox_step(t, p) {
-                            Step::Empty => self.step(t, p, ch),
-                            s => s,
-                        },
-                        _ => self.step(t, p, ch),
+                let mut budget = BATCH;
+                let mut fbox_done = ch != USER;
+                while budget > 0 {
+                    // User messages: the fast box first (a run of messages
+                    // under one dispatcher lock), then the ring (at most
+                    // one of them holds messages at a time).
+                    let (took, step) = if fbox_done {
+                        (0, self.step(t, p, ch))
+                    } else {
+                        fbox_done = true;
+                        match self.fbox_run(t, p, budget) {
+                            (0, Step::Empty) => (0, self.step(t, p, ch)),
+                            (n, Step::Empty) => (n, Step::Took),
+                            r => r,
+                        }
                     };
                     match step {
-                        Step::Took => returned += 1,
-                        Step::Empty | Step::Blocked => break,
+                        Step::Took => {
+                            let n = took.max(1);
+                            returned += n;
+                            budget = budget.saturating_sub(n);
+                        }
+                        Step::Empty | Step::Blocked => {
+                            returned += took;
+                            break;
+                        }
                         Step::Bad(what) => {
+                            returned += took;
                             Counters::bump(&t.core.counters.bad_frames);
                             tracing::warn!(peer = p.rank, "bad shared-memory fragment: {what}");
                             self.misbehaved
@@ -152,35 +166,55 @@ impl RxState {
         work
     }
 
-    /// Take one message from the sender's fast box.
-    fn fbox_step(&mut self, t: &SmTransport, p: &SmPeer) -> Step {
+    /// Take up to `max` messages from the sender's fast box, under one
+    /// dispatcher lock. Returns how many, and why it stopped: `Took` (took
+    /// `max`), `Empty`, `Blocked` (no room in a tag) or `Bad`.
+    fn fbox_run(&mut self, t: &SmTransport, p: &SmPeer, max: usize) -> (usize, Step) {
         let l = p.local as usize;
         let b = t.seg.fbox(p.local);
-        let found = match b.peek(&mut self.fb[l]) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Step::Empty,
-            Err(_) => return Step::Bad("fast-box message longer than its slot"),
-        };
-        let st = &self.fb[l];
-        let read = || {
-            let mut data = vec![0u8; found.len];
-            b.read(st, &mut data);
-            Bytes::from(data)
-        };
-        if !t.core.offer(p.rank, found.tag, found.len, read) {
-            self.blocked[l] = true;
-            return Step::Blocked;
+        // No lock for an empty box (the common look of an idle poll).
+        if b.looks_empty(&self.fb[l]) {
+            return (0, Step::Empty);
         }
-        self.blocked[l] = false;
-        // After the delivery, under `rx`: see the order argument in `fbox`.
-        b.consume(&mut self.fb[l], found.len);
-        // Counted by the caller, once per batch (an atomic add per message
-        // costs as much as the rest of taking it).
-        self.fast += 1;
-        if !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
-            p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
+        let st = &mut self.fb[l];
+        let (took, step) = t.core.dispatcher.offers(|o| {
+            let mut took = 0;
+            while took < max {
+                let found = match b.peek(st) {
+                    Ok(Some(f)) => f,
+                    Ok(None) => return (took, Step::Empty),
+                    Err(_) => return (took, Step::Bad("fast-box message longer than its slot")),
+                };
+                let seen = &*st;
+                let read = || {
+                    let mut data = vec![0u8; found.len];
+                    b.read(seen, &mut data);
+                    Bytes::from(data)
+                };
+                if !o.offer(p.rank, found.tag, found.len, read) {
+                    return (took, Step::Blocked);
+                }
+                // After the delivery, under `rx`: see the order argument in
+                // `fbox`.
+                b.consume(st, found.len);
+                took += 1;
+            }
+            (took, Step::Took)
+        });
+        match step {
+            Step::Blocked => self.blocked[l] = true,
+            _ if took > 0 => self.blocked[l] = false,
+            _ => {}
         }
-        Step::Took
+        if took > 0 {
+            // Counted by the caller, once per progress call (an atomic add
+            // per message costs as much as the rest of taking it).
+            self.fast += took as u64;
+            if !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+                p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        (took, step)
     }
 
     fn step(&mut self, t: &SmTransport, p: &SmPeer, ch: usize) -> Step {
