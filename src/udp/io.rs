@@ -210,50 +210,9 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usi
     let mut done = 0;
     while done < bufs.len() {
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
-        let r = sock.try_io(Interest::WRITABLE, || {
-            // SAFETY: all-zero bytes are a valid value of these C structs.
-            let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            for (i, parts) in chunk.iter().enumerate() {
-                for (iov, part) in iovs[i].iter_mut().zip(parts) {
-                    iov.iov_base = part.as_ptr() as *mut libc::c_void;
-                    iov.iov_len = part.len();
-                }
-                hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
-                hdrs[i].msg_hdr.msg_namelen = addr.len();
-                hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
-                hdrs[i].msg_hdr.msg_iovlen = PARTS;
-            }
-            if chunk.len() == 1 {
-                // A lone datagram (the latency path): plain sendmsg, which
-                // does less work in the kernel than a one-entry sendmmsg.
-                // SAFETY: the header points at PARTS iovecs over live
-                // buffers and at the destination address, all outliving the
-                // call; sendmsg only reads them.
-                let n = unsafe { libc::sendmsg(fd, &hdrs[0].msg_hdr, libc::MSG_DONTWAIT) };
-                return if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(1)
-                };
-            }
-            // SAFETY: each header points at PARTS iovecs over live buffers
-            // and at the destination address, all outliving the call;
-            // sendmmsg only reads them (and writes msg_len in the headers).
-            let n = unsafe {
-                libc::sendmmsg(
-                    fd,
-                    hdrs.as_mut_ptr(),
-                    chunk.len() as libc::c_uint,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(n as usize)
-            }
+        let r = sock.try_io(Interest::WRITABLE, || match chunk {
+            [one] => sendmsg(fd, &addr, one),
+            _ => sendmmsg(fd, &addr, chunk),
         });
         match r {
             Ok(n) => done += n.max(1).min(chunk.len()),
@@ -266,4 +225,66 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usi
         }
     }
     done
+}
+
+/// A lone datagram (the latency path): plain `sendmsg`, which does less
+/// work in the kernel than a one-entry `sendmmsg`, with only its own
+/// header and iovecs to fill. Returns 1 when sent.
+fn sendmsg(fd: std::os::fd::RawFd, addr: &SockAddr, parts: &Parts<'_>) -> io::Result<usize> {
+    let mut iovs = parts.map(|part| libc::iovec {
+        iov_base: part.as_ptr() as *mut libc::c_void,
+        iov_len: part.len(),
+    });
+    // SAFETY: all-zero bytes are a valid msghdr (null pointers, zero
+    // lengths); the fields that matter are set below.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+    hdr.msg_namelen = addr.len();
+    hdr.msg_iov = iovs.as_mut_ptr();
+    hdr.msg_iovlen = PARTS;
+    // SAFETY: the header points at PARTS iovecs over live buffers and at
+    // the destination address, all outliving the call; sendmsg only reads
+    // them.
+    let n = unsafe { libc::sendmsg(fd, &hdr, libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(1)
+    }
+}
+
+/// Several datagrams (at most [`BATCH`]) with one `sendmmsg`. Returns how
+/// many the kernel took.
+fn sendmmsg(fd: std::os::fd::RawFd, addr: &SockAddr, chunk: &[Parts<'_>]) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid value of these C structs.
+    let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    let chunk = &chunk[..chunk.len().min(BATCH)];
+    for (i, parts) in chunk.iter().enumerate() {
+        for (iov, part) in iovs[i].iter_mut().zip(parts) {
+            iov.iov_base = part.as_ptr() as *mut libc::c_void;
+            iov.iov_len = part.len();
+        }
+        hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+        hdrs[i].msg_hdr.msg_namelen = addr.len();
+        hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+        hdrs[i].msg_hdr.msg_iovlen = PARTS;
+    }
+    // SAFETY: each header points at PARTS iovecs over live buffers and at
+    // the destination address, all outliving the call; sendmmsg only reads
+    // them (and writes msg_len in the headers).
+    let n = unsafe {
+        libc::sendmmsg(
+            fd,
+            hdrs.as_mut_ptr(),
+            chunk.len() as libc::c_uint,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }

@@ -113,10 +113,28 @@ pub(crate) struct RxState {
     turn: u32,
     /// `turn` of the last call in which each socket delivered.
     last_got: [u32; 2],
-    /// The hot socket had nothing last time: ask it for one datagram
-    /// (`recvfrom`, cheaper than a batch) until it has something again.
-    idle: bool,
+    /// Per socket, how it answered the last time it was asked directly:
+    /// [`EMPTY`] or [`LONE`] (a single datagram) mean it is asked with
+    /// `recvfrom` (one datagram, cheaper than a batch), [`FLOWING`] (data
+    /// two calls in a row) with `recvmmsg`. A ping-pong thus never pays for
+    /// a batch call; a stream switches to batches on its second datagram.
+    mode: [u8; 2],
+    /// Whether a datagram fed in this call left a peer with something to
+    /// do now (see [`UdpTransport::progress`]).
+    pub(crate) urgent: bool,
+    /// Messages handed to the core in this call.
+    pub(crate) delivered: usize,
+    /// The source address of the last datagram and its rank: a run of
+    /// datagrams from one peer skips the address table's hashing.
+    last_from: Option<(std::net::SocketAddr, Rank)>,
 }
+
+/// [`RxState::mode`]: the socket had nothing.
+const EMPTY: u8 = 0;
+/// [`RxState::mode`]: the socket had one datagram, asked with `recvfrom`.
+const LONE: u8 = 1;
+/// [`RxState::mode`]: the socket had data in two calls in a row.
+const FLOWING: u8 = 2;
 
 impl RxState {
     /// Whether this call should also check the timers (one in
@@ -146,7 +164,10 @@ impl RxState {
             hot: 0,
             turn: 0,
             last_got: [0; 2],
-            idle: false,
+            mode: [EMPTY; 2],
+            urgent: false,
+            delivered: 0,
+            last_from: None,
         }
     }
 }
@@ -173,7 +194,8 @@ const ACTIVE_TURNS: u32 = 64;
 const TIMER_EVERY: u32 = 4;
 
 impl UdpTransport {
-    /// Receive and dispatch. Returns datagrams and messages handled.
+    /// Receive and dispatch. Returns datagrams and messages handled; sets
+    /// `rx.urgent` and `rx.delivered` for this call.
     pub(crate) fn rx_progress(&self, rx: &mut RxState) -> usize {
         let RxState {
             batch,
@@ -183,18 +205,32 @@ impl UdpTransport {
             hot,
             turn,
             last_got,
-            idle,
+            mode,
+            urgent,
+            delivered,
+            last_from,
         } = rx;
+        *urgent = false;
+        *delivered = 0;
+        let mut cx = Feed {
+            peers,
+            events,
+            urgent,
+            delivered,
+            last_from,
+        };
         let mut now = Clock(None);
         let mut work = 0;
-        for (rank, prx) in peers.iter_mut().enumerate() {
+        for rank in 0..cx.peers.len() {
+            let prx = &mut cx.peers[rank];
             if self.peer(rank as Rank).is_some_and(|p| p.is_lost()) {
                 // Nothing from a lost peer is delivered after its loss was
                 // announced; drop what was held for it.
                 prx.clear();
             } else if prx.has_held() {
-                work += self.release(prx, rank as Rank, now.get(), events);
+                work += self.release(&mut cx, rank as Rank, now.get());
             }
+            let prx = &mut cx.peers[rank];
             if let Some(p) = self.peer(rank as Rank) {
                 // Stored only when it changes: a hot poll does not dirty
                 // the cache line that senders read.
@@ -215,7 +251,7 @@ impl UdpTransport {
             let direct = i == *hot
                 || turn.wrapping_sub(last_got[i]) < ACTIVE_TURNS
                 || *turn % OTHER_EVERY == 0;
-            let one = i == *hot && *idle;
+            let one = direct && mode[i] != FLOWING;
             for _ in 0..ROUNDS {
                 let r = if one {
                     io::recv_one_now(sock, batch)
@@ -229,6 +265,13 @@ impl UdpTransport {
                     0
                 });
                 got[i] += n;
+                if direct {
+                    mode[i] = match (n, mode[i]) {
+                        (0, _) => EMPTY,
+                        (_, EMPTY) => LONE,
+                        _ => FLOWING,
+                    };
+                }
                 if i == 1 && n > 0 {
                     // What the peer sent on the priority socket before this
                     // data (a large message's head goes there, its body
@@ -238,13 +281,13 @@ impl UdpTransport {
                     let m = io::recv_now(&self.io.prio, prio_batch).unwrap_or(0);
                     got[0] += m;
                     for (from, d) in prio_batch.iter() {
-                        self.on_datagram(peers, from, d, now.get(), events);
+                        self.on_datagram(&mut cx, from, d, now.get());
                     }
                 }
                 for (from, d) in batch.iter() {
-                    self.on_datagram(peers, from, d, now.get(), events);
+                    self.on_datagram(&mut cx, from, d, now.get());
                 }
-                // After a lone datagram, the next call asks for a batch.
+                // After a lone datagram, the next call asks again.
                 if one || n < io::BATCH {
                     break;
                 }
@@ -258,7 +301,6 @@ impl UdpTransport {
         if got[*hot] == 0 && got[1 - *hot] > 0 {
             *hot = 1 - *hot;
         }
-        *idle = got[*hot] == 0;
         work + got[0] + got[1]
     }
 
@@ -274,8 +316,18 @@ impl UdpTransport {
             batch,
             peers,
             events,
+            urgent,
+            delivered,
+            last_from,
             ..
         } = &mut *rx;
+        let mut cx = Feed {
+            peers,
+            events,
+            urgent,
+            delivered,
+            last_from,
+        };
         let mut read = 0;
         for sock in [&self.io.prio, &self.io.data] {
             for _ in 0..DRAIN_BATCHES {
@@ -285,7 +337,7 @@ impl UdpTransport {
                 });
                 read += n;
                 for (from, d) in batch.iter() {
-                    self.on_datagram(peers, from, d, now, events);
+                    self.on_datagram(&mut cx, from, d, now);
                 }
                 if n < io::BATCH {
                     break;
@@ -297,13 +349,22 @@ impl UdpTransport {
 
     fn on_datagram(
         &self,
-        peers: &mut [PeerRx],
+        cx: &mut Feed<'_>,
         from: Option<std::net::SocketAddr>,
         d: &[u8],
         now: Instant,
-        events: &mut Vec<Event>,
     ) {
-        let rank = from.and_then(|a| self.by_addr.get().and_then(|m| m.get(&a).copied()));
+        let rank = match (from, *cx.last_from) {
+            (Some(a), Some((last, r))) if a == last => Some(r),
+            (Some(a), _) => {
+                let r = self.by_addr.get().and_then(|m| m.get(&a).copied());
+                if let Some(r) = r {
+                    *cx.last_from = Some((a, r));
+                }
+                r
+            }
+            (None, _) => None,
+        };
         let ids = proto::peek(d).ok();
         let (Some(rank), Some(ids)) = (rank, ids) else {
             return self.foreign();
@@ -311,7 +372,7 @@ impl UdpTransport {
         if ids.job != self.job || ids.src != rank || ids.dst != self.core.rank {
             return self.foreign();
         }
-        let (Some(peer), Some(prx)) = (self.peer(rank), peers.get_mut(rank as usize)) else {
+        let (Some(peer), Some(prx)) = (self.peer(rank), cx.peers.get_mut(rank as usize)) else {
             return self.foreign();
         };
         if peer.is_lost() {
@@ -328,10 +389,14 @@ impl UdpTransport {
                         let mut st = lock(&peer.st);
                         st.last_heard = now;
                         st.conn.handle_ack(now, &h);
-                        events.extend(std::iter::from_fn(|| st.conn.poll_event()));
+                        cx.events
+                            .extend(std::iter::from_fn(|| st.conn.poll_event()));
                         drop(st);
-                        self.on_events(prx, rank, events);
-                        prx.stash_push(d, peer.stash_limit);
+                        *cx.urgent = true;
+                        self.on_events(cx, rank);
+                        if let Some(prx) = cx.peers.get_mut(rank as usize) {
+                            prx.stash_push(d, peer.stash_limit);
+                        }
                         return;
                     }
                 }
@@ -339,16 +404,24 @@ impl UdpTransport {
                 _ => {}
             }
         }
-        lock(&peer.st).feed(now, d, events);
-        self.on_events(prx, rank, events);
+        {
+            let mut st = lock(&peer.st);
+            st.feed(now, d, cx.events);
+            *cx.urgent |= st.wants_service(now);
+        }
+        self.on_events(cx, rank);
     }
 
     fn foreign(&self) {
         Counters::bump(&self.core.counters.foreign_datagrams);
     }
 
-    fn on_events(&self, prx: &mut PeerRx, rank: Rank, events: &mut Vec<Event>) {
-        for ev in events.drain(..) {
+    fn on_events(&self, cx: &mut Feed<'_>, rank: Rank) {
+        let Some(prx) = cx.peers.get_mut(rank as usize) else {
+            cx.events.clear();
+            return;
+        };
+        for ev in cx.events.drain(..) {
             match ev {
                 Event::Message(m) => match prx.dec.push(m) {
                     Ok(Some((kind, tag, data))) => {
@@ -357,6 +430,7 @@ impl UdpTransport {
                                 && self.core.dispatcher.has_room(tag, data.len()))
                         {
                             self.dispatch(rank, kind, tag, data);
+                            *cx.delivered += 1;
                         } else {
                             prx.held_bytes += data.len();
                             prx.held.push_back((kind, tag, data));
@@ -380,15 +454,13 @@ impl UdpTransport {
         }
     }
 
-    /// Deliver held messages that now fit, then feed the stash.
-    fn release(
-        &self,
-        prx: &mut PeerRx,
-        rank: Rank,
-        now: Instant,
-        events: &mut Vec<Event>,
-    ) -> usize {
+    /// Deliver held messages of peer `rank` that now fit, then feed its
+    /// stash.
+    fn release(&self, cx: &mut Feed<'_>, rank: Rank, now: Instant) -> usize {
         let mut work = 0;
+        let Some(prx) = cx.peers.get_mut(rank as usize) else {
+            return work;
+        };
         while let Some((kind, tag, data)) = prx.held.front() {
             if *kind == Kind::User && !self.core.dispatcher.has_room(*tag, data.len()) {
                 break;
@@ -396,22 +468,41 @@ impl UdpTransport {
             if let Some((kind, tag, data)) = prx.held.pop_front() {
                 prx.held_bytes -= data.len();
                 self.dispatch(rank, kind, tag, data);
+                *cx.delivered += 1;
                 work += 1;
             }
         }
         let Some(peer) = self.peer(rank) else {
             return work;
         };
-        while prx.held_bytes <= HOLD_LIMIT {
+        loop {
+            let Some(prx) = cx.peers.get_mut(rank as usize) else {
+                break;
+            };
+            if prx.held_bytes > HOLD_LIMIT {
+                break;
+            }
             let Some(d) = prx.stash_pop() else {
                 break;
             };
-            lock(&peer.st).feed(now, &d, events);
-            self.on_events(prx, rank, events);
+            lock(&peer.st).feed(now, &d, cx.events);
+            // Stashed data was never answered: let the service pass look.
+            *cx.urgent = true;
+            self.on_events(cx, rank);
             work += 1;
         }
         work
     }
+}
+
+/// What feeding datagrams needs of [`RxState`], borrowed apart from the
+/// receive buffers the datagrams are read from.
+struct Feed<'a> {
+    peers: &'a mut [PeerRx],
+    events: &'a mut Vec<Event>,
+    urgent: &'a mut bool,
+    delivered: &'a mut usize,
+    last_from: &'a mut Option<(std::net::SocketAddr, Rank)>,
 }
 
 #[cfg(test)]

@@ -347,6 +347,23 @@ impl Connection {
         (Transmit { priority: true }, hdr, Bytes::new())
     }
 
+    /// Whether [`poll_transmit`](Self::poll_transmit) would return a
+    /// datagram at `now`: an ACK owed, a resend queued, or new data with an
+    /// open window. Cheap (no clock, no allocation): a driver may use it to
+    /// put off its transmit pass while only deadlines lie ahead.
+    pub fn wants_transmit(&self, now: Instant) -> bool {
+        !self.lost && (self.recv.ack_owed(now) || self.send.has_segment())
+    }
+
+    /// Datagrams received so far that decoded, passed the checksum and
+    /// were addressed to this connection (what [`Stats`] would give as
+    /// received minus rejected, without building the whole snapshot).
+    pub fn datagrams_accepted(&self) -> u64 {
+        let s = &self.stats;
+        s.datagrams_received
+            .saturating_sub(s.checksum_errors + s.decode_errors + s.misdirected)
+    }
+
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)
     /// (or, for a delayed ACK, `poll_transmit`) has work: the delayed ACK,
     /// the retransmission timer or the peer-loss timer. `None` when idle or

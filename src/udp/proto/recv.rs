@@ -370,6 +370,12 @@ impl RecvSide {
         true
     }
 
+    /// Whether an ACK-only packet is owed now: for out-of-order data, or a
+    /// delayed ACK that fell due at `now`.
+    pub fn ack_owed(&self, now: Instant) -> bool {
+        self.owed_acks > 0 || self.ack_due(now)
+    }
+
     /// Whether the delayed ACK is due at `now`.
     pub fn ack_due(&self, now: Instant) -> bool {
         self.ack_deadline.is_some_and(|d| d <= now)
