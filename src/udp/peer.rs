@@ -111,6 +111,25 @@ impl PeerState {
     /// when the connection found the datagram valid.
     pub(crate) fn feed(&mut self, now: Instant, dgram: &[u8], out: &mut Vec<Event>) {
         self.conn.handle_datagram(now, dgram);
+        self.heard(now, out);
+    }
+
+    /// Give back a reassembly buffer lent for an in-place receive, with the
+    /// datagrams that landed in it; like [`feed`](Self::feed) otherwise.
+    pub(crate) fn give_back(
+        &mut self,
+        now: Instant,
+        lent: proto::Lent,
+        landed: &[proto::Landed<'_>],
+        out: &mut Vec<Event>,
+    ) {
+        self.conn.return_reassembly(now, lent, landed);
+        self.heard(now, out);
+    }
+
+    /// Refresh the liveness clock if the connection took new datagrams as
+    /// valid; collect its events.
+    fn heard(&mut self, now: Instant, out: &mut Vec<Event>) {
         let v = self.conn.datagrams_accepted();
         if v > self.valid_seen {
             self.valid_seen = v;

@@ -127,6 +127,11 @@ pub(crate) struct RxState {
     /// The source address of the last datagram and its rank: a run of
     /// datagrams from one peer skips the address table's hashing.
     last_from: Option<(std::net::SocketAddr, Rank)>,
+    /// The peer whose datagram came last on the data socket: while it is
+    /// in the middle of a large message, the data socket's batches are
+    /// received straight into that message's buffer
+    /// ([`io::recv_in_place`]).
+    stream: Option<Rank>,
 }
 
 /// [`RxState::mode`]: the socket had nothing.
@@ -168,6 +173,7 @@ impl RxState {
             urgent: false,
             delivered: 0,
             last_from: None,
+            stream: None,
         }
     }
 }
@@ -189,6 +195,10 @@ const OTHER_EVERY: u32 = 8;
 /// at once.
 const ACTIVE_TURNS: u32 = 64;
 
+/// Room reserved ahead of a lent reassembly buffer: a batch of the largest
+/// datagrams (bounded by the message's own length).
+const LEND_AHEAD: usize = io::BATCH * 65_536;
+
 /// A progress call that received nothing checks the timers once in this
 /// many calls (deadlines are tens of microseconds or more apart).
 const TIMER_EVERY: u32 = 4;
@@ -209,6 +219,7 @@ impl UdpTransport {
             urgent,
             delivered,
             last_from,
+            stream,
         } = rx;
         *urgent = false;
         *delivered = 0;
@@ -253,13 +264,43 @@ impl UdpTransport {
                 || *turn % OTHER_EVERY == 0;
             let one = direct && mode[i] != FLOWING;
             for _ in 0..ROUNDS {
-                let r = if one {
+                // A large message streaming in on the data socket: lend its
+                // buffer, so the kernel writes the payloads in place.
+                let (mut lent, single) = match *stream {
+                    Some(r) if i == 1 && direct => self.lend(&mut cx, r),
+                    _ => (None, false),
+                };
+                let one = one || single;
+                let r = if let Some((peer, lent)) = &mut lent {
+                    let (chunk, remaining) = (lent.chunk(), lent.remaining());
+                    let most = if one { 1 } else { io::BATCH };
+                    io::recv_in_place(
+                        sock,
+                        batch,
+                        &mut lent.buf,
+                        chunk,
+                        remaining.min(most * chunk),
+                        peer.data_addr,
+                    )
+                } else if one {
                     io::recv_one_now(sock, batch)
                 } else if direct {
                     io::recv_now(sock, batch)
                 } else {
                     io::recv(sock, batch)
                 };
+                if let Some((peer, lent)) = lent {
+                    // Always given back, whatever the call found: what
+                    // landed is checked there, in arrival order, before
+                    // anything read after it.
+                    let landed: Vec<proto::Landed<'_>> = batch.landed().collect();
+                    {
+                        let mut st = lock(&peer.st);
+                        st.give_back(now.get(), lent, &landed, cx.events);
+                        *cx.urgent |= st.wants_service(now.get());
+                    }
+                    self.on_events(&mut cx, peer.rank);
+                }
                 let n = r.unwrap_or_else(|e| {
                     tracing::debug!("udp: receive failed: {e}");
                     0
@@ -287,8 +328,10 @@ impl UdpTransport {
                 for (from, d) in batch.iter() {
                     self.on_datagram(&mut cx, from, d, now.get());
                 }
-                // After a lone datagram, the next call asks again.
-                if one || n < io::BATCH {
+                // After a lone datagram, the next call asks again; unless
+                // it was read alone to start a large message, whose rest
+                // the next round receives in place.
+                if (one && !(single && n > 0)) || (!one && n < io::BATCH) {
                     break;
                 }
             }
@@ -297,6 +340,9 @@ impl UdpTransport {
             if *n > 0 {
                 last_got[i] = *turn;
             }
+        }
+        if got[1] > 0 {
+            *stream = cx.last_from.map(|(_, r)| r);
         }
         if got[*hot] == 0 && got[1 - *hot] > 0 {
             *hot = 1 - *hot;
@@ -410,6 +456,32 @@ impl UdpTransport {
             *cx.urgent |= st.wants_service(now);
         }
         self.on_events(cx, rank);
+    }
+
+    /// Lend the reassembly buffer of peer `rank`'s half-received message
+    /// for an in-place receive, when it has one and its data is not being
+    /// held back (a paused peer's datagrams are stashed whole). Else says
+    /// whether to read one datagram alone: the peer is between two large
+    /// messages, and the next datagram probably starts one.
+    fn lend(
+        &self,
+        cx: &mut Feed<'_>,
+        rank: Rank,
+    ) -> (
+        Option<(std::sync::Arc<super::peer::Peer>, proto::Lent)>,
+        bool,
+    ) {
+        let Some(peer) = self.peer(rank) else {
+            return (None, false);
+        };
+        if peer.is_lost() || cx.peers.get(rank as usize).is_none_or(|p| p.paused()) {
+            return (None, false);
+        }
+        let mut st = lock(&peer.st);
+        match st.conn.lend_reassembly(LEND_AHEAD) {
+            Some(lent) => (Some((peer.clone(), lent)), false),
+            None => (None, st.conn.between_large_messages()),
+        }
     }
 
     fn foreign(&self) {

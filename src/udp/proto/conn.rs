@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
 use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
-use super::recv::{Buffers, RecvSide};
+use super::recv::{Buffers, Landed, Lent, RecvSide};
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
 use crate::Rank;
@@ -213,6 +213,87 @@ impl Connection {
                     .on_data(now, &hdr, chunk, payload, &mut self.events, &mut self.stats);
             }
             Kind::Ack(_) => self.stats.acks_received += 1,
+        }
+    }
+
+    /// Lend the buffer of the message being reassembled, so that the
+    /// next chunks' payloads can be received straight into it (see
+    /// [`Lent`]), with room for `want` more bytes where the message allows.
+    /// `None` when no message is half-received, or the peer is lost. Feed nothing to this connection until the
+    /// buffer is back ([`return_reassembly`](Self::return_reassembly)).
+    pub fn lend_reassembly(&mut self, want: usize) -> Option<Lent> {
+        if self.lost {
+            return None;
+        }
+        self.recv.lend(want)
+    }
+
+    /// Whether no message is half-received and the last one spanned
+    /// several datagrams: a driver that receives in place reads the next
+    /// datagram alone (it probably starts another large message, whose
+    /// buffer it can borrow once that datagram is in).
+    pub fn between_large_messages(&self) -> bool {
+        !self.lost && self.recv.between_large()
+    }
+
+    /// Give back a lent buffer with the datagrams received into it, in
+    /// arrival order. Each is checked as [`handle_datagram`](Self::handle_datagram)
+    /// would (checksum over its three parts, ids, sequence, chunk
+    /// position); those that are the message's next chunks, in place, are
+    /// taken without a copy. From the first that is not, each is joined
+    /// into one datagram and handled as usual (so whatever it is, it
+    /// counts and acts the same as if it had come whole). A `Landed` whose
+    /// payload lies outside `lent.buf` is counted as a decode error.
+    pub fn return_reassembly(&mut self, now: Instant, mut lent: Lent, landed: &[Landed<'_>]) {
+        let mut taken = 0;
+        for l in landed {
+            if self.lost {
+                break;
+            }
+            let Some(payload) =
+                l.at.checked_add(l.len)
+                    .and_then(|end| lent.buf.get(l.at..end))
+            else {
+                break;
+            };
+            let Ok(hdr) = super::header::decode_parts(l.head, payload, l.crc) else {
+                break;
+            };
+            if hdr.job != self.ids.job
+                || hdr.src != self.ids.peer_rank
+                || hdr.dst != self.ids.local_rank
+                || !self.recv.fits_lent(&hdr, &lent, l.at)
+            {
+                break;
+            }
+            self.stats.datagrams_received += 1;
+            self.apply_ack(now, &hdr);
+            taken += 1;
+            if self
+                .recv
+                .take_lent(now, &hdr, &mut lent, l.len, &mut self.stats)
+            {
+                break;
+            }
+        }
+        // Join the rest before the buffer is cut back to what was taken.
+        let rest: Vec<Vec<u8>> = landed[taken..]
+            .iter()
+            .map(|l| {
+                let payload =
+                    l.at.checked_add(l.len)
+                        .and_then(|end| lent.buf.get(l.at..end));
+                match payload {
+                    Some(p) => [l.head, p, &l.crc].concat(),
+                    // Not a datagram we can rebuild: counted below.
+                    None => Vec::new(),
+                }
+            })
+            .collect();
+        self.recv
+            .restore(now, lent, &mut self.events, &mut self.stats);
+        for d in rest {
+            self.handle_datagram(now, &d);
         }
     }
 
