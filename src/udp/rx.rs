@@ -474,7 +474,7 @@ impl UdpTransport {
         let Some(peer) = self.peer(rank) else {
             return (None, false);
         };
-        if peer.is_lost() || cx.peers.get(rank as usize).is_none_or(|p| p.paused()) {
+        if peer.is_lost() || cx.peers.get(rank as usize).map_or(true, |p| p.paused()) {
             return (None, false);
         }
         let mut st = lock(&peer.st);
@@ -550,10 +550,7 @@ impl UdpTransport {
         let Some(peer) = self.peer(rank) else {
             return work;
         };
-        loop {
-            let Some(prx) = cx.peers.get_mut(rank as usize) else {
-                break;
-            };
+        while let Some(prx) = cx.peers.get_mut(rank as usize) {
             if prx.held_bytes > HOLD_LIMIT {
                 break;
             }
