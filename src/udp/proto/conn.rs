@@ -228,9 +228,9 @@ impl Connection {
         self.recv.lend(want)
     }
 
-    /// Whether no message is half-received and the last one spanned
+    /// Whether no message is half-received and one of the last two spanned
     /// several datagrams: a driver that receives in place reads the next
-    /// datagram alone (it probably starts another large message, whose
+    /// data datagram alone (it probably starts another large message, whose
     /// buffer it can borrow once that datagram is in).
     pub fn between_large_messages(&self) -> bool {
         !self.lost && self.recv.between_large()

@@ -95,8 +95,11 @@ pub trait Buffers: Send + Sync {
 /// Rebuilds messages from in-order chunks and checks the framing.
 struct Reassembly {
     next_msg: u64,
-    /// The last message completed spanned several datagrams.
-    last_multi: bool,
+    /// Messages of one datagram may still come before the next large one:
+    /// set to 2 when a message spanning several datagrams completes, one
+    /// less after each message of one datagram (a large transport message
+    /// travels as a small head, then its body).
+    large_recent: u8,
     partial: Option<Partial>,
     max_message: u64,
     /// Most bytes reserved for a message before its data arrives: a
@@ -129,7 +132,7 @@ impl Reassembly {
             }
             if payload.len() as u64 == c.total_len {
                 self.next_msg = self.next_msg.wrapping_add(1);
-                self.last_multi = false;
+                self.large_recent = self.large_recent.saturating_sub(1);
                 let msg = owned
                     .cloned()
                     .unwrap_or_else(|| Bytes::copy_from_slice(payload));
@@ -163,7 +166,7 @@ impl Reassembly {
             return Ok(None);
         }
         self.next_msg = self.next_msg.wrapping_add(1);
-        self.last_multi = true;
+        self.large_recent = 2;
         Ok(self.partial.take().map(|p| self.finish(p.buf)))
     }
 
@@ -225,7 +228,7 @@ impl RecvSide {
             buffered: 0,
             reasm: Reassembly {
                 next_msg: 0,
-                last_multi: false,
+                large_recent: 0,
                 partial: None,
                 max_message: cfg.max_message,
                 reserve_max: (cfg.recv_window as usize).saturating_mul(cfg.chunk_payload()),
@@ -357,11 +360,11 @@ impl RecvSide {
         })
     }
 
-    /// Whether no message is half-received, and the last one spanned
-    /// several datagrams: the next datagram probably starts another such
-    /// message, and once it is in, the rest can be lent.
+    /// Whether no message is half-received, and one of the last two
+    /// spanned several datagrams: the next data datagram probably starts
+    /// another such message, and once it is in, the rest can be lent.
     pub fn between_large(&self) -> bool {
-        self.reasm.partial.is_none() && !self.lent && self.reasm.last_multi
+        self.reasm.partial.is_none() && !self.lent && self.reasm.large_recent > 0
     }
 
     /// Whether the DATA datagram `hdr` carries the next chunk of the lent
@@ -414,7 +417,7 @@ impl RecvSide {
         lent.buf.truncate(lent.filled);
         if lent.filled as u64 >= lent.total {
             self.reasm.next_msg = self.reasm.next_msg.wrapping_add(1);
-            self.reasm.last_multi = true;
+            self.reasm.large_recent = 2;
             let msg = self.reasm.finish(lent.buf);
             deliver(Some(msg), events, stats);
         } else {
