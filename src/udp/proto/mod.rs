@@ -84,7 +84,7 @@
 //!   layer moves opaque messages only; put/get are emulated above it with
 //!   registered-region keys that the target checks. [`Event::Acked`] is what
 //!   a put's remote completion waits for.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod config;
 mod conn;
