@@ -29,16 +29,20 @@ pub(crate) fn one_part(kind: Kind, tag: u64, data: &[u8]) -> Bytes {
     b.freeze()
 }
 
+/// The protocol messages of one transport message, in order: one, or a
+/// head and the data (no `Vec` to allocate per message).
+pub(crate) type Parts = (Bytes, Option<Bytes>);
+
 /// Encode a message as the protocol messages to send, in order.
-pub(crate) fn encode(kind: Kind, tag: u64, data: Bytes) -> Vec<Bytes> {
+pub(crate) fn encode(kind: Kind, tag: u64, data: Bytes) -> Parts {
     if data.len() < SPLIT_MIN {
-        return vec![one_part(kind, tag, &data)];
+        return (one_part(kind, tag, &data), None);
     }
     let mut h = BytesMut::with_capacity(HEAD);
     h.put_u8(kind as u8 | SPLIT);
     h.put_u64_le(tag);
     h.put_u64_le(data.len() as u64);
-    vec![h.freeze(), data]
+    (h.freeze(), Some(data))
 }
 
 /// Why a protocol message is not a valid frame. The peer is buggy or
@@ -109,7 +113,8 @@ mod tests {
         fn round_trip(kind in kinds(), tag: u64, len in prop_oneof![0usize..100, SPLIT_MIN - 2..SPLIT_MIN + 2]) {
             let data: Bytes = (0..len).map(|i| i as u8).collect::<Vec<_>>().into();
             let mut d = Decoder::default();
-            let parts = encode(kind, tag, data.clone());
+            let (first, second) = encode(kind, tag, data.clone());
+            let parts: Vec<Bytes> = std::iter::once(first).chain(second).collect();
             let n = parts.len();
             let mut got = None;
             for (i, p) in parts.into_iter().enumerate() {

@@ -17,6 +17,8 @@ use socket2::SockAddr;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
+use super::proto;
+
 /// Datagrams moved per system call.
 pub(crate) const BATCH: usize = 16;
 /// Parts of an outgoing datagram, sent without joining them: header,
@@ -27,12 +29,22 @@ pub(crate) type Parts<'a> = [&'a [u8]; PARTS];
 /// Size of a receive buffer: the largest UDP payload fits.
 const RECV_BUF: usize = 65_536;
 
+/// Header bytes of a DATA datagram, received apart by [`recv_in_place`].
+const HEAD: usize = proto::DATA_HEADER_LEN;
+
 /// Receive buffers for one `recvmmsg` call, reused across calls.
 pub(crate) struct RecvBatch {
     bufs: Vec<Vec<u8>>,
     lens: [usize; BATCH],
     from: [Option<SocketAddr>; BATCH],
     n: usize,
+    /// Datagrams before this one landed in a lent buffer
+    /// ([`recv_in_place`]); [`iter`](Self::iter) starts here.
+    first: usize,
+    /// Per datagram that landed: its header bytes...
+    heads: [[u8; HEAD]; BATCH],
+    /// ...and where its payload lies in the lent buffer (offset, length).
+    at: [(usize, usize); BATCH],
 }
 
 impl RecvBatch {
@@ -42,13 +54,160 @@ impl RecvBatch {
             lens: [0; BATCH],
             from: [None; BATCH],
             n: 0,
+            first: 0,
+            heads: [[0; HEAD]; BATCH],
+            at: [(0, 0); BATCH],
         }
     }
 
-    /// The datagrams of the last call, with their source addresses.
+    /// The datagrams of the last call, with their source addresses (those
+    /// that landed in a lent buffer excepted: see [`landed`](Self::landed)).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (Option<SocketAddr>, &[u8])> {
-        (0..self.n).map(|i| (self.from[i], &self.bufs[i][..self.lens[i]]))
+        (self.first..self.n).map(|i| (self.from[i], &self.bufs[i][..self.lens[i]]))
     }
+
+    /// The datagrams of the last [`recv_in_place`] that landed in the lent
+    /// buffer as expected, in arrival order (each trailer came first in
+    /// its overflow buffer).
+    pub(crate) fn landed(&self) -> impl Iterator<Item = proto::Landed<'_>> {
+        (0..self.first).map(|i| {
+            let mut crc = [0u8; proto::CRC_LEN];
+            crc.copy_from_slice(&self.bufs[i][..proto::CRC_LEN]);
+            proto::Landed {
+                head: &self.heads[i],
+                at: self.at[i].0,
+                len: self.at[i].1,
+                crc,
+            }
+        })
+    }
+}
+
+/// Receive up to [`BATCH`] datagrams, asking the kernel whatever tokio's
+/// readiness says (as [`recv_now`]), with each datagram's payload aimed
+/// straight at the spare room of `buf` (a message being reassembled): the
+/// `i`th datagram's first [`HEAD`] bytes go to a header buffer, its next
+/// bytes to `buf` at `buf.len() + i * chunk` (at most `chunk` of them, and
+/// nothing past `remaining` bytes), the rest to an overflow buffer. A
+/// datagram from `expect` that filled its place exactly and left just its
+/// trailer in the overflow buffer is taken as landed: `buf`'s length grows
+/// over those places, in order, up to the first datagram that did not
+/// (whatever it is: the protocol checks each one that landed, and joins
+/// and handles normally any that is not what it should be). Every other
+/// datagram is joined into its overflow buffer, for
+/// [`RecvBatch::iter`]. Returns the number of datagrams.
+pub(crate) fn recv_in_place(
+    sock: &UdpSocket,
+    b: &mut RecvBatch,
+    buf: &mut Vec<u8>,
+    chunk: usize,
+    remaining: usize,
+    expect: SocketAddr,
+) -> io::Result<usize> {
+    b.n = 0;
+    b.first = 0;
+    let base = buf.len();
+    let room = (buf.capacity() - base).min(remaining);
+    let chunk = chunk.max(1);
+    let k = room.div_ceil(chunk).min(BATCH);
+    if k == 0 {
+        return recv_now(sock, b);
+    }
+    let place = |i: usize| chunk.min(room - i * chunk);
+    // The spare room of `buf`, written only through the kernel below.
+    let spare = buf.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+    // SAFETY: all-zero bytes are a valid value of these plain C structs.
+    let mut names: [libc::sockaddr_storage; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut iovs: [[libc::iovec; 3]; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    for i in 0..k {
+        iovs[i][0].iov_base = b.heads[i].as_mut_ptr().cast();
+        iovs[i][0].iov_len = HEAD;
+        // SAFETY: i * chunk + place(i) <= room <= the spare capacity, so
+        // the pointer stays inside `buf`'s allocation.
+        iovs[i][1].iov_base = unsafe { spare.add(i * chunk) }.cast();
+        iovs[i][1].iov_len = place(i);
+        iovs[i][2].iov_base = b.bufs[i].as_mut_ptr().cast();
+        iovs[i][2].iov_len = b.bufs[i].len();
+        hdrs[i].msg_hdr.msg_name = (&mut names[i] as *mut libc::sockaddr_storage).cast();
+        hdrs[i].msg_hdr.msg_namelen =
+            std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+        hdrs[i].msg_hdr.msg_iovlen = 3;
+    }
+    let fd = sock.as_raw_fd();
+    let call = |hdrs: &mut [libc::mmsghdr; BATCH]| {
+        // SAFETY: every header points at three iovecs covering live,
+        // writable memory of their lengths (header buffer, spare room of
+        // `buf` that nothing else uses during the call, overflow buffer)
+        // and at a sockaddr_storage of msg_namelen bytes, all of which
+        // outlive the call; the kernel writes at most that.
+        let n = unsafe {
+            libc::recvmmsg(
+                fd,
+                hdrs.as_mut_ptr(),
+                k as libc::c_uint,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+            )
+        };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    };
+    let mut asked = false;
+    let r = sock.try_io(Interest::READABLE, || {
+        asked = true;
+        call(&mut hdrs)
+    });
+    let r = if asked { r } else { call(&mut hdrs) };
+    let n = match finish(r, b) {
+        Ok(n) => n.min(k),
+        Err(e) => return Err(e),
+    };
+    b.n = n;
+    let mut landed = 0;
+    let mut at = base;
+    for i in 0..n {
+        let len = hdrs[i].msg_len as usize;
+        b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
+        b.lens[i] = len.min(RECV_BUF);
+        if landed == i && b.from[i] == Some(expect) && len == HEAD + place(i) + proto::CRC_LEN {
+            b.at[i] = (at, place(i));
+            at += place(i);
+            landed += 1;
+        }
+    }
+    for i in landed..n {
+        // Join the datagram in its overflow buffer: header bytes, then the
+        // bytes that went to its place in `buf`, then the rest.
+        let len = b.lens[i];
+        let head = len.min(HEAD);
+        let mid = (len - head).min(place(i));
+        let tail = len - head - mid;
+        let v = &mut b.bufs[i];
+        v.copy_within(..tail, head + mid);
+        v[..head].copy_from_slice(&b.heads[i][..head]);
+        // SAFETY: the kernel wrote `mid` bytes at that place of the spare
+        // room (the datagram's length says so), so they are initialized;
+        // they lie inside `buf`'s allocation (see above) and do not overlap
+        // the overflow buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(spare.add(i * chunk), v.as_mut_ptr().add(head), mid)
+        };
+    }
+    b.first = landed;
+    // SAFETY: the datagrams before `landed` each filled their place in the
+    // spare room completely (their length says so, and the kernel fills
+    // the iovecs in order), and those places are contiguous from `base`:
+    // every byte below `at` is initialized. (`spare` is not used after
+    // this.)
+    unsafe { buf.set_len(at) };
+    Ok(n)
 }
 
 /// Receive up to [`BATCH`] datagrams without blocking; `Ok(0)` when none.
@@ -56,6 +215,7 @@ impl RecvBatch {
 /// data (no system call otherwise).
 pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
+    b.first = 0;
     let r = sock.try_io(Interest::READABLE, || recvmmsg(sock.as_raw_fd(), b));
     finish(r, b)
 }
@@ -70,6 +230,7 @@ pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
 /// directly and there is no readiness to clear.
 pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
+    b.first = 0;
     let fd = sock.as_raw_fd();
     let mut asked = false;
     let r = sock.try_io(Interest::READABLE, || {
@@ -85,6 +246,7 @@ pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize>
 /// next message).
 pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
     b.n = 0;
+    b.first = 0;
     let fd = sock.as_raw_fd();
     let mut asked = false;
     let r = sock.try_io(Interest::READABLE, || {
@@ -210,50 +372,9 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usi
     let mut done = 0;
     while done < bufs.len() {
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
-        let r = sock.try_io(Interest::WRITABLE, || {
-            // SAFETY: all-zero bytes are a valid value of these C structs.
-            let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
-            let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-            for (i, parts) in chunk.iter().enumerate() {
-                for (iov, part) in iovs[i].iter_mut().zip(parts) {
-                    iov.iov_base = part.as_ptr() as *mut libc::c_void;
-                    iov.iov_len = part.len();
-                }
-                hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
-                hdrs[i].msg_hdr.msg_namelen = addr.len();
-                hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
-                hdrs[i].msg_hdr.msg_iovlen = PARTS;
-            }
-            if chunk.len() == 1 {
-                // A lone datagram (the latency path): plain sendmsg, which
-                // does less work in the kernel than a one-entry sendmmsg.
-                // SAFETY: the header points at PARTS iovecs over live
-                // buffers and at the destination address, all outliving the
-                // call; sendmsg only reads them.
-                let n = unsafe { libc::sendmsg(fd, &hdrs[0].msg_hdr, libc::MSG_DONTWAIT) };
-                return if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(1)
-                };
-            }
-            // SAFETY: each header points at PARTS iovecs over live buffers
-            // and at the destination address, all outliving the call;
-            // sendmmsg only reads them (and writes msg_len in the headers).
-            let n = unsafe {
-                libc::sendmmsg(
-                    fd,
-                    hdrs.as_mut_ptr(),
-                    chunk.len() as libc::c_uint,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(n as usize)
-            }
+        let r = sock.try_io(Interest::WRITABLE, || match chunk {
+            [one] => sendmsg(fd, &addr, one),
+            _ => sendmmsg(fd, &addr, chunk),
         });
         match r {
             Ok(n) => done += n.max(1).min(chunk.len()),
@@ -266,4 +387,161 @@ pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usi
         }
     }
     done
+}
+
+/// A lone datagram (the latency path): plain `sendmsg`, which does less
+/// work in the kernel than a one-entry `sendmmsg`, with only its own
+/// header and iovecs to fill. Returns 1 when sent.
+fn sendmsg(fd: std::os::fd::RawFd, addr: &SockAddr, parts: &Parts<'_>) -> io::Result<usize> {
+    let mut iovs = parts.map(|part| libc::iovec {
+        iov_base: part.as_ptr() as *mut libc::c_void,
+        iov_len: part.len(),
+    });
+    // SAFETY: all-zero bytes are a valid msghdr (null pointers, zero
+    // lengths); the fields that matter are set below.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+    hdr.msg_namelen = addr.len();
+    hdr.msg_iov = iovs.as_mut_ptr();
+    hdr.msg_iovlen = PARTS;
+    // SAFETY: the header points at PARTS iovecs over live buffers and at
+    // the destination address, all outliving the call; sendmsg only reads
+    // them.
+    let n = unsafe { libc::sendmsg(fd, &hdr, libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(1)
+    }
+}
+
+/// Several datagrams (at most [`BATCH`]) with one `sendmmsg`. Returns how
+/// many the kernel took.
+fn sendmmsg(fd: std::os::fd::RawFd, addr: &SockAddr, chunk: &[Parts<'_>]) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid value of these C structs.
+    let mut iovs: [[libc::iovec; PARTS]; BATCH] = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    let chunk = &chunk[..chunk.len().min(BATCH)];
+    for (i, parts) in chunk.iter().enumerate() {
+        for (iov, part) in iovs[i].iter_mut().zip(parts) {
+            iov.iov_base = part.as_ptr() as *mut libc::c_void;
+            iov.iov_len = part.len();
+        }
+        hdrs[i].msg_hdr.msg_name = addr.as_ptr() as *mut libc::c_void;
+        hdrs[i].msg_hdr.msg_namelen = addr.len();
+        hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
+        hdrs[i].msg_hdr.msg_iovlen = PARTS;
+    }
+    // SAFETY: each header points at PARTS iovecs over live buffers and at
+    // the destination address, all outliving the call; sendmmsg only reads
+    // them (and writes msg_len in the headers).
+    let n = unsafe {
+        libc::sendmmsg(
+            fd,
+            hdrs.as_mut_ptr(),
+            chunk.len() as libc::c_uint,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A datagram of the in-place shape: `HEAD` header bytes, `payload`
+    /// bytes, a 4-byte trailer, each filled with its own pattern.
+    fn dgram(tag: u8, payload: usize) -> Vec<u8> {
+        let mut d = vec![tag; HEAD];
+        d.extend((0..payload).map(|i| tag.wrapping_add(i as u8)));
+        d.extend_from_slice(&[tag ^ 0xff; proto::CRC_LEN]);
+        d
+    }
+
+    #[test]
+    fn datagrams_land_in_place_only_in_order_from_the_expected_source() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            let to = rx.local_addr().unwrap();
+            let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            let mut batch = RecvBatch::new();
+            let chunk = 100;
+            // Two that fit their places, one from elsewhere, one short,
+            // then one that would fit again (after a miss: joined too).
+            let sent = [
+                (&a, dgram(1, chunk)),
+                (&a, dgram(2, chunk)),
+                (&b, dgram(3, chunk)),
+                (&a, dgram(4, 50)),
+                (&a, dgram(5, chunk)),
+            ];
+            for (s, d) in &sent {
+                s.send_to(d, to).unwrap();
+            }
+            let mut buf = Vec::with_capacity(1000);
+            buf.extend_from_slice(&[9u8; 10]);
+            let n = recv_in_place(
+                &rx,
+                &mut batch,
+                &mut buf,
+                chunk,
+                1000,
+                a.local_addr().unwrap(),
+            )
+            .unwrap();
+            assert_eq!(n, 5);
+            // The first two landed, in order, after what was there.
+            assert_eq!(buf.len(), 10 + 2 * chunk);
+            assert_eq!(&buf[..10], &[9u8; 10]);
+            let landed: Vec<_> = batch.landed().collect();
+            assert_eq!(landed.len(), 2);
+            for (i, l) in landed.iter().enumerate() {
+                let d = &sent[i].1;
+                assert_eq!(l.head, &d[..HEAD]);
+                assert_eq!((l.at, l.len), (10 + i * chunk, chunk));
+                assert_eq!(&buf[l.at..l.at + l.len], &d[HEAD..HEAD + chunk]);
+                assert_eq!(&l.crc[..], &d[d.len() - proto::CRC_LEN..]);
+            }
+            // The rest come whole, with their sources.
+            let rest: Vec<(Option<SocketAddr>, Vec<u8>)> =
+                batch.iter().map(|(f, d)| (f, d.to_vec())).collect();
+            let want: Vec<(Option<SocketAddr>, Vec<u8>)> = sent[2..]
+                .iter()
+                .map(|(s, d)| (Some(s.local_addr().unwrap()), d.clone()))
+                .collect();
+            assert_eq!(rest, want);
+
+            // Nothing room for: a plain batch, the buffer untouched.
+            a.send_to(&dgram(6, chunk), to).unwrap();
+            let mut full = vec![1u8; 4];
+            full.shrink_to_fit();
+            let n = recv_in_place(
+                &rx,
+                &mut batch,
+                &mut full,
+                chunk,
+                1000,
+                a.local_addr().unwrap(),
+            )
+            .unwrap();
+            assert_eq!(n, 1);
+            assert_eq!(full, vec![1u8; 4]);
+            assert_eq!(batch.landed().count(), 0);
+            assert_eq!(
+                batch.iter().next().map(|(_, d)| d.to_vec()),
+                Some(dgram(6, chunk))
+            );
+        });
+    }
 }

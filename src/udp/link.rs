@@ -53,7 +53,7 @@ impl Link for UdpLink {
             return Ok(false);
         }
         let msg = frame::one_part(kind, tag, data);
-        match st.submit(now, self.peer.rank, vec![msg])? {
+        match st.submit(now, self.peer.rank, (msg, None))? {
             Queued::Done => {}
             // can_send said yes and nothing was queued: it cannot wait, but
             // if it did, its completion firing later is still correct.

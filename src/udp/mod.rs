@@ -101,6 +101,10 @@ pub(crate) struct UdpTransport {
     wake_at: AtomicU64,
     /// Some peer has datagrams the kernel refused: wait for writability.
     backlog: AtomicBool,
+    /// A progress call delivered messages and left the service pass (timers,
+    /// queues, transmissions) to the next call, so that the receiver gets
+    /// its message first (see `progress`).
+    service_owed: AtomicBool,
     epoch: Instant,
     last_report: Mutex<Instant>,
 }
@@ -185,6 +189,7 @@ impl UdpTransport {
             armed: AtomicBool::new(false),
             wake_at: AtomicU64::new(u64::MAX),
             backlog: AtomicBool::new(false),
+            service_owed: AtomicBool::new(false),
             epoch: now,
             last_report: Mutex::new(now),
         }))
@@ -467,18 +472,42 @@ impl Transport for UdpTransport {
     fn progress(&self) -> usize {
         let mut work = 0;
         let mut timers = true;
+        // A service pass the last call put off runs first.
+        let mut serviced = false;
+        if self.service_owed.load(Ordering::Relaxed)
+            && self.service_owed.swap(false, Ordering::Relaxed)
+        {
+            work += self.service(Instant::now());
+            serviced = true;
+        }
+        let mut received = 0;
+        let mut put_off = false;
         if let Ok(mut rx) = self.rx.try_lock() {
-            work += self.rx_progress(&mut rx);
+            received = self.rx_progress(&mut rx);
             timers = rx.timer_turn();
+            // Messages were delivered and no peer has anything to send now
+            // (the ACK they want may ride on a reply, or waits for a
+            // deadline): the service pass waits for the next call, after
+            // the receiver had its message and could answer. The next
+            // call comes at once while anyone polls; a parking driver
+            // runs it in `arm`.
+            put_off = received > 0 && rx.delivered > 0 && !rx.urgent;
+        }
+        work += received;
+        if put_off {
+            // Relaxed: a hint between progress calls; whichever call sees
+            // it runs the pass (and `arm` always does).
+            self.service_owed.store(true, Ordering::Relaxed);
+            return work;
         }
         // Timers, queues and keepalives only change when something arrived,
         // a deadline passed, or the kernel refused datagrams (user sends
         // lower `wake_at` themselves): a hot poll that found nothing skips
         // the walk over every peer, and reads the clock for the timers only
         // now and then.
-        let now = if work > 0 || self.backlog.load(Ordering::Relaxed) {
+        let now = if received > 0 || self.backlog.load(Ordering::Relaxed) {
             Some(Instant::now())
-        } else if timers {
+        } else if timers && !serviced {
             let now = Instant::now();
             // Acquire: pairs with the AcqRel updates in `after_send`.
             (self.nanos(now) >= self.wake_at.load(Ordering::Acquire)).then_some(now)

@@ -73,13 +73,6 @@ pub(crate) enum Queued {
     Waiting(Arc<Completion>),
 }
 
-/// Datagrams the connection took as valid: received minus every kind of
-/// rejection.
-fn valid(s: &proto::Stats) -> u64 {
-    s.datagrams_received
-        .saturating_sub(s.checksum_errors + s.decode_errors + s.misdirected)
-}
-
 impl PeerState {
     pub(crate) fn new(conn: Connection, now: Instant) -> PeerState {
         PeerState {
@@ -106,11 +99,38 @@ impl PeerState {
         !self.backlog.is_empty()
     }
 
+    /// Whether the driver's service pass has something to do for this peer
+    /// at `now` besides deadlines further on: a datagram to send (an ACK
+    /// owed, a resend, data with an open window), queued messages the
+    /// protocol may now take, or datagrams the kernel refused.
+    pub(crate) fn wants_service(&self, now: Instant) -> bool {
+        self.conn.wants_transmit(now) || !self.queue.is_empty() || !self.backlog.is_empty()
+    }
+
     /// Feed one datagram; events go to `out`. Refreshes the liveness clock
     /// when the connection found the datagram valid.
     pub(crate) fn feed(&mut self, now: Instant, dgram: &[u8], out: &mut Vec<Event>) {
         self.conn.handle_datagram(now, dgram);
-        let v = valid(&self.conn.stats());
+        self.heard(now, out);
+    }
+
+    /// Give back a reassembly buffer lent for an in-place receive, with the
+    /// datagrams that landed in it; like [`feed`](Self::feed) otherwise.
+    pub(crate) fn give_back(
+        &mut self,
+        now: Instant,
+        lent: proto::Lent,
+        landed: &[proto::Landed<'_>],
+        out: &mut Vec<Event>,
+    ) {
+        self.conn.return_reassembly(now, lent, landed);
+        self.heard(now, out);
+    }
+
+    /// Refresh the liveness clock if the connection took new datagrams as
+    /// valid; collect its events.
+    fn heard(&mut self, now: Instant, out: &mut Vec<Event>) {
+        let v = self.conn.datagrams_accepted();
         if v > self.valid_seen {
             self.valid_seen = v;
             self.last_heard = now;
@@ -149,26 +169,37 @@ impl PeerState {
 
     /// Queue a message's parts: what the protocol accepts now goes at once
     /// (nothing may overtake the queue), the rest waits.
-    pub(crate) fn submit(&mut self, now: Instant, rank: Rank, parts: Vec<Bytes>) -> Result<Queued> {
-        let mut parts: VecDeque<Bytes> = parts.into();
+    pub(crate) fn submit(
+        &mut self,
+        now: Instant,
+        rank: Rank,
+        (first, second): super::frame::Parts,
+    ) -> Result<Queued> {
+        let mut rest: VecDeque<Bytes> = VecDeque::new();
         if self.queue.is_empty() {
-            while let Some(p) = parts.pop_front() {
+            let mut next = Some(first);
+            let mut second = second;
+            while let Some(p) = next.take() {
                 match self.conn.send(now, p) {
-                    Ok(_) => {}
+                    Ok(_) => next = second.take(),
                     Err(SendError::WouldBlock(b)) => {
-                        parts.push_front(b);
+                        rest.push_back(b);
+                        rest.extend(second.take());
                         break;
                     }
                     Err(e) => return Err(to_error(e, rank)),
                 }
             }
-            if parts.is_empty() {
+            if rest.is_empty() {
                 return Ok(Queued::Done);
             }
+        } else {
+            rest.push_back(first);
+            rest.extend(second);
         }
         let done = Completion::new();
         self.queue.push_back(Pending {
-            parts,
+            parts: rest,
             done: done.clone(),
         });
         Ok(Queued::Waiting(done))
@@ -189,7 +220,7 @@ impl PeerState {
     pub(crate) fn flush(&mut self, now: Instant, io: &Sockets, peer: &Peer, max: usize) -> usize {
         let mut sent = 0;
         loop {
-            sent += self.send_backlog(io, peer);
+            sent += self.send_backlog(now, io, peer);
             if !self.backlog.is_empty() || sent >= max {
                 return sent;
             }
@@ -219,7 +250,7 @@ impl PeerState {
     }
 
     /// Send queued datagrams, grouped by channel, until the kernel says full.
-    fn send_backlog(&mut self, io: &Sockets, peer: &Peer) -> usize {
+    fn send_backlog(&mut self, now: Instant, io: &Sockets, peer: &Peer) -> usize {
         let mut sent = 0;
         while let Some(first) = self.backlog.front() {
             let prio = first.priority;
@@ -245,7 +276,9 @@ impl PeerState {
             }
             sent += n;
             if n > 0 {
-                self.last_sent = Instant::now();
+                // The caller's clock (a send or a progress call that just
+                // read it): the keepalive schedule needs no more precision.
+                self.last_sent = self.last_sent.max(now);
             }
             if n < run {
                 break;
@@ -281,7 +314,7 @@ impl PeerState {
             payload: Bytes::new(),
             crc,
         });
-        self.send_backlog(io, peer);
+        self.send_backlog(Instant::now(), io, peer);
     }
 }
 

@@ -113,10 +113,33 @@ pub(crate) struct RxState {
     turn: u32,
     /// `turn` of the last call in which each socket delivered.
     last_got: [u32; 2],
-    /// The hot socket had nothing last time: ask it for one datagram
-    /// (`recvfrom`, cheaper than a batch) until it has something again.
-    idle: bool,
+    /// Per socket, how it answered the last time it was asked directly:
+    /// [`EMPTY`] or [`LONE`] (a single datagram) mean it is asked with
+    /// `recvfrom` (one datagram, cheaper than a batch), [`FLOWING`] (data
+    /// two calls in a row) with `recvmmsg`. A ping-pong thus never pays for
+    /// a batch call; a stream switches to batches on its second datagram.
+    mode: [u8; 2],
+    /// Whether a datagram fed in this call left a peer with something to
+    /// do now (see [`UdpTransport::progress`]).
+    pub(crate) urgent: bool,
+    /// Messages handed to the core in this call.
+    pub(crate) delivered: usize,
+    /// The source address of the last datagram and its rank: a run of
+    /// datagrams from one peer skips the address table's hashing.
+    last_from: Option<(std::net::SocketAddr, Rank)>,
+    /// The peer whose datagram came last on the data socket: while it is
+    /// in the middle of a large message, the data socket's batches are
+    /// received straight into that message's buffer
+    /// ([`io::recv_in_place`]).
+    stream: Option<Rank>,
 }
+
+/// [`RxState::mode`]: the socket had nothing.
+const EMPTY: u8 = 0;
+/// [`RxState::mode`]: the socket had one datagram, asked with `recvfrom`.
+const LONE: u8 = 1;
+/// [`RxState::mode`]: the socket had data in two calls in a row.
+const FLOWING: u8 = 2;
 
 impl RxState {
     /// Whether this call should also check the timers (one in
@@ -146,7 +169,11 @@ impl RxState {
             hot: 0,
             turn: 0,
             last_got: [0; 2],
-            idle: false,
+            mode: [EMPTY; 2],
+            urgent: false,
+            delivered: 0,
+            last_from: None,
+            stream: None,
         }
     }
 }
@@ -168,12 +195,17 @@ const OTHER_EVERY: u32 = 8;
 /// at once.
 const ACTIVE_TURNS: u32 = 64;
 
+/// Room reserved ahead of a lent reassembly buffer: a batch of the largest
+/// datagrams (bounded by the message's own length).
+const LEND_AHEAD: usize = io::BATCH * 65_536;
+
 /// A progress call that received nothing checks the timers once in this
 /// many calls (deadlines are tens of microseconds or more apart).
 const TIMER_EVERY: u32 = 4;
 
 impl UdpTransport {
-    /// Receive and dispatch. Returns datagrams and messages handled.
+    /// Receive and dispatch. Returns datagrams and messages handled; sets
+    /// `rx.urgent` and `rx.delivered` for this call.
     pub(crate) fn rx_progress(&self, rx: &mut RxState) -> usize {
         let RxState {
             batch,
@@ -183,18 +215,33 @@ impl UdpTransport {
             hot,
             turn,
             last_got,
-            idle,
+            mode,
+            urgent,
+            delivered,
+            last_from,
+            stream,
         } = rx;
+        *urgent = false;
+        *delivered = 0;
+        let mut cx = Feed {
+            peers,
+            events,
+            urgent,
+            delivered,
+            last_from,
+        };
         let mut now = Clock(None);
         let mut work = 0;
-        for (rank, prx) in peers.iter_mut().enumerate() {
+        for rank in 0..cx.peers.len() {
+            let prx = &mut cx.peers[rank];
             if self.peer(rank as Rank).is_some_and(|p| p.is_lost()) {
                 // Nothing from a lost peer is delivered after its loss was
                 // announced; drop what was held for it.
                 prx.clear();
             } else if prx.has_held() {
-                work += self.release(prx, rank as Rank, now.get(), events);
+                work += self.release(&mut cx, rank as Rank, now.get());
             }
+            let prx = &mut cx.peers[rank];
             if let Some(p) = self.peer(rank as Rank) {
                 // Stored only when it changes: a hot poll does not dirty
                 // the cache line that senders read.
@@ -215,20 +262,57 @@ impl UdpTransport {
             let direct = i == *hot
                 || turn.wrapping_sub(last_got[i]) < ACTIVE_TURNS
                 || *turn % OTHER_EVERY == 0;
-            let one = i == *hot && *idle;
+            let one = direct && mode[i] != FLOWING;
             for _ in 0..ROUNDS {
-                let r = if one {
+                // A large message streaming in on the data socket: lend its
+                // buffer, so the kernel writes the payloads in place.
+                let (mut lent, single) = match *stream {
+                    Some(r) if i == 1 && direct => self.lend(&mut cx, r),
+                    _ => (None, false),
+                };
+                let one = one || single;
+                let r = if let Some((peer, lent)) = &mut lent {
+                    let (chunk, remaining) = (lent.chunk(), lent.remaining());
+                    let most = if one { 1 } else { io::BATCH };
+                    io::recv_in_place(
+                        sock,
+                        batch,
+                        &mut lent.buf,
+                        chunk,
+                        remaining.min(most * chunk),
+                        peer.data_addr,
+                    )
+                } else if one {
                     io::recv_one_now(sock, batch)
                 } else if direct {
                     io::recv_now(sock, batch)
                 } else {
                     io::recv(sock, batch)
                 };
+                if let Some((peer, lent)) = lent {
+                    // Always given back, whatever the call found: what
+                    // landed is checked there, in arrival order, before
+                    // anything read after it.
+                    let landed: Vec<proto::Landed<'_>> = batch.landed().collect();
+                    {
+                        let mut st = lock(&peer.st);
+                        st.give_back(now.get(), lent, &landed, cx.events);
+                        *cx.urgent |= st.wants_service(now.get());
+                    }
+                    self.on_events(&mut cx, peer.rank);
+                }
                 let n = r.unwrap_or_else(|e| {
                     tracing::debug!("udp: receive failed: {e}");
                     0
                 });
                 got[i] += n;
+                if direct {
+                    mode[i] = match (n, mode[i]) {
+                        (0, _) => EMPTY,
+                        (_, EMPTY) => LONE,
+                        _ => FLOWING,
+                    };
+                }
                 if i == 1 && n > 0 {
                     // What the peer sent on the priority socket before this
                     // data (a large message's head goes there, its body
@@ -238,14 +322,16 @@ impl UdpTransport {
                     let m = io::recv_now(&self.io.prio, prio_batch).unwrap_or(0);
                     got[0] += m;
                     for (from, d) in prio_batch.iter() {
-                        self.on_datagram(peers, from, d, now.get(), events);
+                        self.on_datagram(&mut cx, from, d, now.get());
                     }
                 }
                 for (from, d) in batch.iter() {
-                    self.on_datagram(peers, from, d, now.get(), events);
+                    self.on_datagram(&mut cx, from, d, now.get());
                 }
-                // After a lone datagram, the next call asks for a batch.
-                if one || n < io::BATCH {
+                // After a lone datagram, the next call asks again; unless
+                // it was read alone to start a large message, whose rest
+                // the next round receives in place.
+                if (one && !(single && n > 0)) || (!one && n < io::BATCH) {
                     break;
                 }
             }
@@ -255,10 +341,12 @@ impl UdpTransport {
                 last_got[i] = *turn;
             }
         }
+        if got[1] > 0 {
+            *stream = cx.last_from.map(|(_, r)| r);
+        }
         if got[*hot] == 0 && got[1 - *hot] > 0 {
             *hot = 1 - *hot;
         }
-        *idle = got[*hot] == 0;
         work + got[0] + got[1]
     }
 
@@ -274,8 +362,18 @@ impl UdpTransport {
             batch,
             peers,
             events,
+            urgent,
+            delivered,
+            last_from,
             ..
         } = &mut *rx;
+        let mut cx = Feed {
+            peers,
+            events,
+            urgent,
+            delivered,
+            last_from,
+        };
         let mut read = 0;
         for sock in [&self.io.prio, &self.io.data] {
             for _ in 0..DRAIN_BATCHES {
@@ -285,7 +383,7 @@ impl UdpTransport {
                 });
                 read += n;
                 for (from, d) in batch.iter() {
-                    self.on_datagram(peers, from, d, now, events);
+                    self.on_datagram(&mut cx, from, d, now);
                 }
                 if n < io::BATCH {
                     break;
@@ -297,13 +395,22 @@ impl UdpTransport {
 
     fn on_datagram(
         &self,
-        peers: &mut [PeerRx],
+        cx: &mut Feed<'_>,
         from: Option<std::net::SocketAddr>,
         d: &[u8],
         now: Instant,
-        events: &mut Vec<Event>,
     ) {
-        let rank = from.and_then(|a| self.by_addr.get().and_then(|m| m.get(&a).copied()));
+        let rank = match (from, *cx.last_from) {
+            (Some(a), Some((last, r))) if a == last => Some(r),
+            (Some(a), _) => {
+                let r = self.by_addr.get().and_then(|m| m.get(&a).copied());
+                if let Some(r) = r {
+                    *cx.last_from = Some((a, r));
+                }
+                r
+            }
+            (None, _) => None,
+        };
         let ids = proto::peek(d).ok();
         let (Some(rank), Some(ids)) = (rank, ids) else {
             return self.foreign();
@@ -311,7 +418,7 @@ impl UdpTransport {
         if ids.job != self.job || ids.src != rank || ids.dst != self.core.rank {
             return self.foreign();
         }
-        let (Some(peer), Some(prx)) = (self.peer(rank), peers.get_mut(rank as usize)) else {
+        let (Some(peer), Some(prx)) = (self.peer(rank), cx.peers.get_mut(rank as usize)) else {
             return self.foreign();
         };
         if peer.is_lost() {
@@ -328,10 +435,14 @@ impl UdpTransport {
                         let mut st = lock(&peer.st);
                         st.last_heard = now;
                         st.conn.handle_ack(now, &h);
-                        events.extend(std::iter::from_fn(|| st.conn.poll_event()));
+                        cx.events
+                            .extend(std::iter::from_fn(|| st.conn.poll_event()));
                         drop(st);
-                        self.on_events(prx, rank, events);
-                        prx.stash_push(d, peer.stash_limit);
+                        *cx.urgent = true;
+                        self.on_events(cx, rank);
+                        if let Some(prx) = cx.peers.get_mut(rank as usize) {
+                            prx.stash_push(d, peer.stash_limit);
+                        }
                         return;
                     }
                 }
@@ -339,16 +450,50 @@ impl UdpTransport {
                 _ => {}
             }
         }
-        lock(&peer.st).feed(now, d, events);
-        self.on_events(prx, rank, events);
+        {
+            let mut st = lock(&peer.st);
+            st.feed(now, d, cx.events);
+            *cx.urgent |= st.wants_service(now);
+        }
+        self.on_events(cx, rank);
+    }
+
+    /// Lend the reassembly buffer of peer `rank`'s half-received message
+    /// for an in-place receive, when it has one and its data is not being
+    /// held back (a paused peer's datagrams are stashed whole). Else says
+    /// whether to read one datagram alone: the peer is between two large
+    /// messages, and the next datagram probably starts one.
+    fn lend(
+        &self,
+        cx: &mut Feed<'_>,
+        rank: Rank,
+    ) -> (
+        Option<(std::sync::Arc<super::peer::Peer>, proto::Lent)>,
+        bool,
+    ) {
+        let Some(peer) = self.peer(rank) else {
+            return (None, false);
+        };
+        if peer.is_lost() || cx.peers.get(rank as usize).map_or(true, |p| p.paused()) {
+            return (None, false);
+        }
+        let mut st = lock(&peer.st);
+        match st.conn.lend_reassembly(LEND_AHEAD) {
+            Some(lent) => (Some((peer.clone(), lent)), false),
+            None => (None, st.conn.between_large_messages()),
+        }
     }
 
     fn foreign(&self) {
         Counters::bump(&self.core.counters.foreign_datagrams);
     }
 
-    fn on_events(&self, prx: &mut PeerRx, rank: Rank, events: &mut Vec<Event>) {
-        for ev in events.drain(..) {
+    fn on_events(&self, cx: &mut Feed<'_>, rank: Rank) {
+        let Some(prx) = cx.peers.get_mut(rank as usize) else {
+            cx.events.clear();
+            return;
+        };
+        for ev in cx.events.drain(..) {
             match ev {
                 Event::Message(m) => match prx.dec.push(m) {
                     Ok(Some((kind, tag, data))) => {
@@ -357,6 +502,7 @@ impl UdpTransport {
                                 && self.core.dispatcher.has_room(tag, data.len()))
                         {
                             self.dispatch(rank, kind, tag, data);
+                            *cx.delivered += 1;
                         } else {
                             prx.held_bytes += data.len();
                             prx.held.push_back((kind, tag, data));
@@ -375,20 +521,21 @@ impl UdpTransport {
     }
 
     fn dispatch(&self, rank: Rank, kind: Kind, tag: u64, data: Bytes) {
-        if let Some(link) = self.core.link(rank) {
+        if kind == Kind::User {
+            // A user message needs no link (saves the link table's lock).
+            self.core.deliver(rank, tag, data);
+        } else if let Some(link) = self.core.link(rank) {
             self.core.on_message(&*link, rank, kind, tag, data);
         }
     }
 
-    /// Deliver held messages that now fit, then feed the stash.
-    fn release(
-        &self,
-        prx: &mut PeerRx,
-        rank: Rank,
-        now: Instant,
-        events: &mut Vec<Event>,
-    ) -> usize {
+    /// Deliver held messages of peer `rank` that now fit, then feed its
+    /// stash.
+    fn release(&self, cx: &mut Feed<'_>, rank: Rank, now: Instant) -> usize {
         let mut work = 0;
+        let Some(prx) = cx.peers.get_mut(rank as usize) else {
+            return work;
+        };
         while let Some((kind, tag, data)) = prx.held.front() {
             if *kind == Kind::User && !self.core.dispatcher.has_room(*tag, data.len()) {
                 break;
@@ -396,22 +543,38 @@ impl UdpTransport {
             if let Some((kind, tag, data)) = prx.held.pop_front() {
                 prx.held_bytes -= data.len();
                 self.dispatch(rank, kind, tag, data);
+                *cx.delivered += 1;
                 work += 1;
             }
         }
         let Some(peer) = self.peer(rank) else {
             return work;
         };
-        while prx.held_bytes <= HOLD_LIMIT {
+        while let Some(prx) = cx.peers.get_mut(rank as usize) {
+            if prx.held_bytes > HOLD_LIMIT {
+                break;
+            }
             let Some(d) = prx.stash_pop() else {
                 break;
             };
-            lock(&peer.st).feed(now, &d, events);
-            self.on_events(prx, rank, events);
+            lock(&peer.st).feed(now, &d, cx.events);
+            // Stashed data was never answered: let the service pass look.
+            *cx.urgent = true;
+            self.on_events(cx, rank);
             work += 1;
         }
         work
     }
+}
+
+/// What feeding datagrams needs of [`RxState`], borrowed apart from the
+/// receive buffers the datagrams are read from.
+struct Feed<'a> {
+    peers: &'a mut [PeerRx],
+    events: &'a mut Vec<Event>,
+    urgent: &'a mut bool,
+    delivered: &'a mut usize,
+    last_from: &'a mut Option<(std::net::SocketAddr, Rank)>,
 }
 
 #[cfg(test)]

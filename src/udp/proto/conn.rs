@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
 use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
-use super::recv::{Buffers, RecvSide};
+use super::recv::{Buffers, Landed, Lent, RecvSide};
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
 use crate::Rank;
@@ -216,6 +216,87 @@ impl Connection {
         }
     }
 
+    /// Lend the buffer of the message being reassembled, so that the
+    /// next chunks' payloads can be received straight into it (see
+    /// [`Lent`]), with room for `want` more bytes where the message allows.
+    /// `None` when no message is half-received, or the peer is lost. Feed nothing to this connection until the
+    /// buffer is back ([`return_reassembly`](Self::return_reassembly)).
+    pub fn lend_reassembly(&mut self, want: usize) -> Option<Lent> {
+        if self.lost {
+            return None;
+        }
+        self.recv.lend(want)
+    }
+
+    /// Whether no message is half-received and one of the last two spanned
+    /// several datagrams: a driver that receives in place reads the next
+    /// data datagram alone (it probably starts another large message, whose
+    /// buffer it can borrow once that datagram is in).
+    pub fn between_large_messages(&self) -> bool {
+        !self.lost && self.recv.between_large()
+    }
+
+    /// Give back a lent buffer with the datagrams received into it, in
+    /// arrival order. Each is checked as [`handle_datagram`](Self::handle_datagram)
+    /// would (checksum over its three parts, ids, sequence, chunk
+    /// position); those that are the message's next chunks, in place, are
+    /// taken without a copy. From the first that is not, each is joined
+    /// into one datagram and handled as usual (so whatever it is, it
+    /// counts and acts the same as if it had come whole). A `Landed` whose
+    /// payload lies outside `lent.buf` is counted as a decode error.
+    pub fn return_reassembly(&mut self, now: Instant, mut lent: Lent, landed: &[Landed<'_>]) {
+        let mut taken = 0;
+        for l in landed {
+            if self.lost {
+                break;
+            }
+            let Some(payload) =
+                l.at.checked_add(l.len)
+                    .and_then(|end| lent.buf.get(l.at..end))
+            else {
+                break;
+            };
+            let Ok(hdr) = super::header::decode_parts(l.head, payload, l.crc) else {
+                break;
+            };
+            if hdr.job != self.ids.job
+                || hdr.src != self.ids.peer_rank
+                || hdr.dst != self.ids.local_rank
+                || !self.recv.fits_lent(&hdr, &lent, l.at)
+            {
+                break;
+            }
+            self.stats.datagrams_received += 1;
+            self.apply_ack(now, &hdr);
+            taken += 1;
+            if self
+                .recv
+                .take_lent(now, &hdr, &mut lent, l.len, &mut self.stats)
+            {
+                break;
+            }
+        }
+        // Join the rest before the buffer is cut back to what was taken.
+        let rest: Vec<Vec<u8>> = landed[taken..]
+            .iter()
+            .map(|l| {
+                let payload =
+                    l.at.checked_add(l.len)
+                        .and_then(|end| lent.buf.get(l.at..end));
+                match payload {
+                    Some(p) => [l.head, p, &l.crc].concat(),
+                    // Not a datagram we can rebuild: counted below.
+                    None => Vec::new(),
+                }
+            })
+            .collect();
+        self.recv
+            .restore(now, lent, &mut self.events, &mut self.stats);
+        for d in rest {
+            self.handle_datagram(now, &d);
+        }
+    }
+
     /// Processes only the acknowledgement in a datagram's header (`hdr`,
     /// as [`decode`] returned it, checksum verified): its
     /// cumulative ACK, SACK blocks and flags; any data it carries is left
@@ -345,6 +426,23 @@ impl Connection {
         self.stats.priority_sent += 1;
         self.stats.acks_sent += 1;
         (Transmit { priority: true }, hdr, Bytes::new())
+    }
+
+    /// Whether [`poll_transmit`](Self::poll_transmit) would return a
+    /// datagram at `now`: an ACK owed, a resend queued, or new data with an
+    /// open window. Cheap (no clock, no allocation): a driver may use it to
+    /// put off its transmit pass while only deadlines lie ahead.
+    pub fn wants_transmit(&self, now: Instant) -> bool {
+        !self.lost && (self.recv.ack_owed(now) || self.send.has_segment())
+    }
+
+    /// Datagrams received so far that decoded, passed the checksum and
+    /// were addressed to this connection (what [`Stats`] would give as
+    /// received minus rejected, without building the whole snapshot).
+    pub fn datagrams_accepted(&self) -> u64 {
+        let s = &self.stats;
+        s.datagrams_received
+            .saturating_sub(s.checksum_errors + s.decode_errors + s.misdirected)
     }
 
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)

@@ -309,12 +309,62 @@ pub fn peek(buf: &[u8]) -> Result<PacketIds, DecodeError> {
 /// SACK list is not whole blocks, holds more than [`MAX_SACK_BLOCKS`] or an
 /// empty block, and a chunk that does not fit in its message.
 pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
-    let mut r = preamble(buf)?;
+    let r = preamble(buf)?;
     let body_len = buf.len() - CRC_LEN;
     let (body, crc) = buf.split_at(body_len);
     if crc32c(body).to_le_bytes() != crc {
         return Err(DecodeError::BadChecksum);
     }
+    let (header, header_len) = parse(r, buf.len())?;
+    let payload = match header.kind {
+        Kind::Data(_) => body
+            .get(header_len..)
+            .ok_or(DecodeError::TooShort { len: buf.len() })?,
+        Kind::Ack(_) => &[],
+    };
+    Ok((header, payload))
+}
+
+/// Decodes and validates a DATA datagram that arrived in three places:
+/// its first [`DATA_HEADER_LEN`] bytes in `head`, its payload in `payload`
+/// and its checksum trailer in `crc` (a driver that receives the payload
+/// straight into a reassembly buffer). The same checks as [`decode`] on
+/// the joined bytes; an ACK-only datagram, or a DATA one whose header is
+/// not exactly `head`, is refused (`Invalid`): join the parts and use
+/// [`decode`] for those.
+pub fn decode_parts(
+    head: &[u8],
+    payload: &[u8],
+    crc: [u8; CRC_LEN],
+) -> Result<Header, DecodeError> {
+    let len = head.len() + payload.len() + CRC_LEN;
+    if len < MIN_DATAGRAM {
+        return Err(DecodeError::TooShort { len });
+    }
+    let r = preamble(head)?;
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    d.update(head);
+    d.update(payload);
+    // A CRC-32 fits in 32 bits; crc-fast returns every width as a u64.
+    if (d.finalize() as u32).to_le_bytes() != crc {
+        return Err(DecodeError::BadChecksum);
+    }
+    match parse(r, len)? {
+        (
+            h @ Header {
+                kind: Kind::Data(_),
+                ..
+            },
+            DATA_HEADER_LEN,
+        ) if head.len() == DATA_HEADER_LEN => Ok(h),
+        _ => Err(DecodeError::Invalid("not a DATA header in its own part")),
+    }
+}
+
+/// The header after magic and version (`r` is positioned there), checked
+/// against the datagram's whole length `len`; returns it with its length
+/// (payload and trailer follow).
+fn parse(mut r: Reader<'_>, len: usize) -> Result<(Header, usize), DecodeError> {
     let kind = r.u8()?;
     let flag_bits = r.u16()?;
     let flags = Flags::from_bits(flag_bits).ok_or(DecodeError::UnknownFlags(flag_bits))?;
@@ -338,10 +388,10 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
         return Err(DecodeError::Invalid("malformed SACK block list"));
     }
     let expected = (header_len + CRC_LEN) as u64 + u64::from(payload_len);
-    if expected != buf.len() as u64 {
+    if expected != len as u64 {
         return Err(DecodeError::LengthMismatch {
             expected,
-            actual: buf.len(),
+            actual: len,
         });
     }
     let kind = if kind == KIND_DATA {
@@ -373,12 +423,6 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
         }
         Kind::Ack(sack)
     };
-    let payload = match kind {
-        Kind::Data(_) => body
-            .get(header_len..)
-            .ok_or(DecodeError::TooShort { len: buf.len() })?,
-        Kind::Ack(_) => &[],
-    };
     let header = Header {
         job,
         src,
@@ -388,7 +432,7 @@ pub fn decode(buf: &[u8]) -> Result<(Header, &[u8]), DecodeError> {
         ack,
         kind,
     };
-    Ok((header, payload))
+    Ok((header, header_len))
 }
 
 /// CRC-32C (Castagnoli, the iSCSI polynomial) of `data`: `crc-fast` uses

@@ -103,9 +103,10 @@ mod tests;
 pub use config::{Config, ConfigError};
 pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
 pub use header::{
-    decode, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack, SackBlock,
+    decode, decode_parts, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack,
+    SackBlock, CRC_LEN, DATA_HEADER_LEN,
 };
-pub use recv::Buffers;
+pub use recv::{Buffers, Landed, Lent};
 pub use seq::Seq;
 pub use stats::Stats;
 

@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::config::Config;
 use super::conn::Event;
-use super::header::{Chunk, Flags, Header, Sack, SackBlock};
+use super::header::{Chunk, Flags, Header, Kind, Sack, SackBlock};
 use super::seq::Seq;
 use super::stats::Stats;
 
@@ -29,6 +29,54 @@ struct Partial {
     id: u64,
     total: u64,
     buf: Vec<u8>,
+    /// Payload length of the last chunk taken: the sender's chunk size, as
+    /// a guess of where the next chunks end (see [`Lent`]).
+    chunk: usize,
+}
+
+/// The buffer of a message being reassembled, lent to the driver so that
+/// the kernel writes the next chunks' payloads straight into it, one after
+/// the other from `buf.len()` (no copy out of a receive buffer). The
+/// connection takes nothing for that message while it is lent; give it
+/// back with [`Connection::return_reassembly`](super::Connection::return_reassembly),
+/// which checks every chunk as if it had come whole.
+pub struct Lent {
+    /// The message's bytes so far (`len()`), with room reserved after them.
+    /// The driver may only grow `len()` over bytes it had written, and
+    /// must not change what is below the length it got.
+    pub buf: Vec<u8>,
+    id: u64,
+    total: u64,
+    filled: usize,
+    chunk: usize,
+}
+
+impl Lent {
+    /// Bytes still missing from the message.
+    pub fn remaining(&self) -> usize {
+        usize::try_from(self.total).map_or(usize::MAX, |t| t.saturating_sub(self.filled))
+    }
+
+    /// The payload length of the chunks that came so far: where the next
+    /// ones probably end (the last one may be shorter).
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+}
+
+/// One datagram the driver received into a [`Lent`] buffer: its first
+/// [`DATA_HEADER_LEN`](super::header::DATA_HEADER_LEN) bytes (`head`), its
+/// payload at `buf[at..at + len]`, its checksum trailer.
+#[derive(Debug, Clone, Copy)]
+pub struct Landed<'a> {
+    /// The datagram's header bytes.
+    pub head: &'a [u8],
+    /// Where its payload starts in the lent buffer.
+    pub at: usize,
+    /// Its payload length.
+    pub len: usize,
+    /// Its trailer.
+    pub crc: [u8; super::header::CRC_LEN],
 }
 
 /// Where the buffer of a message that spans several datagrams comes from,
@@ -47,6 +95,11 @@ pub trait Buffers: Send + Sync {
 /// Rebuilds messages from in-order chunks and checks the framing.
 struct Reassembly {
     next_msg: u64,
+    /// Messages of one datagram may still come before the next large one:
+    /// set to 2 when a message spanning several datagrams completes, one
+    /// less after each message of one datagram (a large transport message
+    /// travels as a small head, then its body).
+    large_recent: u8,
     partial: Option<Partial>,
     max_message: u64,
     /// Most bytes reserved for a message before its data arrives: a
@@ -79,6 +132,7 @@ impl Reassembly {
             }
             if payload.len() as u64 == c.total_len {
                 self.next_msg = self.next_msg.wrapping_add(1);
+                self.large_recent = self.large_recent.saturating_sub(1);
                 let msg = owned
                     .cloned()
                     .unwrap_or_else(|| Bytes::copy_from_slice(payload));
@@ -97,6 +151,7 @@ impl Reassembly {
                 id: c.msg_id,
                 total: c.total_len,
                 buf,
+                chunk: payload.len(),
             });
             return Ok(None);
         };
@@ -106,14 +161,20 @@ impl Reassembly {
         let total = usize::try_from(p.total).map_err(|_| "message too large")?;
         grow(&mut p.buf, payload.len(), total);
         p.buf.extend_from_slice(payload);
+        p.chunk = payload.len();
         if (p.buf.len() as u64) < p.total {
             return Ok(None);
         }
         self.next_msg = self.next_msg.wrapping_add(1);
-        Ok(self.partial.take().map(|p| match &self.buffers {
-            Some(b) => b.freeze(p.buf),
-            None => Bytes::from(p.buf),
-        }))
+        self.large_recent = 2;
+        Ok(self.partial.take().map(|p| self.finish(p.buf)))
+    }
+
+    fn finish(&self, buf: Vec<u8>) -> Bytes {
+        match &self.buffers {
+            Some(b) => b.freeze(buf),
+            None => Bytes::from(buf),
+        }
     }
 }
 
@@ -153,6 +214,9 @@ pub(super) struct RecvSide {
     owed_cap: u32,
     /// Whether ACK-only packets carry SACK blocks ([`Config::sack`]).
     sack: bool,
+    /// The reassembly buffer is lent ([`RecvSide::lend`]): DATA is refused
+    /// until it is back.
+    lent: bool,
 }
 
 impl RecvSide {
@@ -164,6 +228,7 @@ impl RecvSide {
             buffered: 0,
             reasm: Reassembly {
                 next_msg: 0,
+                large_recent: 0,
                 partial: None,
                 max_message: cfg.max_message,
                 reserve_max: (cfg.recv_window as usize).saturating_mul(cfg.chunk_payload()),
@@ -177,6 +242,7 @@ impl RecvSide {
             owed_acks: 0,
             owed_cap: cfg.dup_ack_threshold,
             sack: cfg.sack,
+            lent: false,
         }
     }
 
@@ -219,6 +285,11 @@ impl RecvSide {
         events: &mut VecDeque<Event>,
         stats: &mut Stats,
     ) {
+        if self.lent {
+            // A driver bug: nothing may be fed while the buffer is out.
+            stats.protocol_errors += 1;
+            return;
+        }
         let Ok(dist) = u64::try_from(Seq(hdr.seq).diff(self.nxt)) else {
             // Already delivered: our ACK was probably lost; repeat it.
             stats.duplicates_dropped += 1;
@@ -246,6 +317,12 @@ impl RecvSide {
         self.slots.pop_front();
         self.since_ack += 1;
         let filled = self.drain_buffered(events, stats);
+        self.schedule_ack(now, hdr, filled);
+    }
+
+    /// When to acknowledge after the in-order segment `hdr`; `filled`: it
+    /// filled a hole.
+    fn schedule_ack(&mut self, now: Instant, hdr: &Header, filled: bool) {
         let asked = hdr.flags.contains(Flags::ACK_NOW);
         if filled
             || self.since_ack >= self.ack_every
@@ -258,6 +335,102 @@ impl RecvSide {
             self.ack_by(now.checked_add(self.reply_ack_delay).unwrap_or(now));
         } else if self.ack_deadline.is_none() {
             self.ack_deadline = now.checked_add(self.ack_delay);
+        }
+    }
+
+    /// Lend the buffer of the message being reassembled, with room for at
+    /// least `want` more bytes reserved where the message allows (growing
+    /// as [`grow`] does, so a lying length reserves no more than data
+    /// backs, plus `want`). `None` when no message is half-received.
+    pub fn lend(&mut self, want: usize) -> Option<Lent> {
+        if self.lent {
+            return None;
+        }
+        let total = usize::try_from(self.reasm.partial.as_ref()?.total).ok()?;
+        let mut p = self.reasm.partial.take()?;
+        self.lent = true;
+        let more = want.min(total.saturating_sub(p.buf.len()));
+        grow(&mut p.buf, more, total);
+        Some(Lent {
+            filled: p.buf.len(),
+            buf: p.buf,
+            id: p.id,
+            total: p.total,
+            chunk: p.chunk,
+        })
+    }
+
+    /// Whether no message is half-received, and one of the last two
+    /// spanned several datagrams: the next data datagram probably starts
+    /// another such message, and once it is in, the rest can be lent.
+    pub fn between_large(&self) -> bool {
+        self.reasm.partial.is_none() && !self.lent && self.reasm.large_recent > 0
+    }
+
+    /// Whether the DATA datagram `hdr` carries the next chunk of the lent
+    /// message, landed where it belongs (`at`).
+    pub fn fits_lent(&self, hdr: &Header, lent: &Lent, at: usize) -> bool {
+        // The slot after the hole may hold a segment that came early (the
+        // next message's head, overtaking on the priority channel): it goes
+        // first, through the usual path, once the buffer is back.
+        !matches!(self.slots.front(), Some(Some(_)))
+            && matches!(hdr.kind, Kind::Data(c)
+            if Seq(hdr.seq) == self.nxt
+                && c.msg_id == lent.id
+                && c.total_len == lent.total
+                && c.offset == lent.filled as u64
+                && at == lent.filled)
+    }
+
+    /// Take a chunk of `len` bytes that [`fits_lent`](Self::fits_lent):
+    /// the same bookkeeping as an in-order chunk in [`on_data`](Self::on_data).
+    /// Returns whether it completed the message.
+    pub fn take_lent(
+        &mut self,
+        now: Instant,
+        hdr: &Header,
+        lent: &mut Lent,
+        len: usize,
+        stats: &mut Stats,
+    ) -> bool {
+        lent.filled += len;
+        lent.chunk = len;
+        stats.data_received += 1;
+        self.nxt = self.nxt.wrapping_add(1);
+        self.slots.pop_front();
+        self.since_ack += 1;
+        self.schedule_ack(now, hdr, false);
+        lent.filled as u64 >= lent.total
+    }
+
+    /// Take back a lent buffer: bytes past what was taken are dropped; a
+    /// complete message is delivered, then segments that came early and
+    /// are now in order.
+    pub fn restore(
+        &mut self,
+        now: Instant,
+        mut lent: Lent,
+        events: &mut VecDeque<Event>,
+        stats: &mut Stats,
+    ) {
+        self.lent = false;
+        lent.buf.truncate(lent.filled);
+        if lent.filled as u64 >= lent.total {
+            self.reasm.next_msg = self.reasm.next_msg.wrapping_add(1);
+            self.reasm.large_recent = 2;
+            let msg = self.reasm.finish(lent.buf);
+            deliver(Some(msg), events, stats);
+        } else {
+            self.reasm.partial = Some(Partial {
+                id: lent.id,
+                total: lent.total,
+                buf: lent.buf,
+                chunk: lent.chunk,
+            });
+        }
+        if self.drain_buffered(events, stats) {
+            // A hole was filled, as in `on_data`.
+            self.ack_now(now);
         }
     }
 
@@ -368,6 +541,12 @@ impl RecvSide {
         }
         self.owed_acks -= 1;
         true
+    }
+
+    /// Whether an ACK-only packet is owed now: for out-of-order data, or a
+    /// delayed ACK that fell due at `now`.
+    pub fn ack_owed(&self, now: Instant) -> bool {
+        self.owed_acks > 0 || self.ack_due(now)
     }
 
     /// Whether the delayed ACK is due at `now`.

@@ -571,6 +571,12 @@ impl SendSide {
         self.inflight.is_empty() && self.queue.is_empty()
     }
 
+    /// Whether [`next_segment`](Self::next_segment) would return a segment
+    /// now: a resend is queued, or new data waits and the window is open.
+    pub fn has_segment(&self) -> bool {
+        !self.resend.is_empty() || (!self.queue.is_empty() && self.inflight.len() < self.window)
+    }
+
     /// Ids of messages not fully acknowledged, in send order.
     pub fn unacked_messages(&self) -> Vec<MsgId> {
         let ids = self.inflight.iter().map(|s| s.chunk.msg_id);

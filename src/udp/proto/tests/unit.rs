@@ -443,3 +443,217 @@ proptest! {
         prop_assert_eq!(got, sent);
     }
 }
+
+/// Feed `d` to `rx` the way the driver's in-place receive would, if `rx`
+/// lends its reassembly buffer: the datagrams of `ds` that have exactly
+/// the shape of the next places (header, a whole place of payload, the
+/// trailer), in order, land in the buffer; the first that does not, and
+/// all after it, come back joined. Returns how many of `ds` were used.
+fn feed_in_place(rx: &mut Connection, now: Instant, ds: &[Vec<u8>]) -> usize {
+    use super::super::{Landed, CRC_LEN, DATA_HEADER_LEN as H};
+    let Some(mut lent) = rx.lend_reassembly(16 * 1024) else {
+        rx.handle_datagram(now, &ds[0]);
+        return 1;
+    };
+    let chunk = lent.chunk().max(1);
+    let room = (lent.buf.capacity() - lent.buf.len()).min(lent.remaining());
+    let k = room.div_ceil(chunk).min(16).min(ds.len());
+    let place = |i: usize| chunk.min(room - i * chunk);
+    let mut at = lent.buf.len();
+    let mut landed = Vec::new();
+    for (i, d) in ds[..k].iter().enumerate() {
+        if landed.len() < i || d.len() != H + place(i) + CRC_LEN {
+            break;
+        }
+        // What the kernel does: the payload goes to its place.
+        lent.buf.extend_from_slice(&d[H..H + place(i)]);
+        let mut crc = [0u8; CRC_LEN];
+        crc.copy_from_slice(&d[d.len() - CRC_LEN..]);
+        landed.push(Landed {
+            head: &d[..H],
+            at,
+            len: place(i),
+            crc,
+        });
+        at += place(i);
+    }
+    rx.return_reassembly(now, lent, &landed);
+    for d in &ds[landed.len()..k.max(1)] {
+        rx.handle_datagram(now, d);
+    }
+    k.max(1)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Receiving into a lent reassembly buffer changes nothing the
+    /// protocol does: whatever a real sender's datagrams go through
+    /// (loss, reordering, duplication, a flipped byte anywhere), a
+    /// receiver fed in place delivers the same messages and keeps the same
+    /// counters as one fed whole datagrams.
+    #[test]
+    fn receiving_in_place_is_the_same_as_receiving_whole(
+        lens in proptest::collection::vec(0usize..5000, 1..6),
+        schedule in proptest::collection::vec(
+            (any::<proptest::sample::Index>(), 0u8..8, any::<proptest::sample::Index>()),
+            0..120,
+        ),
+    ) {
+        let cfg = Config { max_datagram: 400, send_window: 128, recv_window: 128, ..Config::default() };
+        let t0 = Instant::now();
+        let mut tx = Connection::new(cfg.clone(), ids(1, 0), 7, 9, t0).unwrap();
+        let mut whole = Connection::new(cfg.clone(), ids(0, 1), 9, 7, t0).unwrap();
+        let mut in_place = Connection::new(cfg, ids(0, 1), 9, 7, t0).unwrap();
+        for (i, &n) in lens.iter().enumerate() {
+            tx.send(t0, message(i as u64, n)).unwrap();
+        }
+        let mut pool = Vec::new();
+        let mut buf = Vec::new();
+        while tx.poll_transmit(t0, &mut buf).is_some() {
+            pool.push(buf.clone());
+        }
+        // An arbitrary schedule of runs of datagrams as sent (in-order runs
+        // are what lands in place): 0-3 clean runs of 1, 4, 7 or 10; 4 a
+        // skip; 5 one truncated; 6 and 7 runs of 4 with a byte flipped in
+        // the first or the last.
+        let mut arrivals: Vec<Vec<u8>> = Vec::new();
+        for (pick, how, byte) in schedule {
+            let first = pick.index(pool.len());
+            let run = match how {
+                0..=3 => 1 + usize::from(how) * 3,
+                4 => 0,
+                5 => 1,
+                _ => 4,
+            };
+            let end = (first + run).min(pool.len());
+            for (j, d) in pool[first..end].iter().enumerate() {
+                let mut d = d.clone();
+                let hit = (how == 6 && j == 0) || (how == 7 && j + 1 == end - first);
+                if hit {
+                    let i = byte.index(d.len());
+                    d[i] ^= 0x40;
+                }
+                if how == 5 {
+                    d.truncate(byte.index(d.len()));
+                }
+                arrivals.push(d);
+            }
+        }
+        arrivals.extend(pool.iter().cloned());
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for d in &arrivals {
+            whole.handle_datagram(t0, d);
+        }
+        let mut i = 0;
+        while i < arrivals.len() {
+            i += feed_in_place(&mut in_place, t0, &arrivals[i..]);
+        }
+        while let Some(e) = whole.poll_event() { a.push(e) }
+        while let Some(e) = in_place.poll_event() { b.push(e) }
+        prop_assert_eq!(&a, &b);
+        prop_assert_eq!(whole.stats(), in_place.stats());
+        // Everything arrived in order once: every message, intact.
+        let want: Vec<Event> = lens.iter().enumerate().map(|(i, &n)| Event::Message(message(i as u64, n))).collect();
+        prop_assert_eq!(a, want);
+    }
+}
+
+#[test]
+fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
+    use super::super::{Landed, CRC_LEN, DATA_HEADER_LEN as H};
+    let cfg = Config {
+        max_datagram: 400,
+        ..Config::default()
+    };
+    let t0 = Instant::now();
+    let mut tx = Connection::new(cfg.clone(), ids(1, 0), 0, 0, t0).unwrap();
+    let mut rx = Connection::new(cfg, ids(0, 1), 0, 0, t0).unwrap();
+    let msg = message(0, 1500);
+    tx.send(t0, msg.clone()).unwrap();
+    let mut buf = Vec::new();
+    let mut ds = Vec::new();
+    while tx.poll_transmit(t0, &mut buf).is_some() {
+        ds.push(buf.clone());
+    }
+    assert!(ds.len() >= 4);
+    // Nothing to lend before a large message has begun.
+    assert!(rx.lend_reassembly(1 << 16).is_none());
+    rx.handle_datagram(t0, &ds[0]);
+    let land = |lent: &mut super::super::Lent, d: &[u8], flip: bool| {
+        let at = lent.buf.len();
+        let len = d.len() - H - CRC_LEN;
+        lent.buf.extend_from_slice(&d[H..H + len]);
+        if flip {
+            lent.buf[at] ^= 1;
+        }
+        let mut crc = [0u8; CRC_LEN];
+        crc.copy_from_slice(&d[d.len() - CRC_LEN..]);
+        (at, len, crc)
+    };
+    // A corrupted payload in place: counted as a checksum error, cut off,
+    // nothing delivered; a chunk that is not the next one (the one after)
+    // is kept out of order as usual, not taken in place.
+    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    // While lent, nothing may be fed: refused and counted.
+    rx.handle_datagram(t0, &ds[1]);
+    assert_eq!(rx.stats().protocol_errors, 1);
+    let (at, len, crc) = land(&mut lent, &ds[1], true);
+    let bad = Landed {
+        head: &ds[1][..H],
+        at,
+        len,
+        crc,
+    };
+    rx.return_reassembly(t0, lent, &[bad]);
+    let s = rx.stats();
+    assert_eq!((s.checksum_errors, s.messages_delivered), (1, 0));
+    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    let (at, len, crc) = land(&mut lent, &ds[2], false);
+    let skipped = Landed {
+        head: &ds[2][..H],
+        at,
+        len,
+        crc,
+    };
+    rx.return_reassembly(t0, lent, &[skipped]);
+    assert_eq!(rx.stats().out_of_order, 1);
+    // The real next chunk in place, then the rest whole: the message is
+    // intact.
+    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    let (at, len, crc) = land(&mut lent, &ds[1], false);
+    let good = Landed {
+        head: &ds[1][..H],
+        at,
+        len,
+        crc,
+    };
+    rx.return_reassembly(t0, lent, &[good]);
+    for d in &ds[3..] {
+        rx.handle_datagram(t0, d);
+    }
+    assert_eq!(rx.poll_event(), Some(Event::Message(msg)));
+    assert_eq!(rx.stats().messages_delivered, 1);
+}
+
+#[test]
+fn the_transmit_pass_is_wanted_only_when_something_is_due() {
+    let cfg = Config::default();
+    let t0 = Instant::now();
+    let mut c = Connection::new(cfg.clone(), ids(0, 1), 0, 0, t0).unwrap();
+    assert!(!c.wants_transmit(t0));
+    // The peer's tail: its ACK may ride on a reply for a while.
+    c.handle_datagram(t0, &data(0, 0, Flags::ACK_NOW));
+    assert!(!c.wants_transmit(t0));
+    assert!(c.wants_transmit(t0 + cfg.reply_ack_delay));
+    // A retransmission wants its ACK now.
+    c.handle_datagram(t0, &data(1, 1, Flags::ACK_NOW.with(Flags::RETRANSMIT)));
+    assert!(c.wants_transmit(t0));
+    let mut buf = Vec::new();
+    while c.poll_transmit(t0, &mut buf).is_some() {}
+    assert!(!c.wants_transmit(t0));
+    // Data with an open window wants out.
+    c.send(t0, message(0, 8)).unwrap();
+    assert!(c.wants_transmit(t0));
+    while c.poll_transmit(t0, &mut buf).is_some() {}
+    assert!(!c.wants_transmit(t0));
+}
