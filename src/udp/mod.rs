@@ -495,9 +495,14 @@ impl Transport for UdpTransport {
         }
         work += received;
         if put_off {
-            // Relaxed: a hint between progress calls; whichever call sees
-            // it runs the pass (and `arm` always does).
-            self.service_owed.store(true, Ordering::Relaxed);
+            // Whichever progress call sees it runs the pass, and `arm`
+            // always does. A driver that armed (and ran its pass) before
+            // these messages were fed is woken to run it again: SeqCst
+            // pairs with the store and load in `arm` and `after_send`.
+            self.service_owed.store(true, Ordering::SeqCst);
+            if self.armed.load(Ordering::SeqCst) {
+                self.kick.notify_one();
+            }
             return work;
         }
         // Timers, queues and keepalives only change when something arrived,

@@ -195,9 +195,9 @@ const OTHER_EVERY: u32 = 8;
 /// at once.
 const ACTIVE_TURNS: u32 = 64;
 
-/// Room reserved ahead of a lent reassembly buffer: a batch of the largest
-/// datagrams (bounded by the message's own length).
-const LEND_AHEAD: usize = io::BATCH * 65_536;
+/// Room reserved ahead of a lent reassembly buffer, in the message's own
+/// chunks: one receive batch (bounded by the message's stated length).
+const LEND_AHEAD: usize = io::BATCH;
 
 /// A progress call that received nothing checks the timers once in this
 /// many calls (deadlines are tens of microseconds or more apart).

@@ -218,14 +218,15 @@ impl Connection {
 
     /// Lend the buffer of the message being reassembled, so that the
     /// next chunks' payloads can be received straight into it (see
-    /// [`Lent`]), with room for `want` more bytes where the message allows.
-    /// `None` when no message is half-received, or the peer is lost. Feed nothing to this connection until the
-    /// buffer is back ([`return_reassembly`](Self::return_reassembly)).
-    pub fn lend_reassembly(&mut self, want: usize) -> Option<Lent> {
+    /// [`Lent`]), with room for `chunks` more of its chunks where the
+    /// message allows. `None` when no message is half-received, or the peer
+    /// is lost. Feed nothing to this connection until the buffer is back
+    /// ([`return_reassembly`](Self::return_reassembly)).
+    pub fn lend_reassembly(&mut self, chunks: usize) -> Option<Lent> {
         if self.lost {
             return None;
         }
-        self.recv.lend(want)
+        self.recv.lend(chunks)
     }
 
     /// Whether no message is half-received and one of the last two spanned

@@ -339,16 +339,19 @@ impl RecvSide {
     }
 
     /// Lend the buffer of the message being reassembled, with room for at
-    /// least `want` more bytes reserved where the message allows (growing
-    /// as [`grow`] does, so a lying length reserves no more than data
-    /// backs, plus `want`). `None` when no message is half-received.
-    pub fn lend(&mut self, want: usize) -> Option<Lent> {
+    /// least `chunks` more of its chunks reserved where the message allows
+    /// (growing as [`grow`] does: at most about twice what arrived, or the
+    /// chunks asked for, never past the stated length; so a lying length
+    /// reserves no more than data backs). `None` when no message is
+    /// half-received.
+    pub fn lend(&mut self, chunks: usize) -> Option<Lent> {
         if self.lent {
             return None;
         }
         let total = usize::try_from(self.reasm.partial.as_ref()?.total).ok()?;
         let mut p = self.reasm.partial.take()?;
         self.lent = true;
+        let want = chunks.saturating_mul(p.chunk);
         let more = want.min(total.saturating_sub(p.buf.len()));
         grow(&mut p.buf, more, total);
         Some(Lent {

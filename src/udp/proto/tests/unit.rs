@@ -451,7 +451,7 @@ proptest! {
 /// all after it, come back joined. Returns how many of `ds` were used.
 fn feed_in_place(rx: &mut Connection, now: Instant, ds: &[Vec<u8>]) -> usize {
     use super::super::{Landed, CRC_LEN, DATA_HEADER_LEN as H};
-    let Some(mut lent) = rx.lend_reassembly(16 * 1024) else {
+    let Some(mut lent) = rx.lend_reassembly(16) else {
         rx.handle_datagram(now, &ds[0]);
         return 1;
     };
@@ -577,7 +577,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
     }
     assert!(ds.len() >= 4);
     // Nothing to lend before a large message has begun.
-    assert!(rx.lend_reassembly(1 << 16).is_none());
+    assert!(rx.lend_reassembly(16).is_none());
     rx.handle_datagram(t0, &ds[0]);
     let land = |lent: &mut super::super::Lent, d: &[u8], flip: bool| {
         let at = lent.buf.len();
@@ -593,7 +593,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
     // A corrupted payload in place: counted as a checksum error, cut off,
     // nothing delivered; a chunk that is not the next one (the one after)
     // is kept out of order as usual, not taken in place.
-    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    let mut lent = rx.lend_reassembly(16).unwrap();
     // While lent, nothing may be fed: refused and counted.
     rx.handle_datagram(t0, &ds[1]);
     assert_eq!(rx.stats().protocol_errors, 1);
@@ -607,7 +607,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
     rx.return_reassembly(t0, lent, &[bad]);
     let s = rx.stats();
     assert_eq!((s.checksum_errors, s.messages_delivered), (1, 0));
-    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    let mut lent = rx.lend_reassembly(16).unwrap();
     let (at, len, crc) = land(&mut lent, &ds[2], false);
     let skipped = Landed {
         head: &ds[2][..H],
@@ -619,7 +619,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
     assert_eq!(rx.stats().out_of_order, 1);
     // The real next chunk in place, then the rest whole: the message is
     // intact.
-    let mut lent = rx.lend_reassembly(1 << 16).unwrap();
+    let mut lent = rx.lend_reassembly(16).unwrap();
     let (at, len, crc) = land(&mut lent, &ds[1], false);
     let good = Landed {
         head: &ds[1][..H],
