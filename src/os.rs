@@ -166,18 +166,22 @@ pub(crate) fn cma_copy(
                 Cma::Write => libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0),
             }
         };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if r == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "cross-memory copy made no progress",
-            ));
-        }
-        done += r as usize;
+        done += copied(r)?;
     }
     Ok(())
+}
+
+/// The bytes a `process_vm_readv/writev` call moved, or why it failed
+/// (no progress at all counts as failure, so a caller's loop ends).
+fn copied(r: isize) -> std::io::Result<usize> {
+    match r {
+        r if r < 0 => Err(std::io::Error::last_os_error()),
+        0 => Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "cross-memory copy made no progress",
+        )),
+        r => Ok(r as usize),
+    }
 }
 
 /// Append `n` bytes read from `remote_addr` in process `pid` to `dst`, by
@@ -221,16 +225,7 @@ pub(crate) fn cma_write_from(pid: u32, remote_addr: u64, src: &[u8]) -> std::io:
         // the remote iovec is only dereferenced by the kernel, inside the
         // other process, with its own checks. One iovec each side; flags 0.
         let r = unsafe { libc::process_vm_writev(pid as libc::pid_t, &liov, 1, &riov, 1, 0) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if r == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "cross-memory copy made no progress",
-            ));
-        }
-        done += r as usize;
+        done += copied(r)?;
     }
     Ok(())
 }
