@@ -352,14 +352,15 @@ fn print_split(f: &Fabric, phase: &str) {
 /// head and the sender the tail), in three phases, contents checked:
 /// A, the sender announces messages and then blocks its only thread, so
 /// the receiver must take the tails back and copy them itself; B, the
-/// sender waits on its sends and writes tails (messages of 4–16 MiB, so
-/// that it has time to claim them even on a busy machine); C, the
+/// sender waits on its sends and writes tails (messages of 4–40 MiB, so
+/// that it has time to claim them even on a busy machine, and beyond the
+/// 16 MiB an unsplit copy reserves at a time); C, the
 /// sender's kernel refuses `process_vm_writev` (a seccomp filter), so a
 /// tail it claims fails and the receiver copies it.
 async fn split(f: Fabric) {
     const N: u64 = 8;
     let len = |i: u64| match i / N {
-        1 => [4 << 20, 16 << 20][(i % 2) as usize],
+        1 => [4 << 20, 16 << 20, 4 << 20, 40 << 20][(i % 4) as usize],
         _ => [1 << 20, 300_000, 1 << 20, 200_000][(i % 4) as usize],
     };
     if f.rank() == 0 {
@@ -507,7 +508,9 @@ fn split_copy_takes_back_writes_and_survives_a_refused_write() {
     // it had not claimed by then were taken back, not waited for.
     assert_eq!(aw + at, 8, "every offered tail accounted for");
     assert!(at >= 1, "no tail of a blocked sender was taken back");
-    // B: an attentive sender writes tails.
+    // B: every message was split (up to 40 MiB), and an attentive sender
+    // writes tails.
+    assert_eq!(bw + bt, 16, "a phase-B message was not split");
     assert!(bw > aw, "no tail written by an attentive sender");
     if value(&outs[0], "filtered").as_deref() == Some("true") {
         // C: a refused write fails the tail (the receiver copies it; the
