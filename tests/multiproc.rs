@@ -430,7 +430,13 @@ async fn parking(f: Fabric) {
     let peer = 1 - f.rank();
     let ep = f.endpoint(peer).unwrap();
     let mut rx = f.receiver(6).unwrap();
-    let len = |i: u64| [8usize, 2000, 20_000][(i % 3) as usize];
+    // Every 100th message is large enough for a split copy whose sender
+    // (parked when asked) has time to wake and claim its half, so the
+    // receiver parks waiting for DONE too.
+    let len = |i: u64| match i % 100 {
+        99 => 4 << 20,
+        _ => [8usize, 2000, 20_000][(i % 3) as usize],
+    };
     for i in 0..3000u64 {
         if f.rank() == 0 {
             ep.send(6, pattern(len(i), i)).await.unwrap();
@@ -440,6 +446,7 @@ async fn parking(f: Fabric) {
             ep.send(6, pattern(len(i), i)).await.unwrap();
         }
     }
+    print_split(&f, "parking");
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -535,7 +542,7 @@ fn idle_ranks_park_instead_of_spinning() {
 }
 
 /// No wake-up is lost when every wait parks: 3,000 round trips through the
-/// fast box, fragments and rendezvous. The heartbeat (the only other thing
+/// fast box, fragments, rendezvous and split copies. The heartbeat (the only other thing
 /// that would end a parked wait) is longer than the watchdog, so a single
 /// lost wake-up fails the test. (The fence race itself is what the loom
 /// model of the doorbell checks; this is the whole path end to end.)
@@ -547,6 +554,13 @@ fn parked_ping_pong_loses_no_wake_up() {
     ];
     let outs = spawn_job(2, "parking", &env).wait(Duration::from_secs(60));
     assert_ok(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        let get = |k: &str| -> u64 { value(o, k).unwrap().parse().unwrap() };
+        let (w, t) = (get("parking_written"), get("parking_taken_back"));
+        println!("rank {r}: split tails written {w}, taken back {t}");
+        // Each rank received 30 messages of 4 MiB, each split once.
+        assert_eq!(w + t, 30, "rank {r}: a large message was not split");
+    }
 }
 
 #[test]

@@ -643,8 +643,17 @@ impl RxState {
                     .inbound(p.local, ch)
                     .looks_empty(&self.cons[l * CHANNELS + ch])
             };
-            let box_empty = t.seg.fbox(p.local).looks_empty(&self.fb[l]);
-            p.is_lost() || ((self.blocked[l] || (empty(USER) && box_empty)) && empty(1))
+            let b = t.seg.fbox(p.local);
+            let box_empty = b.looks_empty(&self.fb[l]);
+            // A split copy waits for the sender's DONE (or FAILED), which
+            // it publishes before ringing us: re-read after arming, like
+            // the rings, so that a DONE just before we armed is not missed.
+            let split_waits = match &self.split[l] {
+                Some(w) => split::state(b.split_word(), w.handle) == Tail::Claimed,
+                None => true,
+            };
+            p.is_lost()
+                || ((self.blocked[l] || (empty(USER) && box_empty)) && empty(1) && split_waits)
         })
     }
 
