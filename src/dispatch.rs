@@ -97,6 +97,10 @@ fn cost(len: usize) -> usize {
 /// Items a receiver moves out of its tag's queue per lock.
 const POP_BATCH: usize = 32;
 
+/// Messages at least this large are taken off the budgets as soon as they
+/// are handed out, not at the receiver's next refill.
+const SETTLE_AT_ONCE: usize = 64 * 1024;
+
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
 
@@ -387,8 +391,9 @@ impl Dispatcher {
     /// wake-up when there is none. `Ready(None)`: the tag has no queue.
     ///
     /// Messages moved out still count against the budgets until they are
-    /// handed out and reported back here, so memory stays bounded as if
-    /// they were still queued; batching saves a lock per message.
+    /// handed out and reported back here (large ones at once), so memory
+    /// stays bounded as if they were still queued; batching saves a lock
+    /// per small message.
     fn refill(
         &self,
         tag: Tag,
@@ -400,19 +405,7 @@ impl Dispatcher {
         let Some(q) = tags.get_mut(&tag) else {
             return Poll::Ready(None);
         };
-        let gone = std::mem::take(handed);
-        if gone > 0 {
-            q.bytes = q.bytes.saturating_sub(gone);
-            self.sub_total(gone);
-            // Load first: a swap on every refill would cost an atomic
-            // read-modify-write.
-            let starved =
-                self.starved.load(Ordering::Relaxed) && self.starved.swap(false, Ordering::Relaxed);
-            if std::mem::take(&mut q.refused) || starved {
-                self.space.notify_waiters();
-                self.space.notify_one();
-            }
-        }
+        self.give_back_budget(q, std::mem::take(handed));
         if q.items.is_empty() {
             if let Some(cx) = cx {
                 match &mut q.waker {
@@ -425,6 +418,32 @@ impl Dispatcher {
         let n = q.items.len().min(POP_BATCH);
         out.extend(q.items.drain(..n));
         Poll::Ready(Some(()))
+    }
+
+    /// Take `gone` bytes of handed-out messages off `q`'s and the total
+    /// budget (under `tags`), and wake progress if that makes room it was
+    /// refused.
+    fn give_back_budget(&self, q: &mut TagQueue, gone: usize) {
+        if gone == 0 {
+            return;
+        }
+        q.bytes = q.bytes.saturating_sub(gone);
+        self.sub_total(gone);
+        // Load first: a swap on every call would cost an atomic
+        // read-modify-write.
+        let starved =
+            self.starved.load(Ordering::Relaxed) && self.starved.swap(false, Ordering::Relaxed);
+        if std::mem::take(&mut q.refused) || starved {
+            self.space.notify_waiters();
+            self.space.notify_one();
+        }
+    }
+
+    /// Take a large handed-out message's `cost` off the budgets at once.
+    fn settle(&self, tag: Tag, cost: usize) {
+        if let Some(q) = lock(&self.tags).get_mut(&tag) {
+            self.give_back_budget(q, cost);
+        }
     }
 
     /// Put back the items a receiver moved out but did not hand out (it is
@@ -554,10 +573,19 @@ impl Stream for Receiver {
 impl Receiver {
     /// Hand out the next item taken from the queue, if any, noting its cost
     /// for the next refill.
+    ///
+    /// A large message's cost leaves the budgets at once (one lock, small
+    /// beside its size): a program working on it must not hold back the
+    /// next one, which may arrive meanwhile.
     fn next_local(&mut self) -> Option<Result<Message>> {
         let item = self.local.pop_front()?;
         if let Ok(m) = &item {
-            self.handed += cost(m.data.len());
+            let c = cost(m.data.len());
+            if m.data.len() >= SETTLE_AT_ONCE {
+                self.disp.settle(self.tag, c);
+            } else {
+                self.handed += c;
+            }
         }
         Some(item)
     }
@@ -621,6 +649,22 @@ mod tests {
         assert!(pending.is_pending());
         assert_eq!(queued(&d, 1), 0);
         assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// A large message leaves the budgets as soon as it is handed out, so
+    /// the next one can arrive while the program works on it.
+    #[tokio::test]
+    async fn large_messages_leave_the_budget_when_handed_out() {
+        let big = SETTLE_AT_ONCE;
+        let d = Dispatcher::new((1 << 30, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        d.deliver(msg(0, big));
+        d.deliver(msg(1, 100));
+        let mut rx = d.take(1, closed).unwrap();
+        assert_eq!(rx.next().await.unwrap().unwrap().data.len(), big);
+        assert_eq!(queued(&d, 1), cost(100), "the large one left at once");
+        assert_eq!(rx.next().await.unwrap().unwrap().data.len(), 100);
+        assert_eq!(queued(&d, 1), cost(100), "a small one waits for a refill");
     }
 
     /// Offers under one lock respect the tag's budget like single ones.
