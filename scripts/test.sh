@@ -32,6 +32,9 @@ cargo build --examples --bins
 timeout -k 30 1500 cargo test --all-targets
 timeout -k 30 600 cargo test --doc
 RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test --lib loom
+# The cargo-fuzz targets (run with `cargo +nightly fuzz run NAME` in fuzz/)
+# must at least build, so that they follow the protocol's API.
+cargo check --manifest-path fuzz/Cargo.toml --bins
 
 after=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
 if [ "$after" -gt "$before" ]; then

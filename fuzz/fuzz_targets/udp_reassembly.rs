@@ -13,7 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use async_btl::udp::proto::{Chunk, Config, ConnIds, Connection, Event, Flags, Header, Kind};
+use async_btl::udp::proto::{
+    Chunk, Config, ConnIds, Connection, Event, Flags, Header, Kind, Sack, SackBlock,
+};
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 
@@ -175,7 +177,15 @@ fn adversarial(mut input: Input<'_>) {
                     seq: (u64::MAX - 3).wrapping_add(u64::from(input.u8() % 40)),
                     ack: 7 + u64::from(input.u8() % 40),
                     kind: if ack_only {
-                        Kind::Ack
+                        // Up to two SACK blocks near the window.
+                        let mut sack = Sack::default();
+                        for _ in 0..input.u8() % 3 {
+                            sack.push(SackBlock {
+                                start: 7 + u64::from(input.u8() % 40),
+                                len: u32::from(input.u8() % 8) + 1,
+                            });
+                        }
+                        Kind::Ack(sack)
                     } else {
                         Kind::Data(Chunk {
                             msg_id: u64::from(input.u8() % 4),
