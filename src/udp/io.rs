@@ -229,31 +229,32 @@ pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
 /// records for it, is never forgotten); otherwise the call is made
 /// directly and there is no readiness to clear.
 pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
-    b.n = 0;
-    b.first = 0;
-    let fd = sock.as_raw_fd();
-    let mut asked = false;
-    let r = sock.try_io(Interest::READABLE, || {
-        asked = true;
-        recvmmsg(fd, b)
-    });
-    let r = if asked { r } else { recvmmsg(fd, b) };
-    finish(r, b)
+    ask_now(sock, b, recvmmsg)
 }
 
 /// Like [`recv_now`], for one datagram only, with `recvfrom`: the cheapest
 /// way to ask a socket that is usually empty (a hot poll waiting for the
 /// next message).
 pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
+    ask_now(sock, b, recvfrom)
+}
+
+/// Run the receive `call` on `sock` now, through `try_io` when tokio holds
+/// the socket readable (see [`recv_now`]), directly otherwise.
+fn ask_now(
+    sock: &UdpSocket,
+    b: &mut RecvBatch,
+    call: fn(std::os::fd::RawFd, &mut RecvBatch) -> io::Result<usize>,
+) -> io::Result<usize> {
     b.n = 0;
     b.first = 0;
     let fd = sock.as_raw_fd();
     let mut asked = false;
     let r = sock.try_io(Interest::READABLE, || {
         asked = true;
-        recvfrom(fd, b)
+        call(fd, b)
     });
-    let r = if asked { r } else { recvfrom(fd, b) };
+    let r = if asked { r } else { call(fd, b) };
     finish(r, b)
 }
 
