@@ -147,6 +147,80 @@ impl RawBuf {
         Ok(())
     }
 
+    /// The bytes a strided copy of `n` bytes touches from its start:
+    /// `CHUNK`-byte pieces `STRIDE` bytes apart, the last one shorter.
+    fn strided_span<const CHUNK: usize, const STRIDE: usize>(n: usize) -> usize {
+        match n {
+            0 => 0,
+            n => (n - 1) / CHUNK * STRIDE + ((n - 1) % CHUNK + 1),
+        }
+    }
+
+    /// Copy `src` into the range as `CHUNK`-byte pieces `STRIDE` bytes
+    /// apart from `off` (the fast box's slots: payload between the marks).
+    /// One bounds check for the whole span, and a fixed-size copy per whole
+    /// piece, which the compiler turns into a few vector moves; a memmove
+    /// call per piece cost more than the bytes.
+    #[inline]
+    pub(crate) fn write_strided<const CHUNK: usize, const STRIDE: usize>(
+        &self,
+        off: u64,
+        src: &[u8],
+    ) -> Result<(), AccessError> {
+        const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
+        let span = Self::strided_span::<CHUNK, STRIDE>(src.len());
+        let o = check(off, span, self.len)?;
+        let mut pieces = src.chunks_exact(CHUNK);
+        let mut at = o;
+        for piece in pieces.by_ref() {
+            // SAFETY: piece k lands at o + k * STRIDE .. + CHUNK, inside the
+            // checked span (o .. o + span); valid per `new`'s contract; `src`
+            // is a Rust slice, so it cannot overlap memory only reached
+            // through raw pointers.
+            unsafe {
+                std::ptr::copy_nonoverlapping(piece.as_ptr(), self.ptr.as_ptr().add(at), CHUNK)
+            };
+            at += STRIDE;
+        }
+        let rest = pieces.remainder();
+        // SAFETY: the last piece ends exactly at o + span (checked above);
+        // as for the whole pieces otherwise.
+        unsafe {
+            std::ptr::copy_nonoverlapping(rest.as_ptr(), self.ptr.as_ptr().add(at), rest.len())
+        };
+        Ok(())
+    }
+
+    /// The inverse of [`RawBuf::write_strided`]: fill `dst` from
+    /// `CHUNK`-byte pieces `STRIDE` bytes apart from `off`.
+    #[inline]
+    pub(crate) fn read_strided<const CHUNK: usize, const STRIDE: usize>(
+        &self,
+        off: u64,
+        dst: &mut [u8],
+    ) -> Result<(), AccessError> {
+        const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
+        let span = Self::strided_span::<CHUNK, STRIDE>(dst.len());
+        let o = check(off, span, self.len)?;
+        let mut pieces = dst.chunks_exact_mut(CHUNK);
+        let mut at = o;
+        for piece in pieces.by_ref() {
+            // SAFETY: piece k comes from o + k * STRIDE .. + CHUNK, inside
+            // the checked span; valid per `new`; `dst` is a unique Rust
+            // slice, so not inside this range.
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), piece.as_mut_ptr(), CHUNK)
+            };
+            at += STRIDE;
+        }
+        let rest = pieces.into_remainder();
+        // SAFETY: the last piece ends exactly at o + span (checked above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), rest.as_mut_ptr(), rest.len())
+        };
+        Ok(())
+    }
+
     /// The `AtomicU32` at `off` (must be 4-aligned and in range).
     pub(crate) fn atomic_u32(&self, off: usize) -> Option<&crate::sync::AtomicU32> {
         if off % 4 != 0 || off.checked_add(4)? > self.len || (self.ptr.as_ptr() as usize) % 4 != 0 {
@@ -250,5 +324,48 @@ impl Drop for HeapBuf {
     fn drop(&mut self) {
         // SAFETY: as in into_vec: the parts came from a Vec and are freed once.
         drop(unsafe { Vec::from_raw_parts(self.raw.ptr.as_ptr(), self.raw.len, self.cap) });
+    }
+}
+
+#[cfg(all(test, not(btl_loom)))]
+mod tests {
+    use super::HeapBuf;
+
+    #[test]
+    fn strided_copies_round_trip_and_touch_only_their_pieces() {
+        for n in [0usize, 1, 55, 56, 57, 112, 113, 300] {
+            let h = HeapBuf::from_vec(vec![0xEE; 1024]);
+            let b = h.raw();
+            let src: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            b.write_strided::<56, 64>(8, &src).unwrap();
+            let mut all = vec![0u8; 1024];
+            b.read(0, &mut all).unwrap();
+            // Every byte outside the pieces is untouched.
+            for (i, v) in all.iter().enumerate() {
+                let rel = i.checked_sub(8);
+                let inside = rel.is_some_and(|r| r % 64 < 56 && r / 64 * 56 + r % 64 < n);
+                if !inside {
+                    assert_eq!(*v, 0xEE, "byte {i} changed for n = {n}");
+                }
+            }
+            let mut back = vec![0u8; n];
+            b.read_strided::<56, 64>(8, &mut back).unwrap();
+            assert_eq!(back, src);
+        }
+    }
+
+    #[test]
+    fn strided_copies_past_the_end_are_refused_whole() {
+        let h = HeapBuf::from_vec(vec![0u8; 128]);
+        let b = h.raw();
+        // Pieces at 8..64 and 72..128: 112 bytes fit, 113 do not.
+        assert!(b.write_strided::<56, 64>(8, &[1u8; 112]).is_ok());
+        let h = HeapBuf::from_vec(vec![0u8; 128]);
+        let b = h.raw();
+        assert!(b.write_strided::<56, 64>(8, &[1u8; 113]).is_err());
+        let mut all = [9u8; 128];
+        b.read(0, &mut all).unwrap();
+        assert!(all.iter().all(|v| *v == 0), "a refused copy wrote nothing");
+        assert!(b.read_strided::<56, 64>(8, &mut [0u8; 113]).is_err());
     }
 }

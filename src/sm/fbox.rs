@@ -134,6 +134,7 @@ impl<'a> FBox<'a> {
     /// The payload byte ranges (offset in the box, length) of a message of
     /// `len` bytes whose first slot is `n`: the rest of the first slot
     /// after mark, tag and length, then each further slot after its mark.
+    #[cfg(btl_loom)]
     fn payload_ranges(&self, n: u64, len: usize) -> impl Iterator<Item = (u64, usize)> + 'a {
         let me = *self;
         let first = (
@@ -156,18 +157,66 @@ impl<'a> FBox<'a> {
         &self.words[start..start + SLOT_WORDS]
     }
 
-    /// Copy payload bytes into the box at byte offset `off` (in range:
-    /// `offset` stays inside the box for any slot number, and a message
-    /// never runs past the last slot).
+    /// Copy a message's payload into its slots from slot `n`: the rest of
+    /// the first slot, then 56 bytes after each further slot's mark, with
+    /// fixed-size copies (in range: `offset` stays inside the box for any
+    /// slot number, and a message never runs past the last slot; the
+    /// copies check again and write nothing out of range).
     #[cfg(not(btl_loom))]
-    fn copy_in(&self, off: u64, data: &[u8]) {
-        let _ = self.raw.write(off, data);
+    fn payload_in(&self, n: u64, data: &[u8]) {
+        let (first, rest) = data.split_at(data.len().min(FIRST_WORDS * 8));
+        let _ = self
+            .raw
+            .write_strided::<{ FIRST_WORDS * 8 }, { FIRST_WORDS * 8 }>(
+                self.offset(n, SLOT_WORDS - FIRST_WORDS),
+                first,
+            );
+        if !rest.is_empty() {
+            let _ = self
+                .raw
+                .write_strided::<{ CONT_WORDS * 8 }, { SLOT_WORDS * 8 }>(
+                    self.offset(n + 1, 1),
+                    rest,
+                );
+        }
     }
 
-    /// Copy payload bytes out of the box at byte offset `off`.
+    /// The inverse of [`FBox::payload_in`].
     #[cfg(not(btl_loom))]
-    fn copy_out(&self, off: u64, out: &mut [u8]) {
-        let _ = self.raw.read(off, out);
+    fn payload_out(&self, n: u64, out: &mut [u8]) {
+        let (first, rest) = out.split_at_mut(out.len().min(FIRST_WORDS * 8));
+        let _ = self
+            .raw
+            .read_strided::<{ FIRST_WORDS * 8 }, { FIRST_WORDS * 8 }>(
+                self.offset(n, SLOT_WORDS - FIRST_WORDS),
+                first,
+            );
+        if !rest.is_empty() {
+            let _ = self
+                .raw
+                .read_strided::<{ CONT_WORDS * 8 }, { SLOT_WORDS * 8 }>(
+                    self.offset(n + 1, 1),
+                    rest,
+                );
+        }
+    }
+
+    #[cfg(btl_loom)]
+    fn payload_in(&self, n: u64, data: &[u8]) {
+        let mut at = 0;
+        for (off, len) in self.payload_ranges(n, data.len()) {
+            self.copy_in(off, &data[at..at + len]);
+            at += len;
+        }
+    }
+
+    #[cfg(btl_loom)]
+    fn payload_out(&self, n: u64, out: &mut [u8]) {
+        let mut at = 0;
+        for (off, len) in self.payload_ranges(n, out.len()) {
+            self.copy_out(off, &mut out[at..at + len]);
+            at += len;
+        }
     }
 
     /// Under loom, payload words are models too: copy word by word (`off`
@@ -275,11 +324,7 @@ impl<'a> FBox<'a> {
         let head = self.slot(n);
         head[1].store(tag, Ordering::Relaxed);
         head[2].store(data.len() as u64, Ordering::Relaxed);
-        let mut at = 0;
-        for (off, n) in self.payload_ranges(n, data.len()) {
-            self.copy_in(off, &data[at..at + n]);
-            at += n;
-        }
+        self.payload_in(n, data);
         st.next += k;
         // Release pairs with the receiver's Acquire load in `peek`: every
         // word of the message stored above is visible before its head mark.
@@ -324,11 +369,7 @@ impl<'a> FBox<'a> {
 
     /// Copy the payload of the message `peek` found into `out` (its length).
     pub(crate) fn read(&self, st: &Receiver, out: &mut [u8]) {
-        let mut at = 0;
-        for (off, n) in self.payload_ranges(st.next, out.len()) {
-            self.copy_out(off, &mut out[at..at + n]);
-            at += n;
-        }
+        self.payload_out(st.next, out);
     }
 
     /// Release the message `peek` found (of `len` bytes): the sender may
