@@ -80,11 +80,16 @@ pub struct Config {
     pub boot_timeout: Duration,
     /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
     pub close_timeout: Duration,
-    /// UDP: the local IPv4 address to bind and publish. Default: the first
-    /// non-loopback IPv4 address of the host, else 127.0.0.1. Env: `BTL_UDP_ADDR`.
+    /// UDP: the local address to bind and publish, IPv4 or IPv6 (`::1`, a
+    /// global or unique-local address; not link-local, whose scope id the
+    /// address exchange does not carry; an IPv4-mapped `::ffff:a.b.c.d`
+    /// means `a.b.c.d`). Every rank that talks over udp must use the same
+    /// family. Default: the first non-loopback IPv4 address of the host,
+    /// else its first non-loopback IPv6 address, else 127.0.0.1.
+    /// Env: `BTL_UDP_ADDR`.
     pub udp_addr: Option<std::net::IpAddr>,
     /// UDP: the IP MTU to assume on every path (datagrams are this minus 28
-    /// bytes of IPv4 and UDP headers). Default: from the interfaces (65536 on
+    /// bytes of IPv4 and UDP headers, 48 over IPv6). Default: from the interfaces (65536 on
     /// loopback and to peers on this host, else the smaller of both sides'
     /// interface MTUs). Env: `BTL_UDP_MTU`.
     pub udp_mtu: Option<usize>,
@@ -242,9 +247,9 @@ impl Config {
             }
         }
         if let Some(a) = self.udp_addr {
-            if a.is_unspecified() || !a.is_ipv4() {
+            if let Some(why) = crate::udp::unusable_addr(a.to_canonical()) {
                 return Err(Error::Config(format!(
-                    "udp address {a} must be a concrete IPv4 address of this host"
+                    "udp address {a} cannot be used: {why}; it must be an IPv4 or IPv6 address of this host"
                 )));
             }
         }
