@@ -571,5 +571,8 @@ fn udp_v6_mixed_families_fail_at_open_naming_both_addresses() {
         }
     }
     assert_eq!(value(&outs[0], "error"), value(&outs[1], "error"));
-    println!("both ranks: {}", value(&outs[0], "error").unwrap_or_default());
+    println!(
+        "both ranks: {}",
+        value(&outs[0], "error").unwrap_or_default()
+    );
 }
