@@ -174,10 +174,12 @@ impl Config {
             c.udp_stall_timeout = Duration::from_millis(v.max(1));
         }
         if let Some(v) = get("BTL_UDP_ADDR") {
-            c.udp_addr =
-                Some(v.trim().parse().map_err(|_| {
-                    Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address"))
-                })?);
+            let a: std::net::IpAddr = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address")))?;
+            // ::ffff:a.b.c.d is a.b.c.d (IPv6 sockets here are IPv6-only).
+            c.udp_addr = Some(a.to_canonical());
         }
         if let Some(v) = us("BTL_UDP_WINDOW")? {
             c.udp_window = Some(v.clamp(4, 1 << 16) as u32);
@@ -267,5 +269,36 @@ impl Config {
     /// Whether transport `name` may be used.
     pub fn allows(&self, name: &str) -> bool {
         self.transports.is_empty() || self.transports.iter().any(|t| t == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_udp_addr(v: &str) -> Result<Config> {
+        Config::from_lookup(|k| (k == "BTL_UDP_ADDR").then(|| v.to_string()))
+    }
+
+    #[test]
+    fn udp_addr_takes_ipv4_and_ipv6() {
+        for (v, want) in [
+            ("127.0.0.1", "127.0.0.1"),
+            ("::1", "::1"),
+            (" fd00::2 ", "fd00::2"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("::ffff:192.0.2.1", "192.0.2.1"),
+        ] {
+            let c = with_udp_addr(v).unwrap();
+            assert_eq!(c.udp_addr, Some(want.parse().unwrap()), "{v}");
+        }
+        for bad in [
+            "fe80::1", "::", "0.0.0.0", "ff02::1", "[::1]", "::1%lo", "host",
+        ] {
+            let e = with_udp_addr(bad).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad}: {e}");
+        }
+        let e = with_udp_addr("fe80::1").unwrap_err().to_string();
+        assert!(e.contains("scope id"), "{e}");
     }
 }
