@@ -80,11 +80,16 @@ pub struct Config {
     pub boot_timeout: Duration,
     /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
     pub close_timeout: Duration,
-    /// UDP: the local IPv4 address to bind and publish. Default: the first
-    /// non-loopback IPv4 address of the host, else 127.0.0.1. Env: `BTL_UDP_ADDR`.
+    /// UDP: the local address to bind and publish, IPv4 or IPv6 (`::1`, a
+    /// global or unique-local address; not link-local, whose scope id the
+    /// address exchange does not carry; an IPv4-mapped `::ffff:a.b.c.d`
+    /// means `a.b.c.d`). Every rank that talks over udp must use the same
+    /// family. Default: the first non-loopback IPv4 address of the host,
+    /// else its first non-loopback IPv6 address, else 127.0.0.1.
+    /// Env: `BTL_UDP_ADDR`.
     pub udp_addr: Option<std::net::IpAddr>,
     /// UDP: the IP MTU to assume on every path (datagrams are this minus 28
-    /// bytes of IPv4 and UDP headers). Default: from the interfaces (65536 on
+    /// bytes of IPv4 and UDP headers, 48 over IPv6). Default: from the interfaces (65536 on
     /// loopback and to peers on this host, else the smaller of both sides'
     /// interface MTUs). Env: `BTL_UDP_MTU`.
     pub udp_mtu: Option<usize>,
@@ -169,10 +174,12 @@ impl Config {
             c.udp_stall_timeout = Duration::from_millis(v.max(1));
         }
         if let Some(v) = get("BTL_UDP_ADDR") {
-            c.udp_addr =
-                Some(v.trim().parse().map_err(|_| {
-                    Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address"))
-                })?);
+            let a: std::net::IpAddr = v
+                .trim()
+                .parse()
+                .map_err(|_| Error::Config(format!("BTL_UDP_ADDR={v:?} is not an IP address")))?;
+            // ::ffff:a.b.c.d is a.b.c.d (IPv6 sockets here are IPv6-only).
+            c.udp_addr = Some(a.to_canonical());
         }
         if let Some(v) = us("BTL_UDP_WINDOW")? {
             c.udp_window = Some(v.clamp(4, 1 << 16) as u32);
@@ -242,9 +249,9 @@ impl Config {
             }
         }
         if let Some(a) = self.udp_addr {
-            if a.is_unspecified() || !a.is_ipv4() {
+            if let Some(why) = crate::udp::unusable_addr(a.to_canonical()) {
                 return Err(Error::Config(format!(
-                    "udp address {a} must be a concrete IPv4 address of this host"
+                    "udp address {a} cannot be used: {why}; it must be an IPv4 or IPv6 address of this host"
                 )));
             }
         }
@@ -262,5 +269,36 @@ impl Config {
     /// Whether transport `name` may be used.
     pub fn allows(&self, name: &str) -> bool {
         self.transports.is_empty() || self.transports.iter().any(|t| t == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_udp_addr(v: &str) -> Result<Config> {
+        Config::from_lookup(|k| (k == "BTL_UDP_ADDR").then(|| v.to_string()))
+    }
+
+    #[test]
+    fn udp_addr_takes_ipv4_and_ipv6() {
+        for (v, want) in [
+            ("127.0.0.1", "127.0.0.1"),
+            ("::1", "::1"),
+            (" fd00::2 ", "fd00::2"),
+            ("2001:db8::1", "2001:db8::1"),
+            ("::ffff:192.0.2.1", "192.0.2.1"),
+        ] {
+            let c = with_udp_addr(v).unwrap();
+            assert_eq!(c.udp_addr, Some(want.parse().unwrap()), "{v}");
+        }
+        for bad in [
+            "fe80::1", "::", "0.0.0.0", "ff02::1", "[::1]", "::1%lo", "host",
+        ] {
+            let e = with_udp_addr(bad).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad}: {e}");
+        }
+        let e = with_udp_addr("fe80::1").unwrap_err().to_string();
+        assert!(e.contains("scope id"), "{e}");
     }
 }

@@ -311,6 +311,7 @@ impl Fabric {
         let mut sm_peers = Vec::new();
         let mut udp_peers = Vec::new();
         let mut unreachable = Vec::new();
+        let mut others = Vec::with_capacity(all.len().saturating_sub(1));
         for (r, raw) in all.iter().enumerate() {
             let r = r as Rank;
             if r == b.rank {
@@ -325,6 +326,20 @@ impl Fabric {
                     a.rank
                 )));
             }
+            others.push(a);
+        }
+        // One udp address family per job, checked on the whole table (ours
+        // included), so every rank of a mixed job fails here alike.
+        let mut families: Vec<_> = std::iter::once(&me)
+            .chain(&others)
+            .filter_map(|a| {
+                let node = a.sm.as_ref().map(|_| a.node.as_str());
+                a.udp.as_ref().map(|u| (a.rank, u.ip, node))
+            })
+            .collect();
+        crate::udp::check_families(&mut families)?;
+        for a in others {
+            let r = a.rank;
             match (&sm, a.sm, &udp, a.udp) {
                 (Some(s), Some(sa), _, _) if s.reaches(&sa) => sm_peers.push((r, sa)),
                 (_, _, Some(u), Some(ua)) if u.reaches(&ua) => udp_peers.push((r, ua)),
@@ -485,6 +500,13 @@ impl Fabric {
     /// reaches it.
     pub fn udp_stats(&self, peer: Rank) -> Option<crate::udp::proto::Stats> {
         self.udp.as_ref()?.stats(peer)
+    }
+
+    /// The largest datagram (UDP payload, protocol header included) sent
+    /// to `peer`, when `udp` reaches it: the path MTU less 28 bytes of IPv4
+    /// and UDP headers, or 48 over IPv6 (at most 65507).
+    pub fn udp_max_datagram(&self, peer: Rank) -> Option<usize> {
+        self.udp.as_ref()?.max_datagram(peer)
     }
 
     /// The addresses of this process's UDP sockets (data, priority), when

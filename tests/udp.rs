@@ -1,8 +1,11 @@
 //! The `udp` transport between real processes on loopback, forced with
 //! `BTL_TRANSPORTS=udp` (each test re-executes this binary as the ranks).
+//! Tests named `udp_v6_*` run over `::1`; where this host has no IPv6
+//! loopback they print `skipped:` and why, and return.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use async_btl::udp::proto;
@@ -22,6 +25,47 @@ fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
     spawn_job(n, scenario, &env)
 }
 
+/// Like [`job`], over IPv6 loopback (`BTL_UDP_ADDR=::1`).
+fn job6(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
+    let env: Vec<(&str, &str)> = UDP
+        .iter()
+        .map(|&(k, v)| {
+            if k == "BTL_UDP_ADDR" {
+                (k, "::1")
+            } else {
+                (k, v)
+            }
+        })
+        .chain(extra.iter().copied())
+        .collect();
+    spawn_job(n, scenario, &env)
+}
+
+/// Why this host cannot run the IPv6 tests, if it cannot: IPv6 disabled
+/// on loopback, or `::1` not bindable (no IPv6 stack, EADDRNOTAVAIL).
+fn no_ipv6() -> Option<String> {
+    let knob = "/proc/sys/net/ipv6/conf/lo/disable_ipv6";
+    match std::fs::read_to_string(knob) {
+        Ok(v) if v.trim() == "1" => return Some(format!("IPv6 is disabled on lo ({knob} = 1)")),
+        Ok(_) => {}
+        Err(e) => return Some(format!("no IPv6 on this host ({knob}: {e})")),
+    }
+    match std::net::UdpSocket::bind("[::1]:0") {
+        Ok(_) => None,
+        Err(e) => Some(format!("cannot bind a UDP socket on [::1]:0: {e}")),
+    }
+}
+
+/// Skip (with the reason printed) where there is no IPv6 loopback.
+macro_rules! need_ipv6 {
+    () => {
+        if let Some(why) = no_ipv6() {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+}
+
 /// The child side: runs the scenario named in BTL_TEST_SCENARIO.
 #[test]
 fn rank_main() {
@@ -34,6 +78,9 @@ fn rank_main() {
         .build()
         .unwrap();
     rt.block_on(async {
+        if scenario == "mixed" {
+            return mixed().await;
+        }
         let f = Fabric::from_env().await.expect("fabric from launcher env");
         for r in (0..f.size()).filter(|r| *r != f.rank()) {
             assert_eq!(f.transport_for(r), Some("udp"));
@@ -47,6 +94,7 @@ fn rank_main() {
             "kill" => kill(f).await,
             "foreign" => foreign(f).await,
             "stopped" => stopped(f).await,
+            "v6sizes" => v6sizes(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -245,9 +293,12 @@ async fn foreign(f: Fabric) {
         let mut rx = f.receiver(1).unwrap();
         let m = rx.recv().await.unwrap();
         let text = String::from_utf8(m.data.to_vec()).unwrap();
-        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let addrs: Vec<SocketAddr> = text.split(' ').map(|a| a.parse().unwrap()).collect();
+        // On the ranks' own address (127.0.0.1 or ::1), another port: only
+        // the port tells this sender from rank 0.
+        let sock = std::net::UdpSocket::bind(SocketAddr::new(addrs[0].ip(), 0)).unwrap();
         let ep = f.endpoint(1).unwrap();
-        for addr in text.split(' ') {
+        for addr in addrs {
             sock.send_to(b"definitely not a datagram of ours", addr)
                 .unwrap();
             let h = proto::Header {
@@ -269,6 +320,80 @@ async fn foreign(f: Fabric) {
     }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
+}
+
+/// Over `::1`: the datagram size is loopback's MTU less 48 bytes of IPv6
+/// and UDP headers; messages of 0 and 1 bytes, around one datagram's
+/// payload, and of several datagrams (1 MiB, past the send budget) arrive
+/// whole and in order.
+async fn v6sizes(f: Fabric) {
+    let peer = 1 - f.rank();
+    let (data, prio) = f.udp_addrs().unwrap();
+    assert_eq!(data.ip(), "::1".parse::<std::net::IpAddr>().unwrap());
+    assert_eq!(prio.ip(), data.ip());
+    let mtu: usize = std::fs::read_to_string("/sys/class/net/lo/mtu")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let dgram = f.udp_max_datagram(peer).unwrap();
+    assert_eq!(dgram, (mtu - 48).clamp(512, 65_507), "lo MTU {mtu}");
+    println!("max_datagram={dgram}");
+    // One DATA datagram's payload: the datagram less the 72-byte header.
+    let chunk = dgram - 72;
+    let sizes = [
+        0,
+        1,
+        8,
+        1000,
+        chunk - 1,
+        chunk,
+        chunk + 1,
+        1 << 20,
+        (4 << 20) + 1,
+        3,
+    ];
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for (i, s) in sizes.iter().enumerate() {
+            ep.send(3, pattern(*s, i as u64)).await.unwrap();
+        }
+        ep.send_inline(4, &pattern(1, 99)).await.unwrap();
+        ep.send_inline(4, &[]).await.unwrap();
+    } else {
+        let mut rx = f.receiver(3).unwrap();
+        for (i, s) in sizes.iter().enumerate() {
+            let m = rx.recv().await.unwrap();
+            assert_eq!((m.src, m.data.len()), (0, *s));
+            assert!(
+                m.data == pattern(*s, i as u64),
+                "content mismatch at size {s}"
+            );
+        }
+        let mut rx4 = f.receiver(4).unwrap();
+        assert_eq!(rx4.recv().await.unwrap().data, pattern(1, 99));
+        assert!(rx4.recv().await.unwrap().data.is_empty());
+        let st = f.udp_stats(0).unwrap();
+        println!("udp_stats={st}");
+        // At least one datagram per chunk of the multi-datagram ones.
+        assert!(st.data_received as usize >= (1 << 20) / chunk + (4 << 20) / chunk);
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Rank 0 binds 127.0.0.1, rank 1 ::1: opening the fabric must fail on
+/// both, at once, with a configuration error naming both addresses.
+async fn mixed() {
+    let start = std::time::Instant::now();
+    match Fabric::from_env().await {
+        Ok(_) => panic!("a job mixing IPv4 and IPv6 udp addresses opened"),
+        Err(e) => {
+            assert!(matches!(e, Error::Config(_)), "{e:?}");
+            println!("error={e}");
+            println!("open_ms={}", start.elapsed().as_millis());
+        }
+    }
 }
 
 #[test]
@@ -386,5 +511,68 @@ fn udp_killed_peer_fails_pending_futures_within_the_timeout() {
         failed - killed_at < 2500,
         "peer loss took {} ms",
         failed - killed_at
+    );
+}
+
+#[test]
+fn udp_v6_sizes_between_processes() {
+    need_ipv6!();
+    let outs = job6(2, "v6sizes", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let want = value(&outs[0], "max_datagram").unwrap();
+    println!("max_datagram over ::1: {want}");
+    println!("{}", value(&outs[1], "udp_stats").unwrap_or_default());
+    assert_eq!(value(&outs[1], "max_datagram"), Some(want));
+}
+
+#[test]
+fn udp_v6_put_get_emulated_with_bounds_and_forged_keys() {
+    need_ipv6!();
+    let outs = job6(2, "putget", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
+    assert!(refused >= 2, "target counted {refused} refusals");
+}
+
+#[test]
+fn udp_v6_foreign_datagrams_are_dropped_and_counted() {
+    need_ipv6!();
+    let outs = job6(2, "foreign", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let n: u64 = value(&outs[1], "foreign").unwrap().parse().unwrap();
+    assert!(n >= 4, "{n} foreign datagrams counted");
+    println!("foreign datagrams counted over ::1: {n}");
+}
+
+#[test]
+fn udp_v6_mixed_families_fail_at_open_naming_both_addresses() {
+    need_ipv6!();
+    let wrap = |r: u32| {
+        if r == 1 {
+            vec!["env".to_string(), "BTL_UDP_ADDR=::1".to_string()]
+        } else {
+            Vec::new()
+        }
+    };
+    let env: Vec<(&str, &str)> = UDP.to_vec();
+    let start = std::time::Instant::now();
+    let outs = spawn_job_wrapped(2, "mixed", &env, &wrap).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    // Well within the boot timeout: nobody waited for anybody.
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
+    for out in &outs {
+        let e = value(out, "error").unwrap();
+        for want in ["127.0.0.1", "::1", "IPv4", "IPv6", "one address family"] {
+            assert!(e.contains(want), "{want:?} missing from: {e}");
+        }
+    }
+    assert_eq!(value(&outs[0], "error"), value(&outs[1], "error"));
+    println!(
+        "both ranks: {}",
+        value(&outs[0], "error").unwrap_or_default()
     );
 }

@@ -1,7 +1,9 @@
 //! The `udp` transport over a real kernel path with real faults: two network
-//! namespaces joined by a veth pair (10.77.0.1/24 and 10.77.0.2/24 exist
-//! only inside them), each rank in its own namespace, and `nft` rules in
-//! one namespace that drop, duplicate or corrupt a fifth of the datagrams.
+//! namespaces joined by a veth pair (10.77.0.1/24 and 10.77.0.2/24, or for
+//! the IPv6 variant the unique-local fd00:77::1/64 and fd00:77::2/64, added
+//! `nodad` so they are usable at once; all exist only inside them), each
+//! rank in its own namespace, and `nft` rules in one namespace that drop,
+//! duplicate or corrupt a fifth of the datagrams.
 //! Needs root, `ip` and `nft`; without them each test prints why and skips.
 //!
 //! Corruption: nft rewrites one payload byte (`@th,…set`) and fixes the UDP
@@ -90,6 +92,7 @@ async fn stream(f: &Fabric) {
         }
         let s = f.udp_stats(0).unwrap();
         println!("stats={s}");
+        println!("max_datagram={}", f.udp_max_datagram(0).unwrap());
         println!("checksum_errors={}", s.checksum_errors);
         println!("duplicates={}", s.duplicates_dropped);
         println!("resends_seen_by_sender=see rank 0");
@@ -104,6 +107,8 @@ async fn stream(f: &Fabric) {
 /// Two namespaces and a veth pair, removed on drop (even when a test fails).
 struct Net {
     ns: [String; 2],
+    /// The ranks' addresses, one per namespace.
+    addrs: [&'static str; 2],
 }
 
 fn sh(args: &[&str]) -> Result<(), String> {
@@ -123,8 +128,13 @@ fn sh(args: &[&str]) -> Result<(), String> {
 }
 
 impl Net {
-    /// Set up, or say why not.
+    /// Set up with IPv4 addresses, or say why not.
     fn new(tag: &str) -> Result<Net, String> {
+        Net::with_addrs(tag, false)
+    }
+
+    /// Set up with IPv4 addresses, or IPv6 ones when `v6`, or say why not.
+    fn with_addrs(tag: &str, v6: bool) -> Result<Net, String> {
         // SAFETY-free check for root: /proc/self/status Uid line.
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let root = status
@@ -143,8 +153,14 @@ impl Net {
             }
         }
         let id = format!("{}{}", tag, std::process::id() % 100_000);
+        let addrs = if v6 {
+            ["fd00:77::1", "fd00:77::2"]
+        } else {
+            ["10.77.0.1", "10.77.0.2"]
+        };
         let net = Net {
             ns: [format!("abtl-{id}-a"), format!("abtl-{id}-b")],
+            addrs,
         };
         let (va, vb) = (format!("va{id}"), format!("vb{id}"));
         let [a, b] = &net.ns;
@@ -155,8 +171,17 @@ impl Net {
         ])?;
         sh(&["ip", "link", "set", &va, "netns", a])?;
         sh(&["ip", "link", "set", &vb, "netns", b])?;
-        sh(&["ip", "-n", a, "addr", "add", "10.77.0.1/24", "dev", &va])?;
-        sh(&["ip", "-n", b, "addr", "add", "10.77.0.2/24", "dev", &vb])?;
+        for ((ns, dev), addr) in [(a, &va), (b, &vb)].into_iter().zip(addrs) {
+            if v6 {
+                // No duplicate address detection: usable at once (nothing
+                // else is on this link).
+                let cidr = format!("{addr}/64");
+                sh(&["ip", "-n", ns, "addr", "add", &cidr, "dev", dev, "nodad"])?;
+            } else {
+                let cidr = format!("{addr}/24");
+                sh(&["ip", "-n", ns, "addr", "add", &cidr, "dev", dev])?;
+            }
+        }
         for (ns, dev) in [(a, &va), (b, &vb)] {
             sh(&["ip", "-n", ns, "link", "set", dev, "up"])?;
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
@@ -191,8 +216,9 @@ impl Net {
 
     fn run(&self, n: u64) -> Vec<std::process::Output> {
         let ns = self.ns.clone();
+        let addrs = self.addrs;
         let wrap = move |r: u32| -> Vec<String> {
-            let addr = if r == 0 { "10.77.0.1" } else { "10.77.0.2" };
+            let addr = addrs[r as usize];
             ["ip", "netns", "exec", &ns[r as usize], "env"]
                 .iter()
                 .map(|s| s.to_string())
@@ -222,7 +248,11 @@ impl Drop for Net {
 }
 
 fn setup(tag: &str) -> Option<Net> {
-    match Net::new(tag) {
+    report(Net::new(tag))
+}
+
+fn report(net: Result<Net, String>) -> Option<Net> {
+    match net {
         Ok(n) => Some(n),
         Err(why) => {
             println!("skipped: {why}");
@@ -288,4 +318,26 @@ fn netns_corrupt_5_percent() {
         num(&outs[1], "checksum_errors") > 0,
         "no corrupted datagram reached the CRC check"
     );
+}
+
+#[test]
+fn netns_v6_drop_20_percent() {
+    let Some(net) = report(Net::with_addrs("6", true)) else {
+        return;
+    };
+    net.nft(
+        1,
+        "table ip6 abtl {\n chain in {\n type filter hook input priority 0;\n \
+         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n \
+         chain out {\n type filter hook output priority 0;\n \
+         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n}\n",
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let outs = net.run(20_000);
+    println!("20000 messages over IPv6 in {:?}", t.elapsed());
+    println!("receiver {}", value(&outs[1], "stats").unwrap_or_default());
+    assert!(num(&outs[0], "resends") > 0, "nothing was lost?");
+    // veth's 1500-byte MTU less 40 bytes of IPv6 and 8 of UDP header.
+    assert_eq!(num(&outs[1], "max_datagram"), 1452);
 }

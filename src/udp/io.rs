@@ -343,6 +343,18 @@ fn recvmmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
     Ok(n)
 }
 
+/// The source address the kernel wrote into `s` (`len` bytes of it), as
+/// the peer table keys it: `sockaddr_in` gives an IPv4 address,
+/// `sockaddr_in6` an IPv6 one. Anything else, or a name too short for its
+/// family, gives `None` (the datagram is dropped and counted).
+///
+/// The IPv6 flow label and scope id are not kept: peers are keyed by
+/// address and port alone (the exchange publishes no scope, and link-local
+/// addresses are refused, see `net::unusable`). An IPv4-mapped source
+/// (`::ffff:a.b.c.d`) is kept as the IPv6 address it is, never turned into
+/// IPv4: it can only come from a dual-stack socket (ours are
+/// `IPV6_V6ONLY`, so the kernel delivers none), and it then matches no
+/// peer, not even the IPv4 peer with the same address and port.
 fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
     let len = len as usize;
     match i32::from(s.ss_family) {
@@ -354,7 +366,9 @@ fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAdd
             Some(SocketAddr::from((ip, u16::from_be(a.sin_port))))
         }
         libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
-            // SAFETY: as above, for sockaddr_in6.
+            // SAFETY: the family says the storage holds a sockaddr_in6
+            // (and the kernel wrote at least its size), which is smaller
+            // than sockaddr_storage and less strictly aligned.
             let a = unsafe { &*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
             let ip = std::net::Ipv6Addr::from(a.sin6_addr.s6_addr);
             Some(SocketAddr::from((ip, u16::from_be(a.sin6_port))))
@@ -543,6 +557,100 @@ mod tests {
                 batch.iter().next().map(|(_, d)| d.to_vec()),
                 Some(dgram(6, chunk))
             );
+        });
+    }
+
+    /// `a` as the kernel writes a source address: a `sockaddr_storage`
+    /// and the length of the name in it.
+    fn storage_of(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+        let sa = SockAddr::from(a);
+        // SAFETY: all-zero bytes are a valid sockaddr_storage.
+        let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        // SAFETY: `sa` holds `sa.len()` initialized bytes of a socket
+        // address, no more than a sockaddr_storage, which `st` is; the two
+        // are distinct objects.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                sa.as_ptr().cast::<u8>(),
+                (&mut st as *mut libc::sockaddr_storage).cast::<u8>(),
+                sa.len() as usize,
+            )
+        };
+        (st, sa.len())
+    }
+
+    #[test]
+    fn source_addresses_of_both_families_are_read_exactly() {
+        for a in [
+            "127.0.0.1:4000",
+            "[::1]:4000",
+            "[fd00::2]:65535",
+            "[2001:db8::1]:1",
+        ] {
+            let a: SocketAddr = a.parse().unwrap();
+            let (st, len) = storage_of(a);
+            assert_eq!(to_addr(&st, len), Some(a));
+            // A name shorter than its family's structure is refused.
+            assert_eq!(to_addr(&st, len - 1), None);
+        }
+        // The mapped form of an IPv4 peer stays IPv6: it is not the peer.
+        let v4: SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:4000".parse().unwrap();
+        let (st, len) = storage_of(mapped);
+        let got = to_addr(&st, len).unwrap();
+        assert!(got.is_ipv6());
+        assert_ne!(got, v4);
+        // No family we know.
+        // SAFETY: all-zero bytes are a valid sockaddr_storage.
+        let mut st: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        st.ss_family = libc::AF_UNIX as libc::sa_family_t;
+        assert_eq!(to_addr(&st, 110), None);
+    }
+
+    #[test]
+    fn ipv6_datagrams_come_with_their_source() {
+        let Ok(a) = std::net::UdpSocket::bind("[::1]:0") else {
+            println!("skipped: cannot bind [::1]:0 (IPv6 disabled on this host?)");
+            return;
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let rx = UdpSocket::bind("[::1]:0").await.unwrap();
+            let to = rx.local_addr().unwrap();
+            let from = a.local_addr().unwrap();
+            let mut batch = RecvBatch::new();
+            // recvfrom, then recvmmsg, then an in-place batch.
+            a.send_to(&dgram(1, 10), to).unwrap();
+            assert_eq!(recv_one_now(&rx, &mut batch).unwrap(), 1);
+            let got: Vec<_> = batch.iter().map(|(f, d)| (f, d.to_vec())).collect();
+            assert_eq!(got, vec![(Some(from), dgram(1, 10))]);
+            a.send_to(&dgram(2, 10), to).unwrap();
+            a.send_to(&dgram(3, 0), to).unwrap();
+            assert_eq!(recv_now(&rx, &mut batch).unwrap(), 2);
+            let got: Vec<_> = batch.iter().map(|(f, d)| (f, d.to_vec())).collect();
+            assert_eq!(
+                got,
+                vec![(Some(from), dgram(2, 10)), (Some(from), dgram(3, 0))]
+            );
+            a.send_to(&dgram(4, 100), to).unwrap();
+            let mut buf = Vec::with_capacity(1000);
+            let n = recv_in_place(&rx, &mut batch, &mut buf, 100, 1000, from).unwrap();
+            assert_eq!(n, 1);
+            assert_eq!(batch.landed().count(), 1);
+            assert_eq!(&buf[..], &dgram(4, 100)[HEAD..HEAD + 100]);
+            // Sent through our own send path to an IPv6 destination.
+            let d = dgram(5, 7);
+            let parts: Parts<'_> = [&d[..HEAD], &d[HEAD..], &[]];
+            rx.writable().await.unwrap();
+            assert_eq!(send(&rx, from, &[parts, parts]), 2);
+            let mut got = [0u8; 200];
+            for _ in 0..2 {
+                let (n, src) = a.recv_from(&mut got).unwrap();
+                assert_eq!((src, &got[..n]), (to, &d[..]));
+            }
         });
     }
 }

@@ -5,15 +5,20 @@
 //! [`proto`] is the sans-IO protocol engine (no sockets, no clock); the
 //! driver around it is small:
 //!
-//! - [`net`](self) picks the address (`BTL_UDP_ADDR`, else the first
-//!   non-loopback IPv4, else 127.0.0.1) and binds two sockets, a data one
-//!   and a priority one (ACKs and tiny messages), as in the seed. Both
-//!   ports, a random 64-bit ISN, the interface MTU and the receive buffer
-//!   size are published in the address exchange.
+//! - [`net`](self) picks the address (`BTL_UDP_ADDR`, IPv4 or IPv6; else
+//!   the first non-loopback IPv4, else the first non-loopback, non
+//!   link-local IPv6, else 127.0.0.1) and binds two sockets, a data one
+//!   and a priority one (ACKs and tiny messages), as in the seed; IPv6
+//!   sockets are `IPV6_V6ONLY`. Both ports, a random 64-bit ISN, the
+//!   interface MTU and the receive buffer size are published in the
+//!   address exchange. All ranks that talk over udp must use one family:
+//!   a job that mixes them fails at open, naming both addresses
+//!   (`check_families`).
 //! - Per peer, the datagram size comes from the path MTU (loopback's 64 KiB
 //!   to peers on this host, else the smaller interface MTU of both sides,
-//!   or `BTL_UDP_MTU`), and the send window from the *peer's* socket buffer,
-//!   so a window of datagrams fits where they land.
+//!   or `BTL_UDP_MTU`) less the IP and UDP headers (28 bytes over IPv4, 48
+//!   over IPv6), and the send window from the *peer's* socket buffer, so a
+//!   window of datagrams fits where they land.
 //! - `frame` puts `(kind, tag)` in front of the data; messages of 32 KiB or
 //!   more travel as a head plus the user's `Bytes` itself (no copy).
 //! - Sends go out from the caller's task (no wake-up of the progress task
@@ -39,7 +44,8 @@
 //!   counters (usNIC-stats style).
 //!
 //! Not done yet: UDP GSO/GRO (batching is by `sendmmsg`/`recvmmsg` only),
-//! IPv6.
+//! IPv6 link-local addresses (they need scope ids, which the exchange does
+//! not carry; see `net::unusable`).
 
 mod frame;
 mod io;
@@ -69,6 +75,7 @@ use rx::RxState;
 /// What a process publishes about its `udp` transport.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct UdpAddr {
+    /// IPv4 or IPv6 (never IPv4-mapped: see `net::unusable`).
     pub(crate) ip: IpAddr,
     pub(crate) data_port: u16,
     pub(crate) prio_port: u16,
@@ -138,6 +145,49 @@ impl proto::Buffers for Pool {
     }
 }
 
+/// Why `ip` cannot be a udp address, if it cannot (for the configuration's
+/// checks; see `net::unusable`).
+pub(crate) fn unusable_addr(ip: IpAddr) -> Option<&'static str> {
+    net::unusable(ip)
+}
+
+/// Check that ranks that would talk to each other over udp use one address
+/// family. `ranks` holds every rank that publishes a udp address: its rank,
+/// its address, and its node when it also runs `sm` (two ranks on one node
+/// that both run `sm` talk over shared memory, whatever their families).
+///
+/// Every rank runs this on the same table (the whole address exchange), so
+/// on a mixed job all of them fail at open with the same message, naming
+/// the first such pair by rank; none is left waiting for a peer that gave
+/// up. (An IPv4 socket cannot reach an IPv6 address, and our IPv6 sockets
+/// are IPv6-only, so a mixed pair could never talk.)
+pub(crate) fn check_families(ranks: &mut [(Rank, IpAddr, Option<&str>)]) -> Result<()> {
+    if ranks
+        .windows(2)
+        .all(|w| w[0].1.is_ipv4() == w[1].1.is_ipv4())
+    {
+        return Ok(());
+    }
+    ranks.sort_by_key(|r| r.0);
+    for (i, a) in ranks.iter().enumerate() {
+        for b in &ranks[i + 1..] {
+            let by_sm = a.2.is_some() && a.2 == b.2;
+            if a.1.is_ipv4() != b.1.is_ipv4() && !by_sm {
+                return Err(Error::Config(format!(
+                    "udp: rank {} uses the {} address {} and rank {} the {} address {}: ranks that talk over udp must use one address family (set BTL_UDP_ADDR on every rank to addresses of one family; without it a host with a non-loopback IPv4 address uses IPv4)",
+                    a.0,
+                    net::family(a.1),
+                    a.1,
+                    b.0,
+                    net::family(b.1),
+                    b.1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn mix(isn: u64, rank: Rank) -> u64 {
     isn ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
@@ -146,10 +196,18 @@ impl UdpTransport {
     /// Bind our two sockets. Must run inside a tokio runtime.
     pub(crate) fn new(core: Arc<Core>) -> Result<Arc<UdpTransport>> {
         let ifs = net::interfaces();
+        // A configured IPv4-mapped address (::ffff:a.b.c.d) means its IPv4
+        // address: our IPv6 sockets are IPv6-only and could not use it.
         let ip = core
             .config
             .udp_addr
+            .map(|a| a.to_canonical())
             .unwrap_or_else(|| net::default_addr(&ifs));
+        if let Some(why) = net::unusable(ip) {
+            return Err(Error::Config(format!(
+                "udp: cannot use the address {ip}: {why}; set BTL_UDP_ADDR to an address of this host"
+            )));
+        }
         let (data, rcv) = net::bind(ip)?;
         let (prio, _) = net::bind(ip)?;
         let port = |s: &std::net::UdpSocket| s.local_addr().map(|a| a.port());
@@ -200,12 +258,13 @@ impl UdpTransport {
         self.me.clone()
     }
 
-    /// Whether a peer with this address can be reached: a loopback address
-    /// reaches only this host.
+    /// Whether a peer with this address can be reached: one of our family
+    /// (a job that mixes families fails earlier, see `check_families`)
+    /// that names one host; a loopback address reaches only this host.
     pub(crate) fn reaches(&self, a: &UdpAddr) -> bool {
         let local = net::is_local(&self.ifs, a.ip);
-        a.ip.is_ipv4()
-            && !a.ip.is_unspecified()
+        a.ip.is_ipv4() == self.me.ip.is_ipv4()
+            && net::unusable(a.ip).is_none()
             && a.data_port != 0
             && a.prio_port != 0
             && (local || !self.me.ip.is_loopback())
@@ -216,11 +275,17 @@ impl UdpTransport {
         let mtu = match self.core.config.udp_mtu {
             Some(m) => m,
             None if net::is_local(&self.ifs, a.ip) => {
-                net::mtu_of(&self.ifs, IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+                let lo = if self.me.ip.is_ipv4() {
+                    IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+                } else {
+                    IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)
+                };
+                net::mtu_of(&self.ifs, lo)
             }
             None => (self.me.mtu.min(a.mtu)) as usize,
         };
-        let dgram = net::payload_for_mtu(mtu);
+        // Both ends are of our family (`reaches`): its headers.
+        let dgram = net::payload_for_mtu(mtu, self.me.ip);
         // A window of datagrams must fit in the receiving socket's buffer,
         // counting the kernel's per-datagram overhead (about as much again
         // for small ones) and leaving half for other senders.
@@ -257,6 +322,7 @@ impl UdpTransport {
             // A receive window of full datagrams: what the peer may have in
             // flight when we pause it.
             let stash_limit = cfg.recv_window as usize * (cfg.max_datagram + rx::STASH_OVERHEAD);
+            let max_datagram = cfg.max_datagram;
             let ids = proto::ConnIds {
                 job: self.job,
                 local_rank: me,
@@ -270,6 +336,7 @@ impl UdpTransport {
                 rank: *rank,
                 data_addr: SocketAddr::new(a.ip, a.data_port),
                 prio_addr: SocketAddr::new(a.ip, a.prio_port),
+                max_datagram,
                 stash_limit,
                 lost: AtomicBool::new(false),
                 busy: AtomicBool::new(false),
@@ -315,6 +382,11 @@ impl UdpTransport {
             SocketAddr::new(self.me.ip, self.me.data_port),
             SocketAddr::new(self.me.ip, self.me.prio_port),
         )
+    }
+
+    /// The largest datagram (UDP payload) sent to `rank`.
+    pub(crate) fn max_datagram(&self, rank: Rank) -> Option<usize> {
+        self.peer(rank).map(|p| p.max_datagram)
     }
 
     /// The protocol counters of the connection to `rank`.
@@ -618,5 +690,87 @@ mod tests {
         w.fetch_min(200, Ordering::AcqRel);
         publish_wake_at(&w, planned, 100);
         assert_eq!(w.load(Ordering::Relaxed), 100);
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn one_family_per_job() {
+        let v4 = ip("192.0.2.1");
+        let v6 = ip("fd00::1");
+        // One family: fine, whatever the nodes.
+        let mut same = [(0, v4, None), (1, ip("192.0.2.2"), Some("a"))];
+        assert!(check_families(&mut same).is_ok());
+        let mut same6 = [(0, v6, None), (1, ip("::1"), None)];
+        assert!(check_families(&mut same6).is_ok());
+        // Mixed, over udp: every rank gets the same message, naming the
+        // first pair by rank, whatever order its table came in.
+        let mut a = [(2, v4, None), (1, v6, None), (0, v4, None)];
+        let mut b = [(0, v4, None), (2, v4, None), (1, v6, None)];
+        let ea = check_families(&mut a).unwrap_err().to_string();
+        let eb = check_families(&mut b).unwrap_err().to_string();
+        assert_eq!(ea, eb);
+        assert!(matches!(
+            check_families(&mut [(0, v4, None), (1, v6, None)]),
+            Err(Error::Config(_))
+        ));
+        for want in ["rank 0", "192.0.2.1", "IPv4", "rank 1", "fd00::1", "IPv6"] {
+            assert!(ea.contains(want), "{want:?} missing from {ea}");
+        }
+        // Mixed, but the pair talks over shared memory (one node, both
+        // run sm): fine. Another node, or no sm on one side: not.
+        let mut by_sm = [(0, v4, Some("n1")), (1, v6, Some("n1"))];
+        assert!(check_families(&mut by_sm).is_ok());
+        let mut other_node = [(0, v4, Some("n1")), (1, v6, Some("n2"))];
+        assert!(check_families(&mut other_node).is_err());
+        let mut no_sm = [(0, v4, Some("n1")), (1, v6, None)];
+        assert!(check_families(&mut no_sm).is_err());
+        let mut third = [
+            (0, v4, Some("n1")),
+            (1, v6, Some("n1")),
+            (2, v4, Some("n2")),
+        ];
+        let e = check_families(&mut third).unwrap_err().to_string();
+        assert!(e.contains("rank 1") && e.contains("rank 2"), "{e}");
+    }
+
+    #[test]
+    fn ipv6_addresses_survive_the_exchange_encoding() {
+        for a in ["::1", "fd00::2", "2001:db8::dead:beef", "127.0.0.1"] {
+            let u = UdpAddr {
+                ip: ip(a),
+                data_port: 40_000,
+                prio_port: 40_001,
+                isn: 7,
+                mtu: 65_536,
+                rcvbuf: 1 << 20,
+            };
+            let raw = postcard::to_allocvec(&u).unwrap();
+            let back: UdpAddr = postcard::from_bytes(&raw).unwrap();
+            assert_eq!(
+                (back.ip, back.data_port, back.prio_port),
+                (u.ip, 40_000, 40_001)
+            );
+        }
+    }
+
+    #[test]
+    fn peer_table_keys_match_only_the_published_family() {
+        // Keyed as `connect` keys them; looked up with what the receive
+        // path reads from the kernel (`io::to_addr`: no flow label, no
+        // scope id, mapped forms left as IPv6).
+        let v4 = SocketAddr::new(ip("127.0.0.1"), 4000);
+        let v6 = SocketAddr::new(ip("::1"), 4000);
+        let table: HashMap<SocketAddr, Rank> = [(v4, 1), (v6, 2)].into_iter().collect();
+        assert_eq!(table.get(&"127.0.0.1:4000".parse().unwrap()), Some(&1));
+        assert_eq!(table.get(&"[::1]:4000".parse().unwrap()), Some(&2));
+        // The IPv4-mapped form of the IPv4 peer is neither peer.
+        assert_eq!(table.get(&"[::ffff:127.0.0.1]:4000".parse().unwrap()), None);
+        // Same address, another port: unknown.
+        assert_eq!(table.get(&"[::1]:4001".parse().unwrap()), None);
+        // A published mapped address never enters the table.
+        assert!(net::unusable(ip("::ffff:127.0.0.1")).is_some());
     }
 }

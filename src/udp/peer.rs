@@ -55,6 +55,9 @@ pub(crate) struct Peer {
     pub(crate) rank: Rank,
     pub(crate) data_addr: SocketAddr,
     pub(crate) prio_addr: SocketAddr,
+    /// Largest datagram (UDP payload) we send it: the path MTU less the
+    /// IP and UDP headers of its family.
+    pub(crate) max_datagram: usize,
     /// Most bytes of raw datagrams kept while the peer is paused (receive
     /// backpressure).
     pub(crate) stash_limit: usize,

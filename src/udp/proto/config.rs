@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use super::header::DATA_OVERHEAD;
 
-/// Largest UDP payload over IPv4.
+/// Largest UDP payload over IPv4; also the cap over IPv6 (which would allow
+/// 65527), so one limit holds for both families.
 const MAX_UDP_PAYLOAD: usize = 65_507;
 /// Largest window accepted, in segments; keeps windows tiny against the
 /// 2^63 range of the sequence-number comparison and bounds memory.
