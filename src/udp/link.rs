@@ -52,7 +52,7 @@ impl Link for UdpLink {
         if !st.queue_is_empty() || !st.conn.can_send(data.len() + frame::PREFIX) {
             return Ok(false);
         }
-        let msg = frame::one_part(kind, tag, data);
+        let msg = frame::one_part(&self.t.core.buffers, kind, tag, data);
         match st.submit(now, self.peer.rank, (msg, None))? {
             Queued::Done => {}
             // can_send said yes and nothing was queued: it cannot wait, but
@@ -78,7 +78,7 @@ impl Link for UdpLink {
                 data.len()
             )));
         }
-        let parts = frame::encode(kind, tag, data);
+        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
         let r = st.submit(now, self.peer.rank, parts)?;
         st.flush(now, &self.t.io, &self.peer, usize::MAX);
         self.t.after_send(&st);

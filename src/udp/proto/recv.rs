@@ -79,10 +79,11 @@ pub struct Landed<'a> {
     pub crc: [u8; super::header::CRC_LEN],
 }
 
-/// Where the buffer of a message that spans several datagrams comes from,
-/// and how it is handed over once whole. Without one, each such message
-/// gets a fresh `Vec`; a driver can recycle large buffers instead, since
-/// faulting in fresh pages costs more than the copy at these sizes
+/// Where the buffer of a received message comes from (one that spans
+/// several datagrams, or a one-datagram message copied out of the receive
+/// buffer), and how it is handed over once whole. Without one, each such
+/// message gets a fresh `Vec`; a driver can recycle large buffers instead,
+/// since faulting in fresh pages costs more than the copy at these sizes
 /// ([`Connection::set_buffers`](super::Connection::set_buffers)).
 pub trait Buffers: Send + Sync {
     /// An empty buffer with room for at least `len` bytes.
@@ -133,9 +134,7 @@ impl Reassembly {
             if payload.len() as u64 == c.total_len {
                 self.next_msg = self.next_msg.wrapping_add(1);
                 self.large_recent = self.large_recent.saturating_sub(1);
-                let msg = owned
-                    .cloned()
-                    .unwrap_or_else(|| Bytes::copy_from_slice(payload));
+                let msg = owned.cloned().unwrap_or_else(|| self.copy(payload));
                 return Ok(Some(msg));
             }
             let total = usize::try_from(c.total_len).map_err(|_| "message too large")?;
@@ -168,6 +167,20 @@ impl Reassembly {
         self.next_msg = self.next_msg.wrapping_add(1);
         self.large_recent = 2;
         Ok(self.partial.take().map(|p| self.finish(p.buf)))
+    }
+
+    /// A whole one-datagram message, copied out of the receive buffer
+    /// into a pooled buffer: a fresh 4–64 KiB allocation per message made
+    /// the allocator trim and regrow its heap (a page fault per 4 KiB).
+    fn copy(&self, payload: &[u8]) -> Bytes {
+        match &self.buffers {
+            Some(b) => {
+                let mut buf = b.take(payload.len());
+                buf.extend_from_slice(payload);
+                b.freeze(buf)
+            }
+            None => Bytes::copy_from_slice(payload),
+        }
     }
 
     fn finish(&self, buf: Vec<u8>) -> Bytes {

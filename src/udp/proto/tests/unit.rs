@@ -223,7 +223,7 @@ impl super::super::Buffers for CountingBuffers {
 }
 
 #[test]
-fn multi_datagram_messages_use_the_buffer_source_within_a_window() {
+fn received_messages_use_the_buffer_source_within_a_window() {
     let cfg = Config {
         max_datagram: 572,
         send_window: 8,
@@ -264,9 +264,11 @@ fn multi_datagram_messages_use_the_buffer_source_within_a_window() {
         .map(|(i, len)| Event::Message(message(i as u64, *len)))
         .collect();
     assert_eq!(got, want);
-    assert_eq!(*bufs.taken.lock().unwrap(), vec![window_bytes]);
-    // Both multi-datagram messages are handed over through the source.
-    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 2);
+    // The one-datagram message is copied into a buffer of its own length
+    // from the source too (the one that grows asks for nothing up front).
+    assert_eq!(*bufs.taken.lock().unwrap(), vec![window_bytes, 100]);
+    // All three are handed over through the source.
+    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 3);
 }
 
 #[test]
