@@ -3,13 +3,28 @@
 //!
 //! Layout: the producer's `tail` and the consumer's `head` each sit on their
 //! own cache line, then `cap` slots (`cap` a power of two). Both sides keep
-//! their own index privately and only *publish* it; the other side's index is
-//! cached and re-read only when the cache says full/empty (the rtrb idea).
+//! their own index privately and only *publish* it. The producer caches the
+//! consumer's head and re-reads it only when the cache says full (the rtrb
+//! idea); the consumer polls the next slot itself, which carries the lap it
+//! was written in above the value, and reads the tail only to tell an
+//! empty ring from a corrupt one.
 //! A peer that scribbles over the shared indices can make us see a corrupt
 //! ring, never read or write out of bounds: every index is masked and every
 //! distance checked against `cap`.
 
 use crate::sync::{AtomicU64, Ordering};
+
+/// Bits of a slot that carry the value; the bits above carry the lap.
+pub(crate) const VALUE_MASK: u64 = (1 << 40) - 1;
+
+/// A slot's content for `v` pushed at position `pos`: the value and, above
+/// it, the lap it was written in (plus one, so a zeroed slot never looks
+/// written; 24 bits, and a slot is rewritten every lap, so a stale slot is
+/// always exactly one lap behind and never matches).
+fn stamp(pos: u64, cap: u64, v: u64) -> u64 {
+    let lap = (pos / cap).wrapping_add(1) & ((1 << 24) - 1);
+    lap << 40 | v
+}
 
 /// Bytes of the ring header (two cache lines).
 pub(crate) const RING_HEADER: usize = 128;
@@ -40,11 +55,10 @@ pub(crate) struct ProducerState {
     head_cache: u64,
 }
 
-/// Consumer-private state: our head and the last tail we saw.
+/// Consumer-private state: our head.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct ConsumerState {
     head: u64,
-    tail_cache: u64,
 }
 
 impl Ring<'_> {
@@ -68,7 +82,13 @@ impl Ring<'_> {
             }
         }
         let mask = cap - 1;
-        self.slots[(st.tail & mask) as usize].store(v, Ordering::Relaxed);
+        if v > VALUE_MASK {
+            return Err(Corrupt);
+        }
+        // Release pairs with the consumer's Acquire load of the slot in
+        // `peek`: what the value stands for (a fragment's bytes) is visible
+        // before the stamped slot is.
+        self.slots[(st.tail & mask) as usize].store(stamp(st.tail, cap, v), Ordering::Release);
         st.tail = st.tail.wrapping_add(1);
         // Release pairs with the consumer's Acquire load of `tail` in `peek`:
         // the slot written above is visible before the new tail.
@@ -77,22 +97,38 @@ impl Ring<'_> {
     }
 
     /// The oldest value without removing it; `Ok(None)` when empty.
+    ///
+    /// The consumer polls the slot itself: a value stamped with the lap
+    /// the consumer expects is there, so an arriving value costs the
+    /// consumer one cache line from the producer (the slot), not two (the
+    /// tail, then the slot). The tail is read only when the slot does not
+    /// hold the expected lap: to tell an empty ring from a corrupt one.
     pub(crate) fn peek(&self, st: &mut ConsumerState) -> Result<Option<u64>, Corrupt> {
-        if st.head == st.tail_cache {
-            // Acquire pairs with the producer's Release store of `tail` in `push`.
-            st.tail_cache = self.tail.load(Ordering::Acquire);
-            let avail = st.tail_cache.wrapping_sub(st.head);
-            if avail > self.cap() {
-                return Err(Corrupt);
-            }
-            if avail == 0 {
-                return Ok(None);
-            }
+        let cap = self.cap();
+        let slot = &self.slots[(st.head & (cap - 1)) as usize];
+        // Acquire pairs with the producer's Release store of the slot.
+        let s = slot.load(Ordering::Acquire);
+        if s & !VALUE_MASK == stamp(st.head, cap, 0) {
+            return Ok(Some(s & VALUE_MASK));
         }
-        let mask = self.cap() - 1;
-        Ok(Some(
-            self.slots[(st.head & mask) as usize].load(Ordering::Relaxed),
-        ))
+        // Acquire pairs with the producer's Release store of `tail` in `push`.
+        let tail = self.tail.load(Ordering::Acquire);
+        // Empty; or the producer is between its two stores of a push whose
+        // slot we already took (the tail may lag the slots by one).
+        if tail == st.head || tail.wrapping_add(1) == st.head {
+            return Ok(None);
+        }
+        if tail.wrapping_sub(st.head) > cap {
+            return Err(Corrupt);
+        }
+        // The producer stores the slot before the tail: one the tail says
+        // is there must now hold the expected stamp.
+        let s = slot.load(Ordering::Acquire);
+        if s & !VALUE_MASK == stamp(st.head, cap, 0) {
+            Ok(Some(s & VALUE_MASK))
+        } else {
+            Err(Corrupt)
+        }
     }
 
     /// Remove the value `peek` returned.
@@ -118,7 +154,9 @@ impl Ring<'_> {
 
     /// Whether the ring looks empty right now (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &ConsumerState) -> bool {
-        self.tail.load(Ordering::Acquire) == st.head
+        // (The tail may lag what we took by one: see `peek`.)
+        let tail = self.tail.load(Ordering::Acquire);
+        tail == st.head || tail.wrapping_add(1) == st.head
     }
 }
 
@@ -204,6 +242,39 @@ mod tests {
         }
         o.head.store(u64::MAX - 5, Ordering::Relaxed);
         assert_eq!(r.push(&mut p, 5), Err(Corrupt));
+    }
+
+    #[test]
+    fn a_slot_without_the_expected_lap_is_empty_or_corrupt() {
+        let o = OwnedRing::new(4);
+        let r = o.ring();
+        let (mut p, mut c) = (ProducerState::default(), ConsumerState::default());
+        // A lap's worth pushed and taken: the slots now hold lap-1 stamps,
+        // which the next lap must not take for values.
+        for i in 0..4 {
+            r.push(&mut p, i).unwrap();
+            assert_eq!(r.peek(&mut c), Ok(Some(i)));
+            r.advance(&mut c);
+        }
+        assert_eq!(r.peek(&mut c), Ok(None));
+        // A value taken before the producer published its tail (it stores
+        // the slot first): the ring then reads as empty, not corrupt.
+        r.push(&mut p, 9).unwrap();
+        o.tail.store(4, Ordering::Relaxed);
+        assert_eq!(r.peek(&mut c), Ok(Some(9)));
+        r.advance(&mut c);
+        assert_eq!(r.peek(&mut c), Ok(None));
+        assert!(r.looks_empty(&c));
+        o.tail.store(5, Ordering::Relaxed);
+        // A peer that bumps the tail without writing the slot.
+        o.tail.store(7, Ordering::Relaxed);
+        assert_eq!(r.peek(&mut c), Err(Corrupt));
+        // A peer that writes a slot with some other lap's stamp.
+        o.tail.store(5, Ordering::Relaxed);
+        o.slots[1].store(7 << 40 | 3, Ordering::Relaxed);
+        assert_eq!(r.peek(&mut c), Ok(None));
+        // Values wider than a slot's value bits are refused.
+        assert_eq!(r.push(&mut p, VALUE_MASK + 1), Err(Corrupt));
     }
 }
 
