@@ -164,13 +164,26 @@ fn under_btl_run_with_csv_and_table() {
     }
     assert!(text.contains("# launcher: BtlRun"), "{text}");
 
+    // Repeated runs under a launcher: each opens the fabric again, and the
+    // report holds one row per point, the best of the runs.
     let table = run(Command::new(RUN)
         .args(["-n", "2", "--no-prefix", "--", PERF])
         .args(["--test", "lat", "--baseline", "tcp", "--progress", "busy"])
+        .args(["--repeat", "2"])
         .args(QUICK));
     let t = String::from_utf8_lossy(&table.stdout);
     assert!(t.contains("# lat (us)") && t.contains("x tcp"), "{t}");
     assert!(t.contains("BusyPoll"), "{t}");
+    assert!(t.contains("# note: best of 2 runs"), "{t}");
+    let rows: Vec<&str> = t
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    let sizes: BTreeSet<&str> = rows
+        .iter()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(rows.len(), sizes.len(), "one row per size: {t}");
 }
 
 #[test]
@@ -268,6 +281,7 @@ fn bad_options_are_refused_with_a_message() {
         &["--pin", "x"],
         &["--baseline", "sctp"],
         &["--min-size", "1M", "--max-size", "1K"],
+        &["--repeat", "0"],
     ] {
         let out = Command::new(PERF).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");

@@ -12,6 +12,7 @@ use async_btl::launch::LocalJob;
 use async_btl::perf::machine::Machine;
 use async_btl::perf::pin::{pin_current_thread, Pinning};
 use async_btl::perf::plan::Counts;
+use async_btl::perf::report::Report;
 use async_btl::perf::session::{run, Settings};
 use async_btl::perf::{plot, Baseline, Test};
 use async_btl::ProgressMode;
@@ -115,6 +116,14 @@ struct Args {
     /// Give up when one measurement takes longer than this (seconds).
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     watchdog: u64,
+
+    /// Run everything this many times and report, per test, series and
+    /// size, the best run (lowest latency, highest bandwidth), with the
+    /// ratios from those. Each run measures async-btl and then the
+    /// baselines, so repeats interleave them in time: on a noisy machine
+    /// this compares like with like far better than one run.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeat: u32,
 }
 
 fn tests(s: &str) -> Result<Vec<Test>, String> {
@@ -240,7 +249,7 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
     };
     let rank = job.rank;
     let bar = (rank == 0)
-        .then(|| progress_bar(settings.steps()))
+        .then(|| progress_bar(settings.steps() * u64::from(args.repeat)))
         .flatten();
     let Some(rt) = runtime() else {
         return ExitCode::from(1);
@@ -251,17 +260,25 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
             b.inc(1);
         }
     };
-    let result = rt.block_on(run(&settings, job, core, &mut tick));
+    let mut reports = Vec::new();
+    for _ in 0..args.repeat {
+        match rt.block_on(run(&settings, job.clone(), core, &mut tick)) {
+            Ok(Some(r)) => reports.push(r),
+            Ok(None) => {}
+            Err(e) => {
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                eprintln!("btl-perf: rank {rank}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let report = match result {
-        Ok(Some(r)) => r,
-        Ok(None) => return ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("btl-perf: rank {rank}: {e}");
-            return ExitCode::from(1);
-        }
+    let Some(report) = Report::best_of(reports) else {
+        return ExitCode::SUCCESS;
     };
     let text = if args.json {
         report.json() + "\n"
