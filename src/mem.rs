@@ -148,12 +148,31 @@ impl RawBuf {
     }
 
     /// The bytes a strided copy of `n` bytes touches from its start:
-    /// `CHUNK`-byte pieces `STRIDE` bytes apart, the last one shorter.
-    fn strided_span<const CHUNK: usize, const STRIDE: usize>(n: usize) -> usize {
+    /// `CHUNK`-byte pieces `STRIDE` bytes apart, the last one shorter
+    /// (`None` if that does not fit in a `usize`).
+    #[cfg(not(btl_loom))]
+    fn strided_span<const CHUNK: usize, const STRIDE: usize>(n: usize) -> Option<usize> {
         match n {
-            0 => 0,
-            n => (n - 1) / CHUNK * STRIDE + ((n - 1) % CHUNK + 1),
+            0 => Some(0),
+            n => ((n - 1) / CHUNK)
+                .checked_mul(STRIDE)?
+                .checked_add((n - 1) % CHUNK + 1),
         }
+    }
+
+    /// Check a strided copy of `n` bytes at `off`; its start.
+    #[cfg(not(btl_loom))]
+    fn check_strided<const CHUNK: usize, const STRIDE: usize>(
+        &self,
+        off: u64,
+        n: usize,
+    ) -> Result<usize, AccessError> {
+        let span = Self::strided_span::<CHUNK, STRIDE>(n).ok_or(AccessError::OutOfBounds {
+            offset: off,
+            end: u64::MAX,
+            len: self.len as u64,
+        })?;
+        check(off, span, self.len)
     }
 
     /// Copy `src` into the range as `CHUNK`-byte pieces `STRIDE` bytes
@@ -162,62 +181,71 @@ impl RawBuf {
     /// piece, which the compiler turns into a few vector moves; a memmove
     /// call per piece cost more than the bytes.
     #[inline]
+    #[cfg(not(btl_loom))]
     pub(crate) fn write_strided<const CHUNK: usize, const STRIDE: usize>(
         &self,
         off: u64,
         src: &[u8],
     ) -> Result<(), AccessError> {
         const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
-        let span = Self::strided_span::<CHUNK, STRIDE>(src.len());
-        let o = check(off, span, self.len)?;
+        let o = self.check_strided::<CHUNK, STRIDE>(off, src.len())?;
         let mut pieces = src.chunks_exact(CHUNK);
         let mut at = o;
         for piece in pieces.by_ref() {
-            // SAFETY: piece k lands at o + k * STRIDE .. + CHUNK, inside the
-            // checked span (o .. o + span); valid per `new`'s contract; `src`
-            // is a Rust slice, so it cannot overlap memory only reached
-            // through raw pointers.
+            // SAFETY: whole piece k lands at o + k * STRIDE .. + CHUNK,
+            // inside the checked span o .. o + span; valid per `new`'s
+            // contract; `src` is a Rust slice, so it cannot overlap memory
+            // only reached through raw pointers.
             unsafe {
                 std::ptr::copy_nonoverlapping(piece.as_ptr(), self.ptr.as_ptr().add(at), CHUNK)
             };
             at += STRIDE;
         }
         let rest = pieces.remainder();
-        // SAFETY: the last piece ends exactly at o + span (checked above);
-        // as for the whole pieces otherwise.
-        unsafe {
-            std::ptr::copy_nonoverlapping(rest.as_ptr(), self.ptr.as_ptr().add(at), rest.len())
-        };
+        if !rest.is_empty() {
+            // SAFETY: the last, shorter piece ends exactly at o + span.
+            // (Only a piece that exists is addressed: with none left, `at`
+            // may already point past the span.)
+            unsafe {
+                std::ptr::copy_nonoverlapping(rest.as_ptr(), self.ptr.as_ptr().add(at), rest.len())
+            };
+        }
         Ok(())
     }
 
     /// The inverse of [`RawBuf::write_strided`]: fill `dst` from
     /// `CHUNK`-byte pieces `STRIDE` bytes apart from `off`.
     #[inline]
+    #[cfg(not(btl_loom))]
     pub(crate) fn read_strided<const CHUNK: usize, const STRIDE: usize>(
         &self,
         off: u64,
         dst: &mut [u8],
     ) -> Result<(), AccessError> {
         const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
-        let span = Self::strided_span::<CHUNK, STRIDE>(dst.len());
-        let o = check(off, span, self.len)?;
+        let o = self.check_strided::<CHUNK, STRIDE>(off, dst.len())?;
         let mut pieces = dst.chunks_exact_mut(CHUNK);
         let mut at = o;
         for piece in pieces.by_ref() {
-            // SAFETY: piece k comes from o + k * STRIDE .. + CHUNK, inside
-            // the checked span; valid per `new`; `dst` is a unique Rust
-            // slice, so not inside this range.
+            // SAFETY: whole piece k comes from o + k * STRIDE .. + CHUNK,
+            // inside the checked span; valid per `new`; `dst` is a unique
+            // Rust slice, so not inside this range.
             unsafe {
                 std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), piece.as_mut_ptr(), CHUNK)
             };
             at += STRIDE;
         }
         let rest = pieces.into_remainder();
-        // SAFETY: the last piece ends exactly at o + span (checked above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), rest.as_mut_ptr(), rest.len())
-        };
+        if !rest.is_empty() {
+            // SAFETY: the last, shorter piece ends exactly at o + span.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptr.as_ptr().add(at),
+                    rest.as_mut_ptr(),
+                    rest.len(),
+                )
+            };
+        }
         Ok(())
     }
 

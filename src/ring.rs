@@ -18,9 +18,11 @@ use crate::sync::{AtomicU64, Ordering};
 pub(crate) const VALUE_MASK: u64 = (1 << 40) - 1;
 
 /// A slot's content for `v` pushed at position `pos`: the value and, above
-/// it, the lap it was written in (plus one, so a zeroed slot never looks
-/// written; 24 bits, and a slot is rewritten every lap, so a stale slot is
-/// always exactly one lap behind and never matches).
+/// it, the lap it was written in plus one, in 24 bits. A slot is rewritten
+/// every lap, so a stale slot is exactly one lap behind and never matches;
+/// the first lap expects 1, so the zeroed slots of a new segment do not
+/// match either (a zero stamp is expected again only after 2^24 laps, when
+/// every slot has long been written).
 fn stamp(pos: u64, cap: u64, v: u64) -> u64 {
     let lap = (pos / cap).wrapping_add(1) & ((1 << 24) - 1);
     lap << 40 | v
@@ -101,8 +103,9 @@ impl Ring<'_> {
     /// The consumer polls the slot itself: a value stamped with the lap
     /// the consumer expects is there, so an arriving value costs the
     /// consumer one cache line from the producer (the slot), not two (the
-    /// tail, then the slot). The tail is read only when the slot does not
-    /// hold the expected lap: to tell an empty ring from a corrupt one.
+    /// tail, then the slot), and an empty poll reads only the slot (still
+    /// the previous lap's). The tail is read only when the slot holds some
+    /// other stamp: to tell an empty ring from a corrupt one.
     pub(crate) fn peek(&self, st: &mut ConsumerState) -> Result<Option<u64>, Corrupt> {
         let cap = self.cap();
         let slot = &self.slots[(st.head & (cap - 1)) as usize];
@@ -110,6 +113,15 @@ impl Ring<'_> {
         let s = slot.load(Ordering::Acquire);
         if s & !VALUE_MASK == stamp(st.head, cap, 0) {
             return Ok(Some(s & VALUE_MASK));
+        }
+        // Still the previous lap's value (or, in the first lap, the zeroed
+        // slot of a new segment): empty, without touching the tail's line.
+        let previous = match st.head.checked_sub(cap) {
+            Some(pos) => s & !VALUE_MASK == stamp(pos, cap, 0),
+            None => s == 0,
+        };
+        if previous {
+            return Ok(None);
         }
         // Acquire pairs with the producer's Release store of `tail` in `push`.
         let tail = self.tail.load(Ordering::Acquire);
@@ -235,8 +247,18 @@ mod tests {
         let o = OwnedRing::new(4);
         let r = o.ring();
         let (mut p, mut c) = (ProducerState::default(), ConsumerState::default());
+        // A tail far beyond the head is noticed once the slot holds
+        // something that is neither the expected nor the previous lap.
         o.tail.store(1000, Ordering::Relaxed);
+        assert_eq!(
+            r.peek(&mut c),
+            Ok(None),
+            "the slot decides while it is untouched"
+        );
+        o.slots[0].store(9 << 40, Ordering::Relaxed);
         assert_eq!(r.peek(&mut c), Err(Corrupt));
+        o.slots[0].store(0, Ordering::Relaxed);
+        o.tail.store(0, Ordering::Relaxed);
         for i in 0..4 {
             r.push(&mut p, i).unwrap();
         }
@@ -267,7 +289,11 @@ mod tests {
         assert!(r.looks_empty(&c));
         o.tail.store(5, Ordering::Relaxed);
         // A peer that bumps the tail without writing the slot.
+        // (While the slot still holds the previous lap, the tail is not
+        // even read: the ring is empty as far as the slot says.)
         o.tail.store(7, Ordering::Relaxed);
+        assert_eq!(r.peek(&mut c), Ok(None));
+        o.slots[1].store(9 << 40 | 3, Ordering::Relaxed);
         assert_eq!(r.peek(&mut c), Err(Corrupt));
         // A peer that writes a slot with some other lap's stamp.
         o.tail.store(5, Ordering::Relaxed);
@@ -316,6 +342,41 @@ mod loom_tests {
                 }
             }
             t.join().unwrap();
+        });
+    }
+
+    /// The consumer may take a value from its slot before the producer has
+    /// published the tail; parking then relies on `looks_empty`, which
+    /// treats a tail one behind as empty. Whatever the interleaving, a
+    /// consumer that parks without the last value was rung.
+    #[test]
+    fn parking_ahead_of_a_lagging_tail_loses_no_wake_up() {
+        loom::model(|| {
+            let o = Arc::new(OwnedRing::new(2));
+            let flag = Arc::new(crate::sync::AtomicU32::new(0));
+            let (po, pf) = (o.clone(), flag.clone());
+            let producer = thread::spawn(move || {
+                let r = po.ring();
+                let mut p = ProducerState::default();
+                assert!(r.push(&mut p, 1).unwrap());
+                let first = should_ring(&pf);
+                assert!(r.push(&mut p, 2).unwrap());
+                first | should_ring(&pf)
+            });
+            let r = o.ring();
+            let mut c = ConsumerState::default();
+            let mut last = 0;
+            while let Some(v) = r.peek(&mut c).unwrap() {
+                r.advance(&mut c);
+                last = v;
+            }
+            arm(&flag);
+            let parks = r.looks_empty(&c);
+            let rang = producer.join().unwrap();
+            assert!(
+                !parks || last == 2 || rang,
+                "parked without the last value, and nobody rang"
+            );
         });
     }
 

@@ -94,6 +94,10 @@ impl Layout {
             .checked_mul(p.eager_size as usize)?
             .checked_add((p.max_count as usize).checked_mul(p.max_size as usize)?)?;
         let total = pool_off.checked_add(pool)?;
+        // Ring slots carry fragment offsets in their low 40 bits.
+        if total as u64 > crate::ring::VALUE_MASK {
+            return None;
+        }
         Some(Layout {
             p,
             ring_cap,

@@ -28,7 +28,10 @@ pub(crate) const SPLIT_MIN: usize = 32 * 1024;
 /// buffer comes from `pool` and goes back to it when the protocol lets go
 /// of the message (acknowledged): a fresh 4–32 KiB allocation per message
 /// made the allocator trim and regrow its heap, and the sender spent more
-/// time faulting pages in than copying (16 KiB streaming).
+/// time faulting pages in than copying (16 KiB streaming). The pool's
+/// classes are powers of two, so the 9-byte prefix puts a power-of-two
+/// payload in the next class: a 16 KiB send holds a 32 KiB buffer until it
+/// is acknowledged (at most twice the send window's bytes in all).
 pub(crate) fn one_part(pool: &Arc<BufPool>, kind: Kind, tag: u64, data: &[u8]) -> Bytes {
     let n = PREFIX + data.len();
     let mut b = if n >= POOL_MIN {

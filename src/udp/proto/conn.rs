@@ -136,9 +136,11 @@ impl Connection {
         })
     }
 
-    /// Take the buffers of messages that span several datagrams from `b`
-    /// (for example a pool that recycles large buffers) instead of fresh
-    /// allocations.
+    /// Take the buffers of received messages from `b` (for example a pool
+    /// that recycles large buffers) instead of fresh allocations: those of
+    /// messages that span several datagrams, and the copy of every
+    /// one-datagram message out of the receive buffer (for every size:
+    /// `b` decides what is worth pooling).
     pub fn set_buffers(&mut self, b: std::sync::Arc<dyn Buffers>) {
         self.recv.set_buffers(b);
     }

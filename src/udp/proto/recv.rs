@@ -259,7 +259,8 @@ impl RecvSide {
         }
     }
 
-    /// Use `b` for the buffers of multi-datagram messages.
+    /// Use `b` for the buffers of received messages (multi-datagram ones,
+    /// and the copies of one-datagram ones).
     pub fn set_buffers(&mut self, b: Arc<dyn Buffers>) {
         self.reasm.buffers = Some(b);
     }
