@@ -24,6 +24,8 @@ before=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
 
 cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
+# Public docs build without broken links or other rustdoc warnings.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
 # The example tests run the example binaries (target/debug/examples/NAME),
 # which a test build alone does not leave there on a fresh checkout.
 cargo build --examples --bins
