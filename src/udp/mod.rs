@@ -19,8 +19,9 @@
 //!   or `BTL_UDP_MTU`) less the IP and UDP headers (28 bytes over IPv4, 48
 //!   over IPv6), and the send window from the *peer's* socket buffer, so a
 //!   window of datagrams fits where they land.
-//! - `frame` puts `(kind, tag)` in front of the data; messages of 32 KiB or
-//!   more travel as a head plus the user's `Bytes` itself (no copy).
+//! - `frame` puts `(kind, tag)` in front of the data (copied into a pooled
+//!   buffer); messages of 64 KiB or more travel as a head plus the user's
+//!   `Bytes` itself (no copy).
 //! - Sends go out from the caller's task (no wake-up of the progress task
 //!   on the latency path); what the protocol's send budget refuses waits in
 //!   an ordered per-peer queue whose `Completion` fires when the protocol
