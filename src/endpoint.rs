@@ -147,8 +147,8 @@ impl Endpoint {
         }
         let c = &self.0.core.counters;
         if let Some(m) = self.0.link.map_remote(key) {
+            // (The mapping was checked live just now, by `map_remote`.)
             let r = m.and_then(|m| {
-                m.check_live()?;
                 let (lraw, rraw) = (local.inner.raw(), m.data());
                 if put {
                     Counters::bump(&c.direct_puts);

@@ -23,14 +23,33 @@ pub(crate) type KeyId = [u8; 16];
 /// What a peer needs to `put` into or `get` from a region: serde-serialisable,
 /// send it to peers in a message. Unguessable (128 random bits) and carrying
 /// its bounds; the owner checks both on every access.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// A key to a region the peer shares (`Fabric::alloc_region`) on this node
+/// keeps the mapping its first `put` or `get` made, like UCX's unpacked
+/// remote key: later operations through it (and its clones) skip the
+/// lookup and are one bounds check, one revocation check and one copy. The
+/// mapping goes when the last clone of the key is dropped. (It is not part
+/// of the key's value: not serialised, not compared.)
+#[derive(Clone, Serialize, Deserialize)]
 pub struct RemoteKey {
     pub(crate) owner: Rank,
     pub(crate) id: KeyId,
     pub(crate) len: u64,
     /// Owner's pid when the region is a shared file peers can map.
     pub(crate) shm_pid: Option<u32>,
+    /// The mapping made on first use, with the job it was checked against.
+    #[serde(skip)]
+    mapped: std::sync::OnceLock<([u64; 2], MappedRegion)>,
 }
+
+impl PartialEq for RemoteKey {
+    fn eq(&self, other: &Self) -> bool {
+        (self.owner, self.id, self.len, self.shm_pid)
+            == (other.owner, other.id, other.len, other.shm_pid)
+    }
+}
+
+impl Eq for RemoteKey {}
 
 impl std::fmt::Debug for RemoteKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -63,6 +82,40 @@ impl RemoteKey {
     pub fn from_bytes(b: &[u8]) -> Result<RemoteKey> {
         postcard::from_bytes(b).map_err(|e| Error::Misuse(format!("not a remote key: {e}")))
     }
+    /// The peer's region mapped into this process for the fabric of job
+    /// `job_tag`: the mapping this key made on first use, or a new one from
+    /// `open` (which checks magic, job and owner) kept for next time. A
+    /// revoked region (its owner dropped it) is an error, as is a key first
+    /// used with another job's fabric (`open` refuses that region for this
+    /// job).
+    pub(crate) fn mapping(
+        &self,
+        job_tag: [u64; 2],
+        open: impl FnOnce() -> Result<MappedRegion>,
+    ) -> Result<&MappedRegion> {
+        if let Some((tag, m)) = self.mapped.get() {
+            if *tag == job_tag {
+                m.check_live()?;
+                return Ok(m);
+            }
+            // Mapped for another job: this one's checks decide.
+            open()?;
+            return Err(Error::Misuse(
+                "this remote key was first used with another fabric's job".into(),
+            ));
+        }
+        let m = open()?;
+        // A racing first use may have set it: either mapping is the same
+        // region, checked the same way.
+        let _ = self.mapped.set((job_tag, m));
+        match self.mapped.get() {
+            Some((tag, m)) if *tag == job_tag => Ok(m),
+            _ => Err(Error::Misuse(
+                "this remote key was first used with another fabric's job".into(),
+            )),
+        }
+    }
+
     /// Check `offset..offset+len` against the key's stated bounds.
     pub(crate) fn check(&self, offset: u64, len: usize) -> Result<(), AccessError> {
         match offset.checked_add(len as u64) {
@@ -208,6 +261,7 @@ impl RegionTable {
             id,
             len: heap.raw().len() as u64,
             shm_pid: None,
+            mapped: Default::default(),
         };
         let inner = RegionInner {
             id,
@@ -241,6 +295,7 @@ impl RegionTable {
             id,
             len: len as u64,
             shm_pid: Some(crate::os::pid()),
+            mapped: Default::default(),
         };
         let inner = RegionInner {
             id,

@@ -122,8 +122,9 @@ pub(crate) trait Link: Send + Sync {
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>>;
 
     /// Direct load/store access to the peer's region behind `key`, when this
-    /// transport can map it (shared memory). `None`: not offered, use messages.
-    fn map_remote(&self, _key: &RemoteKey) -> Option<Result<MappedRegion>> {
+    /// transport can map it (shared memory): the mapping the key keeps
+    /// (made on its first use). `None`: not offered, use messages.
+    fn map_remote<'k>(&self, _key: &'k RemoteKey) -> Option<Result<&'k MappedRegion>> {
         None
     }
 

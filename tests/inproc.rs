@@ -93,6 +93,62 @@ async fn put_get_shared_and_registered_regions() {
     assert!(s.direct_puts >= 1 && s.emulated_puts >= 1, "{s:?}");
 }
 
+async fn job_with_key(n: u32, job_key: [u8; 32]) -> Vec<Fabric> {
+    let ex = LocalExchange::new(n);
+    let futs = (0..n).map(|r| {
+        let ex = ex.clone();
+        async move { FabricBuilder::new(r, n).job_key(job_key).build(&ex).await }
+    });
+    futures::future::try_join_all(futs)
+        .await
+        .expect("fabrics open")
+}
+
+/// A key keeps the mapping its first put made (UCX's unpacked rkey), but
+/// that never outlives the owner's region nor crosses into another job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_keeps_its_mapping_but_not_past_revocation_or_into_another_job() {
+    let a = job_with_key(2, [7u8; 32]).await;
+    let b = job_with_key(2, [8u8; 32]).await;
+    let target = a[1].alloc_region(4096).unwrap();
+    let key = target.remote_key();
+    let ep = a[0].endpoint(1).unwrap();
+    let src = a[0].register(pattern(64, 3).to_vec());
+    let puts = a[0].stats().direct_puts;
+    for i in 0..10u64 {
+        ep.put(&src, 0..64, &key, i * 64).await.unwrap();
+    }
+    // A clone carries the mapping; a copy decoded from bytes is equal (the
+    // mapping is not part of the value) and maps on its own first use.
+    let clone = key.clone();
+    ep.put(&src, 0..64, &clone, 640).await.unwrap();
+    let decoded = async_btl::RemoteKey::from_bytes(&key.to_bytes()).unwrap();
+    assert_eq!(decoded, key);
+    ep.put(&src, 0..64, &decoded, 704).await.unwrap();
+    assert_eq!(a[0].stats().direct_puts - puts, 12);
+    let mut got = vec![0u8; 64];
+    for i in 0..12 {
+        target.read(i * 64, &mut got).unwrap();
+        assert_eq!(&got[..], &pattern(64, 3)[..], "slot {i}");
+    }
+
+    // The same key on another job's endpoint to the same rank number: the
+    // other job's checks refuse it; nothing is written anywhere.
+    let other = b[0].endpoint(1).unwrap();
+    let before = target.to_vec();
+    let bsrc = b[0].register(vec![0xAB; 64]);
+    let e = other.put(&bsrc, 0..64, &key, 0).await.unwrap_err();
+    assert!(matches!(e, Error::Access(_) | Error::Misuse(_)), "{e}");
+    assert_eq!(target.to_vec(), before);
+
+    // The owner drops the region: the cached mapping sees the revocation.
+    drop(target);
+    for k in [&key, &clone, &decoded] {
+        let e = ep.put(&src, 0..64, k, 0).await.unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+    }
+}
+
 /// The futures users spawn must be `Send + 'static`.
 #[test]
 fn operation_futures_are_send_and_static() {

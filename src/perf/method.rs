@@ -153,24 +153,42 @@ pub struct RmaSide<'a> {
 pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan) -> Result<f64> {
     let RmaSide { ep, local, key } = side;
     let put = matches!(test, Test::PutLat | Test::PutBw);
-    let one = || async move {
-        if put {
-            ep.put(local, 0..size, key, 0).await
-        } else {
-            ep.get(local, 0..size, key, 0).await
-        }
-    };
     let mut clock = Clock::new(plan);
     for i in 0..plan.warmup + plan.iters {
         clock.tick(i);
-        if test.windowed() {
-            try_join_all((0..plan.window).map(|_| one())).await?;
-            ep.flush().await?;
-        } else {
-            one().await?;
+        match (test.windowed(), put) {
+            (true, true) => {
+                window(plan.window, || ep.put(local, 0..size, key, 0)).await?;
+                ep.flush().await?;
+            }
+            (true, false) => {
+                window(plan.window, || ep.get(local, 0..size, key, 0)).await?;
+                ep.flush().await?;
+            }
+            (false, true) => ep.put(local, 0..size, key, 0).await?,
+            (false, false) => ep.get(local, 0..size, key, 0).await?,
         }
     }
     Ok(value(test, size, plan, clock.elapsed()))
+}
+
+/// Start `n` operations in order, polling each once (a put into a mapped
+/// region is done on that poll), and wait for the rest together: the
+/// async form of MPI_Put in a loop before the flush.
+async fn window<F>(n: u64, mut op: impl FnMut() -> F) -> Result<()>
+where
+    F: std::future::Future<Output = Result<()>> + Unpin,
+{
+    let mut pending = Vec::new();
+    for _ in 0..n {
+        let mut f = op();
+        match futures::poll!(&mut f) {
+            std::task::Poll::Ready(r) => r?,
+            std::task::Poll::Pending => pending.push(f),
+        }
+    }
+    try_join_all(pending).await?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -719,15 +719,15 @@ impl Link for SmLink {
             .with_tx(|tx| tx.submit(&self.t, &self.peer, kind, tag, data))
     }
 
-    fn map_remote(
+    fn map_remote<'k>(
         &self,
-        key: &crate::region::RemoteKey,
-    ) -> Option<Result<crate::region::MappedRegion>> {
+        key: &'k crate::region::RemoteKey,
+    ) -> Option<Result<&'k crate::region::MappedRegion>> {
         key.shm_pid?;
         if self.peer.is_lost() {
             return Some(Err(self.peer.lost_error()));
         }
-        Some(self.t.map_cached(key))
+        Some(key.mapping(self.t.core.job_tag, || self.t.map_cached(key)))
     }
 
     fn cma_pid(&self) -> Option<u32> {
