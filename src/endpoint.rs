@@ -186,14 +186,11 @@ impl Endpoint {
             )
         } else if put {
             Counters::bump(&c.emulated_puts);
-            let mut buf = vec![0u8; len];
-            if let Err(e) = local.read(range.start, &mut buf) {
-                return OpState::Ready(Some(Err(e)));
-            }
+            let src = (local.inner.raw(), range.start as u64, len);
             self.0
                 .core
                 .rma
-                .start_put(&*self.0.link, &key.id, offset, &buf)
+                .start_put(&*self.0.link, &key.id, offset, src)
         } else {
             Counters::bump(&c.emulated_gets);
             self.0.core.rma.start_get(

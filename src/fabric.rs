@@ -261,6 +261,7 @@ impl Fabric {
         let local_rank = b.local_rank.unwrap_or(b.rank);
         let counters = Arc::new(Counters::default());
         let regions = Arc::new(RegionTable::default());
+        let buffers: Arc<crate::bufpool::BufPool> = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         let core = Arc::new(Core {
             rank: b.rank,
@@ -271,9 +272,9 @@ impl Fabric {
                 b.config.progress,
                 b.config.spin,
             ),
-            rma: Rma::new(regions, counters.clone()),
+            rma: Rma::new(regions, counters.clone(), buffers.clone()),
             counters,
-            buffers: Arc::default(),
+            buffers,
             closed,
             closing: Arc::new(Notify::new()),
             links: RwLock::new(Vec::new()),

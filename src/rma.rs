@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use crate::bufpool::BufPool;
 use crate::completion::Completion;
 use crate::mem::RawBuf;
 use crate::os::Cma;
@@ -76,6 +77,9 @@ pub(crate) struct Rma {
     ops: Mutex<HashMap<u64, Op>>,
     pub(crate) regions: Arc<RegionTable>,
     counters: Arc<Counters>,
+    /// Where emulated put requests are built (pooled: a fresh buffer per
+    /// large put faulted its pages in every time).
+    buffers: Arc<BufPool>,
     /// Regions a peer that is gone from our view (cut off, or closed) may
     /// still write by CMA: never freed while this process runs.
     quarantine: Mutex<Vec<Arc<RegionInner>>>,
@@ -136,12 +140,17 @@ fn decode_status(data: &[u8]) -> Option<(Result<(), AccessError>, &[u8])> {
 }
 
 impl Rma {
-    pub(crate) fn new(regions: Arc<RegionTable>, counters: Arc<Counters>) -> Self {
+    pub(crate) fn new(
+        regions: Arc<RegionTable>,
+        counters: Arc<Counters>,
+        buffers: Arc<BufPool>,
+    ) -> Self {
         Rma {
             next: AtomicU64::new(1),
             ops: Mutex::new(HashMap::new()),
             regions,
             counters,
+            buffers,
             quarantine: Mutex::new(Vec::new()),
         }
     }
@@ -161,31 +170,39 @@ impl Rma {
         }
     }
 
-    /// Start an emulated put of `data` into the peer's region `key` at `offset`.
+    /// Start an emulated put of `len` bytes of `src` (from `src_off`) into
+    /// the peer's region `key` at `offset`.
     pub(crate) fn start_put(
         &self,
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        data: &[u8],
+        (src, src_off, len): (RawBuf, u64, usize),
     ) -> Arc<Completion> {
         let done = Completion::new();
-        self.put_with(link, key, offset, data, done.clone());
+        self.put_with(link, key, offset, (src, src_off, len), done.clone());
         done
     }
 
+    /// Send a put request: the key and offset, then the data, copied once
+    /// from `src` into a pooled buffer.
     fn put_with(
         &self,
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        data: &[u8],
+        (src, src_off, len): (RawBuf, u64, usize),
         done: Arc<Completion>,
     ) {
         let id = self.register(link.peer(), Pending::Put { cma: None }, done);
-        let mut req = encode_req(key, offset, data.len());
-        req.put_slice(data);
-        self.send(link, Kind::PutReq, id, Ok(req.freeze()));
+        let mut req = self.buffers.take(REQ_HEADER + len);
+        req.extend_from_slice(key);
+        req.extend_from_slice(&offset.to_le_bytes());
+        let body = src
+            .read_into(src_off, len, &mut req)
+            .map(|()| self.buffers.freeze(req))
+            .map_err(Error::from);
+        self.send(link, Kind::PutReq, id, body);
     }
 
     /// Start an emulated get of `len` bytes from the peer's region into `dst`.
@@ -484,13 +501,8 @@ impl Rma {
                 _,
             ) if why.starts_with(CMA_REFUSED) => {
                 link.disable_cma();
-                let mut buf = vec![0u8; len];
-                match src_r.raw().read(off, &mut buf) {
-                    Ok(()) => {
-                        return self.put_with(link, &remote.key, remote.offset, &buf, op.done)
-                    }
-                    Err(e) => Err(e.into()),
-                }
+                let src = (src_r.raw(), off, len);
+                return self.put_with(link, &remote.key, remote.offset, src, op.done);
             }
             (
                 Err(AccessError::NotPermitted(why)),
