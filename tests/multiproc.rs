@@ -66,27 +66,10 @@ async fn sizes(f: Fabric) {
     if f.rank() == 0 {
         let ep = f.endpoint(1).unwrap();
         assert_eq!(ep.transport(), "sm");
-        for (i, s) in SIZES.iter().enumerate() {
-            ep.send(3, pattern(*s, i as u64)).await.unwrap();
-        }
         // Small ones through the allocation-free inline path too.
-        for s in [0usize, 1, 100, 4072] {
-            ep.send_inline(4, &pattern(s, 99)).await.unwrap();
-        }
+        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4072]).await;
     } else {
-        let mut rx = f.receiver(3).unwrap();
-        for (i, s) in SIZES.iter().enumerate() {
-            let m = rx.recv().await.unwrap();
-            assert_eq!((m.src, m.data.len()), (0, *s));
-            assert!(
-                m.data == pattern(*s, i as u64),
-                "content mismatch at size {s}"
-            );
-        }
-        let mut rx4 = f.receiver(4).unwrap();
-        for s in [0usize, 1, 100, 4072] {
-            assert_eq!(rx4.recv().await.unwrap().data, pattern(s, 99));
-        }
+        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4072]).await;
     }
     f.close().await.unwrap();
 }

@@ -122,26 +122,9 @@ const SIZES: [usize; 14] = [
 async fn sizes(f: Fabric) {
     if f.rank() == 0 {
         let ep = f.endpoint(1).unwrap();
-        for (i, s) in SIZES.iter().enumerate() {
-            ep.send(3, pattern(*s, i as u64)).await.unwrap();
-        }
-        for s in [0usize, 1, 100, 4072, 40_000] {
-            ep.send_inline(4, &pattern(s, 99)).await.unwrap();
-        }
+        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4072, 40_000]).await;
     } else {
-        let mut rx = f.receiver(3).unwrap();
-        for (i, s) in SIZES.iter().enumerate() {
-            let m = rx.recv().await.unwrap();
-            assert_eq!((m.src, m.data.len()), (0, *s));
-            assert!(
-                m.data == pattern(*s, i as u64),
-                "content mismatch at size {s}"
-            );
-        }
-        let mut rx4 = f.receiver(4).unwrap();
-        for s in [0usize, 1, 100, 4072, 40_000] {
-            assert_eq!(rx4.recv().await.unwrap().data, pattern(s, 99));
-        }
+        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4072, 40_000]).await;
         let st = f.udp_stats(0).unwrap();
         println!("udp_stats={st}");
     }
@@ -355,24 +338,9 @@ async fn v6sizes(f: Fabric) {
     ];
     if f.rank() == 0 {
         let ep = f.endpoint(1).unwrap();
-        for (i, s) in sizes.iter().enumerate() {
-            ep.send(3, pattern(*s, i as u64)).await.unwrap();
-        }
-        ep.send_inline(4, &pattern(1, 99)).await.unwrap();
-        ep.send_inline(4, &[]).await.unwrap();
+        send_sizes(&ep, 3, &sizes, &[1, 0]).await;
     } else {
-        let mut rx = f.receiver(3).unwrap();
-        for (i, s) in sizes.iter().enumerate() {
-            let m = rx.recv().await.unwrap();
-            assert_eq!((m.src, m.data.len()), (0, *s));
-            assert!(
-                m.data == pattern(*s, i as u64),
-                "content mismatch at size {s}"
-            );
-        }
-        let mut rx4 = f.receiver(4).unwrap();
-        assert_eq!(rx4.recv().await.unwrap().data, pattern(1, 99));
-        assert!(rx4.recv().await.unwrap().data.is_empty());
+        expect_sizes(&f, 0, 3, &sizes, &[1, 0]).await;
         let st = f.udp_stats(0).unwrap();
         println!("udp_stats={st}");
         // At least one datagram per chunk of the multi-datagram ones.

@@ -265,17 +265,21 @@ fn num(out: &std::process::Output, key: &str) -> u64 {
     value(out, key).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// nft rules (for table family `family`) that drop 20% of UDP datagrams
+/// each way.
+fn drop_20_percent(family: &str) -> String {
+    format!(
+        "table {family} abtl {{\n chain in {{\n type filter hook input priority 0;\n \
+         meta l4proto udp numgen random mod 100 < 20 drop;\n }}\n \
+         chain out {{\n type filter hook output priority 0;\n \
+         meta l4proto udp numgen random mod 100 < 20 drop;\n }}\n}}\n"
+    )
+}
+
 #[test]
 fn netns_drop_20_percent() {
     let Some(net) = setup("d") else { return };
-    net.nft(
-        1,
-        "table ip abtl {\n chain in {\n type filter hook input priority 0;\n \
-         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n \
-         chain out {\n type filter hook output priority 0;\n \
-         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n}\n",
-    )
-    .unwrap();
+    net.nft(1, &drop_20_percent("ip")).unwrap();
     // 20% each way: SACK lets the sender repair every hole it learns of
     // in the same round trip, so this run is as long as the others.
     let t = std::time::Instant::now();
@@ -325,14 +329,7 @@ fn netns_v6_drop_20_percent() {
     let Some(net) = report(Net::with_addrs("6", true)) else {
         return;
     };
-    net.nft(
-        1,
-        "table ip6 abtl {\n chain in {\n type filter hook input priority 0;\n \
-         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n \
-         chain out {\n type filter hook output priority 0;\n \
-         meta l4proto udp numgen random mod 100 < 20 drop;\n }\n}\n",
-    )
-    .unwrap();
+    net.nft(1, &drop_20_percent("ip6")).unwrap();
     let t = std::time::Instant::now();
     let outs = net.run(20_000);
     println!("20000 messages over IPv6 in {:?}", t.elapsed());

@@ -174,6 +174,45 @@ pub fn pattern(len: usize, seed: u64) -> bytes::Bytes {
         .into()
 }
 
+/// Send one [`pattern`] message per size on `tag` (seeded by its index),
+/// then each of `inline` through the inline path on `tag + 1` (seed 99).
+pub async fn send_sizes(ep: &async_btl::Endpoint, tag: u64, sizes: &[usize], inline: &[usize]) {
+    for (i, s) in sizes.iter().enumerate() {
+        ep.send(tag, pattern(*s, i as u64)).await.unwrap();
+    }
+    for s in inline {
+        ep.send_inline(tag + 1, &pattern(*s, 99)).await.unwrap();
+    }
+}
+
+/// Receive what [`send_sizes`] sent from `src`, checking every length and
+/// every byte, in order.
+pub async fn expect_sizes(
+    f: &async_btl::Fabric,
+    src: async_btl::Rank,
+    tag: u64,
+    sizes: &[usize],
+    inline: &[usize],
+) {
+    let mut rx = f.receiver(tag).unwrap();
+    for (i, s) in sizes.iter().enumerate() {
+        let m = rx.recv().await.unwrap();
+        assert_eq!((m.src, m.data.len()), (src, *s));
+        assert!(
+            m.data == pattern(*s, i as u64),
+            "content mismatch at size {s}"
+        );
+    }
+    let mut rx = f.receiver(tag + 1).unwrap();
+    for s in inline {
+        let m = rx.recv().await.unwrap();
+        assert!(
+            m.data == pattern(*s, 99),
+            "inline content mismatch at size {s}"
+        );
+    }
+}
+
 /// Rank 0 sends `n` small messages alternating between tags 10 and 11;
 /// rank 1 checks that each tag's messages arrive in send order.
 pub async fn order_check(f: &async_btl::Fabric, n: u64) {
