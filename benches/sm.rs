@@ -5,6 +5,8 @@
 //! - `pingpong_8B`: half a round trip of an 8-byte message;
 //! - `send_1MiB`: a stream of 1 MiB messages (16 in flight), one ack at
 //!   the end; throughput in bytes;
+//! - `software_hop_8B`: one hop of an 8-byte message with both fabrics on
+//!   one thread: our code's own cost, with no cache line crossing cores;
 //! - `put_1MiB`: puts of 1 MiB into a region the peer made with
 //!   `alloc_region` (16 per window, then `flush`); the Unix stream does what
 //!   a put over a socket needs: the bytes, then an ack.
@@ -261,12 +263,49 @@ fn put_bw(c: &mut Criterion) {
     g.finish();
 }
 
+/// The software path of one hop, with no cache line crossing cores: both
+/// fabrics on one current-thread runtime, so each `recv` finds the message
+/// its partner's `send_inline` just wrote and the time is our own code's
+/// (send, progress, dispatch, receive). Steadier than the ping-pong on a
+/// shared VM, and the number to cut for small-message latency: the hop
+/// across cores adds the cache transfers on top of it.
+fn software_hop(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (a, b) = pair(&rt, ProgressMode::Adaptive);
+    let (ea, eb) = (a.endpoint(1).unwrap(), b.endpoint(0).unwrap());
+    let (mut ra, mut rb) = (a.receiver(TAG).unwrap(), b.receiver(TAG).unwrap());
+    let mut g = c.benchmark_group("software_hop_8B");
+    g.bench_function(BenchmarkId::from_parameter("one thread"), |bch| {
+        bch.iter_custom(|iters| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    ea.send_inline(TAG, &[7u8; 8]).await.unwrap();
+                    rb.recv().await.unwrap();
+                    eb.send_inline(TAG, &[7u8; 8]).await.unwrap();
+                    ra.recv().await.unwrap();
+                }
+                // Two hops per iteration.
+                t.elapsed() / 2
+            })
+        })
+    });
+    g.finish();
+    drop((ra, rb));
+    rt.block_on(async {
+        let _ = futures::future::join(a.close(), b.close()).await;
+    });
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(10);
-    targets = pingpong, send_bw, put_bw
+    targets = pingpong, software_hop, send_bw, put_bw
 }
 criterion_main!(benches);

@@ -232,7 +232,8 @@ impl FabricBuilder {
 /// memory, and owns the progress tasks.
 pub struct Fabric {
     core: Arc<Core>,
-    transports: Vec<Arc<dyn Transport>>,
+    /// Shared with the dispatcher's inline-progress hook (weakly).
+    transports: Arc<Vec<Arc<dyn Transport>>>,
     drivers: Vec<JoinHandle<()>>,
     sm: Option<Arc<SmTransport>>,
     udp: Option<Arc<UdpTransport>>,
@@ -377,20 +378,16 @@ impl Fabric {
 
         // Weak: the dispatcher lives in the core, which transports hold; a
         // strong reference here would keep the whole fabric alive forever.
-        let hook_ts: Vec<std::sync::Weak<dyn Transport>> =
-            transports.iter().map(Arc::downgrade).collect();
+        // One weak reference to the whole list: one upgrade per call (an
+        // atomic read-modify-write and its release), not one per transport.
+        let transports = Arc::new(transports);
+        let hook_ts = Arc::downgrade(&transports);
         core.dispatcher.set_progress_hook(Arc::new(move |turns| {
-            // Upgrade once per call, not per turn: these are atomic
-            // read-modify-writes on shared counters, in a spin loop.
-            // (No allocation either: a fabric has at most one transport of
-            // each known kind.)
-            let mut ts: [Option<Arc<dyn Transport>>; 5] = Default::default();
-            const _: () = assert!(crate::transport::KNOWN.len() <= 5);
-            for (slot, w) in ts.iter_mut().zip(&hook_ts) {
-                *slot = w.upgrade();
-            }
+            let Some(ts) = hook_ts.upgrade() else {
+                return 0;
+            };
             for _ in 0..turns {
-                let work: usize = ts.iter().flatten().map(|t| t.progress()).sum();
+                let work: usize = ts.iter().map(|t| t.progress()).sum();
                 if work > 0 {
                     return work;
                 }
@@ -618,7 +615,7 @@ impl Fabric {
         }
         self.core.closing.notify_waiters();
         self.core.dispatcher.close();
-        for t in &self.transports {
+        for t in self.transports.iter() {
             t.shutdown();
         }
         self.core.rma.close();
