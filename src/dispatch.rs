@@ -68,6 +68,77 @@ impl std::hash::Hasher for TagHasher {
 
 type TagMap = HashMap<Tag, TagQueue, std::hash::BuildHasherDefault<TagHasher>>;
 
+/// A receiver running progress inline on this thread (`Receiver::poll_next`):
+/// a message for its tag that finds the tag's queue empty is handed to it
+/// here, under the same lock as a queue push and with the same budget
+/// accounting, instead of being queued and then taken back out under a
+/// second lock. Only while its poll runs progress; a guard takes whatever
+/// is left when the poll ends, even by unwinding.
+struct Inline {
+    /// The dispatcher's address (several fabrics may share a thread).
+    disp: usize,
+    tag: Tag,
+    items: VecDeque<Result<Message>>,
+}
+
+thread_local! {
+    static INLINE: std::cell::RefCell<Option<Inline>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Takes the inline registration back when dropped, returning what it
+/// still holds to the tag's queue (only on unwinding: a normal poll takes
+/// the items itself).
+struct InlineGuard<'a> {
+    disp: &'a Dispatcher,
+    tag: Tag,
+}
+
+impl InlineGuard<'_> {
+    /// Register `disp`'s receiver for `tag` on this thread, unless one is
+    /// registered already (a nested poll: it keeps the first).
+    fn register(disp: &Dispatcher, tag: Tag) -> Option<InlineGuard<'_>> {
+        INLINE
+            .try_with(|c| {
+                let mut c = c.try_borrow_mut().ok()?;
+                if c.is_some() {
+                    return None;
+                }
+                *c = Some(Inline {
+                    disp: disp as *const Dispatcher as usize,
+                    tag,
+                    items: VecDeque::new(),
+                });
+                Some(InlineGuard { disp, tag })
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// What was handed over, ending the registration.
+    fn take(self) -> VecDeque<Result<Message>> {
+        let items = INLINE
+            .try_with(|c| c.try_borrow_mut().ok()?.take())
+            .ok()
+            .flatten()
+            .map(|i| i.items)
+            .unwrap_or_default();
+        std::mem::forget(self);
+        items
+    }
+}
+
+impl Drop for InlineGuard<'_> {
+    fn drop(&mut self) {
+        let left = INLINE
+            .try_with(|c| c.try_borrow_mut().ok()?.take())
+            .ok()
+            .flatten();
+        if let Some(i) = left {
+            self.disp.unpop(self.tag, 0, i.items);
+        }
+    }
+}
+
 /// Per-fabric tag dispatcher.
 pub(crate) struct Dispatcher {
     tags: Mutex<TagMap>,
@@ -298,16 +369,44 @@ impl Dispatcher {
         self.policy.touch();
     }
 
+    /// Queue `msg` on `q` (under `tags`), or hand it to this thread's
+    /// inline receiver of its tag when the queue is empty; returns the
+    /// waker to wake, if any.
+    fn enqueue(&self, q: &mut TagQueue, msg: Message) -> Option<Waker> {
+        q.bytes += cost(msg.data.len());
+        self.add_total(cost(msg.data.len()));
+        let msg = if q.items.is_empty() {
+            let me = self as *const Dispatcher as usize;
+            let handed = INLINE.try_with(|c| {
+                let mut c = c.try_borrow_mut().ok();
+                match c.as_deref_mut() {
+                    Some(Some(i)) if i.disp == me && i.tag == msg.tag => {
+                        i.items.push_back(Ok(msg));
+                        None
+                    }
+                    _ => Some(msg),
+                }
+            });
+            match handed {
+                Ok(None) => return None,
+                Ok(Some(m)) => m,
+                // The thread is exiting: `msg` went down with the closure.
+                Err(_) => return None,
+            }
+        } else {
+            msg
+        };
+        q.items.push_back(Ok(msg));
+        q.queued.store(q.items.len(), Ordering::Relaxed);
+        q.waker.take()
+    }
+
     /// Queue a complete message and wake its receiver.
     pub(crate) fn deliver(&self, msg: Message) {
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
-            q.bytes += cost(msg.data.len());
-            self.add_total(cost(msg.data.len()));
-            q.items.push_back(Ok(msg));
-            q.queued.store(q.items.len(), Ordering::Relaxed);
-            q.waker.take()
+            self.enqueue(q, msg)
         };
         if let Some(w) = w {
             w.wake();
@@ -508,11 +607,8 @@ impl Offers<'_> {
             return false;
         }
         let data = make();
-        q.bytes += cost(data.len());
-        d.add_total(cost(data.len()));
-        q.items.push_back(Ok(Message { src, tag, data }));
-        q.queued.store(q.items.len(), Ordering::Relaxed);
-        self.wake.extend(q.waker.take());
+        let w = d.enqueue(q, Message { src, tag, data });
+        self.wake.extend(w);
         true
     }
 }
@@ -574,7 +670,17 @@ impl Stream for Receiver {
                 Poll::Pending => {}
             }
         }
-        me.disp.progress_inline();
+        // Messages for our tag that our own progress finds come straight
+        // to us (see `Inline`), without a second trip through the queue.
+        let handed = {
+            let guard = InlineGuard::register(&me.disp, me.tag);
+            me.disp.progress_inline();
+            guard.map(InlineGuard::take)
+        };
+        if let Some(items) = handed.filter(|i| !i.is_empty()) {
+            me.local = items;
+            return Poll::Ready(me.next_local());
+        }
         match me
             .disp
             .refill(me.tag, &mut me.handed, &mut me.local, Some(cx))
@@ -635,6 +741,85 @@ mod tests {
 
     fn queued(d: &Dispatcher, tag: Tag) -> usize {
         lock(&d.tags).get(&tag).map_or(0, |q| q.bytes)
+    }
+
+    /// Messages our own inline progress finds go straight to the polling
+    /// receiver, in order and counted against the budgets like queued
+    /// ones; messages for another tag, or arriving behind queued ones,
+    /// take the queue.
+    #[tokio::test]
+    async fn inline_progress_hands_messages_straight_to_the_receiver() {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        let weak = Arc::downgrade(&d);
+        let round = Arc::new(std::sync::atomic::AtomicU8::new(0));
+        let r = round.clone();
+        d.set_progress_hook(Arc::new(move |_| {
+            let Some(d) = weak.upgrade() else { return 0 };
+            let k = r.fetch_add(1, Ordering::Relaxed);
+            if k > 0 {
+                return 0;
+            }
+            d.offers(|o| {
+                for i in 0..3u8 {
+                    assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));
+                }
+                assert!(o.offer(0, 2, 10, || Bytes::from(vec![9; 10])));
+                // Tag 1's never entered its queue; tag 2's did.
+                assert_eq!(o.tags.get(&1).map(|q| q.items.len()), Some(0));
+                assert_eq!(o.tags.get(&2).map(|q| q.items.len()), Some(1));
+            });
+            4
+        }));
+        for i in 0..3u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+        }
+        // Tag 1's went to the receiver, never through its queue; tag 2's
+        // was queued. All count against the budgets until settled.
+        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(0));
+        assert_eq!(lock(&d.tags).get(&2).map(|q| q.items.len()), Some(1));
+        assert_eq!(queued(&d, 1), 3 * cost(10));
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(queued(&d, 1), 0);
+        assert_eq!(d.total.load(Ordering::Relaxed), cost(10));
+    }
+
+    /// A progress call that unwinds leaves nothing behind: what it handed
+    /// over goes back to the queue, in order, for the next poll.
+    #[tokio::test]
+    async fn inline_hand_off_survives_a_panicking_progress_call() {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        let weak = Arc::downgrade(&d);
+        let round = Arc::new(std::sync::atomic::AtomicU8::new(0));
+        let r = round.clone();
+        d.set_progress_hook(Arc::new(move |_| {
+            let Some(d) = weak.upgrade() else { return 0 };
+            if r.fetch_add(1, Ordering::Relaxed) > 0 {
+                return 0;
+            }
+            d.offers(|o| {
+                for i in 0..2u8 {
+                    assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));
+                }
+            });
+            panic!("progress failed after handing over two messages");
+        }));
+        let poll = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            futures::executor::block_on(futures::future::poll_fn(|cx| {
+                std::pin::Pin::new(&mut rx).poll_next(cx).map(|_| ())
+            }))
+        }));
+        assert!(poll.is_err());
+        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(2));
+        for i in 0..2u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+        }
+        // The thread's registration is gone: a later offer is queued.
+        d.deliver(msg(7, 10));
+        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(1));
     }
 
     /// A receiver takes messages in batches, but they count against the

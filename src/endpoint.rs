@@ -75,10 +75,13 @@ impl Endpoint {
     /// the bytes are copied straight into shared memory with no allocation
     /// (the inline path for small messages); otherwise they are copied once
     /// into an owned buffer and queued.
-    pub fn send_inline<'a>(&self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
+    ///
+    /// The future borrows the endpoint as it borrows `data` (no reference
+    /// count to take and drop per message).
+    pub fn send_inline<'a>(&'a self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
         Counters::bump(&self.0.core.counters.sends);
         SendInline {
-            ep: self.0.clone(),
+            ep: &self.0,
             tag,
             data,
             queued: None,
@@ -271,7 +274,7 @@ impl Future for Send {
 /// and queued; they are delivered even if the future is dropped.
 #[must_use = "futures do nothing unless polled"]
 pub struct SendInline<'a> {
-    ep: Arc<Inner>,
+    ep: &'a Inner,
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
