@@ -94,27 +94,40 @@ struct InlineGuard<'a> {
 }
 
 impl InlineGuard<'_> {
-    /// Register `disp`'s receiver for `tag` on this thread, unless one is
-    /// registered already (a nested poll: it keeps the first).
-    fn register(disp: &Dispatcher, tag: Tag) -> Option<InlineGuard<'_>> {
-        INLINE
+    /// Register `disp`'s receiver for `tag` on this thread, with `buf` (the
+    /// receiver's empty local queue, reused so that no hand-off allocates)
+    /// to collect what is handed over; unless one is registered already (a
+    /// nested poll keeps the first): then `buf` comes back.
+    fn register(
+        disp: &Dispatcher,
+        tag: Tag,
+        buf: VecDeque<Result<Message>>,
+    ) -> Result<InlineGuard<'_>, VecDeque<Result<Message>>> {
+        let mut buf = Some(buf);
+        let ok = INLINE
             .try_with(|c| {
-                let mut c = c.try_borrow_mut().ok()?;
+                let Ok(mut c) = c.try_borrow_mut() else {
+                    return false;
+                };
                 if c.is_some() {
-                    return None;
+                    return false;
                 }
                 *c = Some(Inline {
                     disp: disp as *const Dispatcher as usize,
                     tag,
-                    items: VecDeque::new(),
+                    items: buf.take().unwrap_or_default(),
                 });
-                Some(InlineGuard { disp, tag })
+                true
             })
-            .ok()
-            .flatten()
+            .unwrap_or(false);
+        match buf {
+            Some(b) if !ok => Err(b),
+            _ => Ok(InlineGuard { disp, tag }),
+        }
     }
 
-    /// What was handed over, ending the registration.
+    /// What was handed over (in the buffer given to `register`), ending
+    /// the registration.
     fn take(self) -> VecDeque<Result<Message>> {
         let items = INLINE
             .try_with(|c| c.try_borrow_mut().ok()?.take())
@@ -672,13 +685,21 @@ impl Stream for Receiver {
         }
         // Messages for our tag that our own progress finds come straight
         // to us (see `Inline`), without a second trip through the queue.
-        let handed = {
-            let guard = InlineGuard::register(&me.disp, me.tag);
-            me.disp.progress_inline();
-            guard.map(InlineGuard::take)
+        // (`local` is empty here: it was drained above.)
+        me.local = {
+            let buf = std::mem::take(&mut me.local);
+            match InlineGuard::register(&me.disp, me.tag, buf) {
+                Ok(guard) => {
+                    me.disp.progress_inline();
+                    guard.take()
+                }
+                Err(buf) => {
+                    me.disp.progress_inline();
+                    buf
+                }
+            }
         };
-        if let Some(items) = handed.filter(|i| !i.is_empty()) {
-            me.local = items;
+        if !me.local.is_empty() {
             return Poll::Ready(me.next_local());
         }
         match me
