@@ -79,6 +79,10 @@ struct Inline {
     disp: usize,
     tag: Tag,
     items: VecDeque<Result<Message>>,
+    /// The receiver's `handed` bytes: given back to the budgets by the
+    /// first hand-off (under the lock it holds anyway), since a receiver
+    /// fed this way may never reach a refill while it stays hot.
+    handed: usize,
 }
 
 thread_local! {
@@ -102,6 +106,7 @@ impl InlineGuard<'_> {
         disp: &Dispatcher,
         tag: Tag,
         buf: VecDeque<Result<Message>>,
+        handed: usize,
     ) -> Result<InlineGuard<'_>, VecDeque<Result<Message>>> {
         let mut buf = Some(buf);
         let ok = INLINE
@@ -116,6 +121,7 @@ impl InlineGuard<'_> {
                     disp: disp as *const Dispatcher as usize,
                     tag,
                     items: buf.take().unwrap_or_default(),
+                    handed,
                 });
                 true
             })
@@ -126,17 +132,22 @@ impl InlineGuard<'_> {
         }
     }
 
-    /// What was handed over (in the buffer given to `register`), ending
-    /// the registration.
-    fn take(self) -> VecDeque<Result<Message>> {
-        let items = INLINE
+    /// What was handed over (in the buffer given to `register`), and the
+    /// handed bytes no hand-off gave back, ending the registration. (If
+    /// the thread-local cannot be reached, which no caller allows, the
+    /// guard's drop puts everything back in the queue instead.)
+    fn take(self) -> (VecDeque<Result<Message>>, usize) {
+        let inline = INLINE
             .try_with(|c| c.try_borrow_mut().ok()?.take())
             .ok()
-            .flatten()
-            .map(|i| i.items)
-            .unwrap_or_default();
-        std::mem::forget(self);
-        items
+            .flatten();
+        match inline {
+            Some(i) => {
+                std::mem::forget(self);
+                (i.items, i.handed)
+            }
+            None => (VecDeque::new(), 0),
+        }
     }
 }
 
@@ -147,7 +158,7 @@ impl Drop for InlineGuard<'_> {
             .ok()
             .flatten();
         if let Some(i) = left {
-            self.disp.unpop(self.tag, 0, i.items);
+            self.disp.unpop(self.tag, i.handed, i.items);
         }
     }
 }
@@ -298,6 +309,8 @@ impl Dispatcher {
         // (a clock read was about 8% of a hop's software path).
         if h(1) > 0 {
             self.policy.touch();
+            // No fresh time for `stay_hot`: it reads the clock if needed.
+            self.policy.polled.store(0, Ordering::Relaxed);
             return true;
         }
         let now = self.policy.poll_now();
@@ -316,7 +329,11 @@ impl Dispatcher {
         let p = &self.policy;
         // The clock as this poll's inline progress read it (a microsecond
         // old at most).
-        let now = p.polled.load(Ordering::Relaxed);
+        // (Zero: the poll found work on its first turn and read no clock.)
+        let now = match p.polled.load(Ordering::Relaxed) {
+            0 => p.poll_now(),
+            now => now,
+        };
         if p.is_hot(now) {
             p.inline.store(now, Ordering::Relaxed);
             if p.spinning_idle(now) {
@@ -388,27 +405,27 @@ impl Dispatcher {
     fn enqueue(&self, q: &mut TagQueue, msg: Message) -> Option<Waker> {
         q.bytes += cost(msg.data.len());
         self.add_total(cost(msg.data.len()));
-        let msg = if q.items.is_empty() {
+        let mut slot = Some(msg);
+        if q.items.is_empty() {
             let me = self as *const Dispatcher as usize;
-            let handed = INLINE.try_with(|c| {
-                let mut c = c.try_borrow_mut().ok();
-                match c.as_deref_mut() {
-                    Some(Some(i)) if i.disp == me && i.tag == msg.tag => {
-                        i.items.push_back(Ok(msg));
-                        None
-                    }
-                    _ => Some(msg),
-                }
-            });
-            match handed {
-                Ok(None) => return None,
-                Ok(Some(m)) => m,
-                // The thread is exiting: `msg` went down with the closure.
-                Err(_) => return None,
+            // The handed bytes of the receiver this message went to, if it
+            // went to one (anything that fails here leaves it queued).
+            let handed = INLINE
+                .try_with(|c| {
+                    let mut c = c.try_borrow_mut().ok()?;
+                    let i = c.as_mut()?;
+                    let m = slot.take_if(|m| i.disp == me && i.tag == m.tag)?;
+                    i.items.push_back(Ok(m));
+                    Some(std::mem::take(&mut i.handed))
+                })
+                .ok()
+                .flatten();
+            if let Some(h) = handed {
+                self.give_back_budget(q, h);
+                return None;
             }
-        } else {
-            msg
-        };
+        }
+        let msg = slot?;
         q.items.push_back(Ok(msg));
         q.queued.store(q.items.len(), Ordering::Relaxed);
         q.waker.take()
@@ -686,16 +703,17 @@ impl Stream for Receiver {
         // Messages for our tag that our own progress finds come straight
         // to us (see `Inline`), without a second trip through the queue.
         // (`local` is empty here: it was drained above.)
-        me.local = {
+        (me.local, me.handed) = {
             let buf = std::mem::take(&mut me.local);
-            match InlineGuard::register(&me.disp, me.tag, buf) {
+            let handed = std::mem::take(&mut me.handed);
+            match InlineGuard::register(&me.disp, me.tag, buf, handed) {
                 Ok(guard) => {
                     me.disp.progress_inline();
                     guard.take()
                 }
                 Err(buf) => {
                     me.disp.progress_inline();
-                    buf
+                    (buf, handed)
                 }
             }
         };
@@ -804,6 +822,28 @@ mod tests {
         assert!(futures::poll!(rx.next()).is_pending());
         assert_eq!(queued(&d, 1), 0);
         assert_eq!(d.total.load(Ordering::Relaxed), cost(10));
+    }
+
+    /// A receiver fed only by hand-offs (it never reaches a refill while it
+    /// stays hot) still gives the bytes it handed out back to the budgets:
+    /// the next hand-off does it.
+    #[tokio::test]
+    async fn hand_offs_keep_the_budget_flat() {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        let weak = Arc::downgrade(&d);
+        d.set_progress_hook(Arc::new(move |_| {
+            let Some(d) = weak.upgrade() else { return 0 };
+            d.offers(|o| assert!(o.offer(0, 1, 10, || Bytes::from(vec![1; 10]))));
+            1
+        }));
+        for _ in 0..1000 {
+            rx.next().await.unwrap().unwrap();
+            // The message just handed out, and at most the one before it.
+            assert!(queued(&d, 1) <= 2 * cost(10), "{}", queued(&d, 1));
+            assert!(d.total.load(Ordering::Relaxed) <= 2 * cost(10));
+        }
     }
 
     /// A progress call that unwinds leaves nothing behind: what it handed
