@@ -782,24 +782,40 @@ mod tests {
         lock(&d.tags).get(&tag).map_or(0, |q| q.bytes)
     }
 
+    /// A dispatcher, a receiver for tag 1, and a progress hook that runs
+    /// `each` (with the dispatcher) on every inline progress call.
+    fn hooked(
+        each: impl Fn(&Dispatcher) -> usize + Send + Sync + 'static,
+    ) -> (Arc<Dispatcher>, Receiver) {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let rx = d.take(1, closed).unwrap();
+        let weak = Arc::downgrade(&d);
+        d.set_progress_hook(Arc::new(move |_| weak.upgrade().map_or(0, |d| each(&d))));
+        (d, rx)
+    }
+
+    /// `each`, on the first call only.
+    fn once(
+        each: impl Fn(&Dispatcher) -> usize + Send + Sync + 'static,
+    ) -> impl Fn(&Dispatcher) -> usize + Send + Sync + 'static {
+        let done = std::sync::atomic::AtomicBool::new(false);
+        move |d| {
+            if done.swap(true, Ordering::Relaxed) {
+                0
+            } else {
+                each(d)
+            }
+        }
+    }
+
     /// Messages our own inline progress finds go straight to the polling
     /// receiver, in order and counted against the budgets like queued
     /// ones; messages for another tag, or arriving behind queued ones,
     /// take the queue.
     #[tokio::test]
     async fn inline_progress_hands_messages_straight_to_the_receiver() {
-        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
-        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut rx = d.take(1, closed).unwrap();
-        let weak = Arc::downgrade(&d);
-        let round = Arc::new(std::sync::atomic::AtomicU8::new(0));
-        let r = round.clone();
-        d.set_progress_hook(Arc::new(move |_| {
-            let Some(d) = weak.upgrade() else { return 0 };
-            let k = r.fetch_add(1, Ordering::Relaxed);
-            if k > 0 {
-                return 0;
-            }
+        let (d, mut rx) = hooked(once(|d| {
             d.offers(|o| {
                 for i in 0..3u8 {
                     assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));
@@ -829,15 +845,10 @@ mod tests {
     /// the next hand-off does it.
     #[tokio::test]
     async fn hand_offs_keep_the_budget_flat() {
-        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
-        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut rx = d.take(1, closed).unwrap();
-        let weak = Arc::downgrade(&d);
-        d.set_progress_hook(Arc::new(move |_| {
-            let Some(d) = weak.upgrade() else { return 0 };
+        let (d, mut rx) = hooked(|d| {
             d.offers(|o| assert!(o.offer(0, 1, 10, || Bytes::from(vec![1; 10]))));
             1
-        }));
+        });
         for _ in 0..1000 {
             rx.next().await.unwrap().unwrap();
             // The message just handed out, and at most the one before it.
@@ -850,17 +861,7 @@ mod tests {
     /// over goes back to the queue, in order, for the next poll.
     #[tokio::test]
     async fn inline_hand_off_survives_a_panicking_progress_call() {
-        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
-        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut rx = d.take(1, closed).unwrap();
-        let weak = Arc::downgrade(&d);
-        let round = Arc::new(std::sync::atomic::AtomicU8::new(0));
-        let r = round.clone();
-        d.set_progress_hook(Arc::new(move |_| {
-            let Some(d) = weak.upgrade() else { return 0 };
-            if r.fetch_add(1, Ordering::Relaxed) > 0 {
-                return 0;
-            }
+        let (d, mut rx) = hooked(once(|d| {
             d.offers(|o| {
                 for i in 0..2u8 {
                     assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));

@@ -103,10 +103,17 @@ const REQ_HEADER: usize = 16 + 8;
 /// Start of the refusal text that makes the initiator fall back to messages.
 const CMA_REFUSED: &str = "single-copy transfers are refused";
 
+/// A request's header: the key id, then the offset (little-endian).
+fn req_header(key: &KeyId, offset: u64) -> [u8; REQ_HEADER] {
+    let mut h = [0u8; REQ_HEADER];
+    h[..16].copy_from_slice(key);
+    h[16..].copy_from_slice(&offset.to_le_bytes());
+    h
+}
+
 fn encode_req(key: &KeyId, offset: u64, extra: usize) -> BytesMut {
     let mut b = BytesMut::with_capacity(REQ_HEADER + extra);
-    b.put_slice(key);
-    b.put_u64_le(offset);
+    b.put_slice(&req_header(key, offset));
     b
 }
 
@@ -196,8 +203,7 @@ impl Rma {
     ) {
         let id = self.register(link.peer(), Pending::Put { cma: None }, done);
         let mut req = self.buffers.take(REQ_HEADER + len);
-        req.extend_from_slice(key);
-        req.extend_from_slice(&offset.to_le_bytes());
+        req.extend_from_slice(&req_header(key, offset));
         let body = src
             .read_into(src_off, len, &mut req)
             .map(|()| self.buffers.freeze(req))

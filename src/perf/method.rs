@@ -156,17 +156,14 @@ pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan)
     let mut clock = Clock::new(plan);
     for i in 0..plan.warmup + plan.iters {
         clock.tick(i);
-        match (test.windowed(), put) {
-            (true, true) => {
-                window(plan.window, || ep.put(local, 0..size, key, 0)).await?;
-                ep.flush().await?;
-            }
-            (true, false) => {
-                window(plan.window, || ep.get(local, 0..size, key, 0)).await?;
-                ep.flush().await?;
-            }
-            (false, true) => ep.put(local, 0..size, key, 0).await?,
-            (false, false) => ep.get(local, 0..size, key, 0).await?,
+        let n = if test.windowed() { plan.window } else { 1 };
+        if put {
+            window(n, || ep.put(local, 0..size, key, 0)).await?;
+        } else {
+            window(n, || ep.get(local, 0..size, key, 0)).await?;
+        }
+        if test.windowed() {
+            ep.flush().await?;
         }
     }
     Ok(value(test, size, plan, clock.elapsed()))

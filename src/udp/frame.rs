@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::bufpool::{BufPool, POOL_MIN};
+use crate::bufpool::BufPool;
 
 use crate::transport::Kind;
 
@@ -37,12 +37,8 @@ pub(crate) const SPLIT_MIN: usize = 64 * 1024;
 /// payload in the next class: a 16 KiB send holds a 32 KiB buffer until it
 /// is acknowledged (at most twice the send window's bytes in all).
 pub(crate) fn one_part(pool: &Arc<BufPool>, kind: Kind, tag: u64, data: &[u8]) -> Bytes {
-    let n = PREFIX + data.len();
-    let mut b = if n >= POOL_MIN {
-        pool.take(n)
-    } else {
-        Vec::with_capacity(n)
-    };
+    // (Below `POOL_MIN` the pool hands out a plain exact-size `Vec`.)
+    let mut b = pool.take(PREFIX + data.len());
     b.push(kind as u8);
     b.extend_from_slice(&tag.to_le_bytes());
     b.extend_from_slice(data);
@@ -122,6 +118,7 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bufpool::POOL_MIN;
     use proptest::prelude::*;
 
     fn kinds() -> impl Strategy<Value = Kind> {
