@@ -9,7 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -70,20 +70,49 @@ type TagMap = HashMap<Tag, TagQueue, std::hash::BuildHasherDefault<TagHasher>>;
 
 /// A receiver running progress inline on this thread (`Receiver::poll_next`):
 /// a message for its tag that finds the tag's queue empty is handed to it
-/// here, under the same lock as a queue push and with the same budget
-/// accounting, instead of being queued and then taken back out under a
-/// second lock. Only while its poll runs progress; a guard takes whatever
-/// is left when the poll ends, even by unwinding.
+/// here instead of being queued and then taken back out under a second
+/// lock. Only while its poll runs progress; a guard takes whatever is left
+/// when the poll ends, even by unwinding.
+///
+/// Without the tag lock ([`Dispatcher::hand_off`]): the registration
+/// carries the queue's length word, and a transport hands over only under
+/// the lock it delivered the pair's earlier messages under, so a zero read
+/// there means nothing of that pair waits in the queue and order holds.
+/// Handed messages are not charged to the queue's budgets (that needs the
+/// lock); instead one registration takes at most one tag budget's worth
+/// (`bytes`), so memory stays bounded as for a queue.
 struct Inline {
     /// The dispatcher's address (several fabrics may share a thread).
     disp: usize,
     tag: Tag,
+    /// The tag queue's length word (see `TagQueue::queued`), lent by the
+    /// receiver for the registration.
+    queued: Arc<AtomicUsize>,
     items: VecDeque<Result<Message>>,
+    /// What the items handed over cost (never charged to the budgets).
+    bytes: usize,
     /// The receiver's `handed` bytes: given back to the budgets by the
-    /// first hand-off (under the lock it holds anyway), since a receiver
-    /// fed this way may never reach a refill while it stays hot.
+    /// first hand-off that takes the lock anyway, since a receiver fed
+    /// this way may never reach a refill while it stays hot.
     handed: usize,
 }
+
+impl Inline {
+    /// Whether a message of `len` bytes for `tag` of dispatcher `disp` may
+    /// be handed over now (`empty`: its queue holds nothing).
+    fn takes(&self, disp: usize, tag: Tag, len: usize, budget: usize, empty: bool) -> bool {
+        self.disp == disp
+            && self.tag == tag
+            && empty
+            && (self.bytes == 0 || self.bytes.saturating_add(cost(len)) <= budget)
+    }
+}
+
+/// Polls progress on every transport of a fabric, up to the given number of
+/// turns, until one does work; returns the work done. The fabric owns it;
+/// the dispatcher holds it weakly, and a receiver keeps the one it upgraded
+/// while its fabric is open (one upgrade per receiver, not one per poll).
+pub(crate) type Poller = Arc<dyn Fn(usize) -> usize + Send + Sync>;
 
 thread_local! {
     static INLINE: std::cell::RefCell<Option<Inline>> = const { std::cell::RefCell::new(None) };
@@ -105,10 +134,11 @@ impl InlineGuard<'_> {
     fn register(
         disp: &Dispatcher,
         tag: Tag,
+        queued: Arc<AtomicUsize>,
         buf: VecDeque<Result<Message>>,
         handed: usize,
-    ) -> Result<InlineGuard<'_>, VecDeque<Result<Message>>> {
-        let mut buf = Some(buf);
+    ) -> Result<InlineGuard<'_>, (Arc<AtomicUsize>, VecDeque<Result<Message>>)> {
+        let mut buf = Some((queued, buf));
         let ok = INLINE
             .try_with(|c| {
                 let Ok(mut c) = c.try_borrow_mut() else {
@@ -117,10 +147,15 @@ impl InlineGuard<'_> {
                 if c.is_some() {
                     return false;
                 }
+                let Some((queued, items)) = buf.take() else {
+                    return false;
+                };
                 *c = Some(Inline {
                     disp: disp as *const Dispatcher as usize,
                     tag,
-                    items: buf.take().unwrap_or_default(),
+                    queued,
+                    items,
+                    bytes: 0,
                     handed,
                 });
                 true
@@ -132,22 +167,21 @@ impl InlineGuard<'_> {
         }
     }
 
-    /// What was handed over (in the buffer given to `register`), and the
-    /// handed bytes no hand-off gave back, ending the registration. (If
-    /// the thread-local cannot be reached, which no caller allows, the
-    /// guard's drop puts everything back in the queue instead.)
-    fn take(self) -> (VecDeque<Result<Message>>, usize) {
+    /// The registration's end: the length word lent to `register`, what
+    /// was handed over (in the buffer given to `register`; none of it
+    /// charged to the budgets), and the handed bytes no hand-off gave
+    /// back. `None` only if the thread-local cannot be reached, which no
+    /// caller allows (the guard's drop then puts everything back in the
+    /// queue).
+    fn take(self) -> Option<Inline> {
         let inline = INLINE
             .try_with(|c| c.try_borrow_mut().ok()?.take())
             .ok()
             .flatten();
-        match inline {
-            Some(i) => {
-                std::mem::forget(self);
-                (i.items, i.handed)
-            }
-            None => (VecDeque::new(), 0),
+        if inline.is_some() {
+            std::mem::forget(self);
         }
+        inline
     }
 }
 
@@ -158,7 +192,8 @@ impl Drop for InlineGuard<'_> {
             .ok()
             .flatten();
         if let Some(i) = left {
-            self.disp.unpop(self.tag, i.handed, i.items);
+            let n = i.items.len();
+            self.disp.unpop(self.tag, i.handed, i.items, n);
         }
     }
 }
@@ -179,9 +214,9 @@ pub(crate) struct Dispatcher {
     /// Signalled when a future stops polling inline (traffic went cold), so a
     /// progress task that stood back takes over at once.
     pub(crate) cold: Arc<Notify>,
-    /// Set by a receiver poll that found nothing: try progress inline.
-    /// Polls progress up to the given number of turns, until one does work.
-    progress_hook: OnceLock<Arc<dyn Fn(usize) -> usize + Send + Sync>>,
+    /// Set by a receiver poll that found nothing: try progress inline
+    /// (see [`Poller`]).
+    progress_hook: OnceLock<Weak<dyn Fn(usize) -> usize + Send + Sync>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
     /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
     policy: Hot,
@@ -288,9 +323,15 @@ impl Dispatcher {
         })
     }
 
-    /// Install the function receivers call to make progress inline.
-    pub(crate) fn set_progress_hook(&self, f: Arc<dyn Fn(usize) -> usize + Send + Sync>) {
-        let _ = self.progress_hook.set(f);
+    /// Install the function receivers call to make progress inline (held
+    /// weakly: the caller keeps it alive).
+    pub(crate) fn set_progress_hook(&self, f: &Poller) {
+        let _ = self.progress_hook.set(Arc::downgrade(f));
+    }
+
+    /// The progress poller, if its fabric still has it.
+    fn poller(&self) -> Option<Poller> {
+        self.progress_hook.get()?.upgrade()
     }
 
     /// Run progress inline for a future that found nothing to return: the
@@ -301,7 +342,17 @@ impl Dispatcher {
     /// While hot it polls a few times in a row before giving up: each trip
     /// through the runtime's scheduler costs more than a progress poll.
     pub(crate) fn progress_inline(&self) -> bool {
-        let Some(h) = self.progress_hook.get() else {
+        let mut p = None;
+        self.progress_inline_with(&mut p)
+    }
+
+    /// [`progress_inline`](Self::progress_inline) with the poller kept in
+    /// `cache` (upgraded there on first use).
+    fn progress_inline_with(&self, cache: &mut Option<Poller>) -> bool {
+        if cache.is_none() {
+            *cache = self.poller();
+        }
+        let Some(h) = cache.as_deref() else {
             return false;
         };
         // One turn first, without the clock: a receiver whose message is
@@ -378,6 +429,9 @@ impl Dispatcher {
 
     /// Whether a message of `len` bytes for `tag` may be accepted now.
     pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
+        if self.would_hand_off(tag, len) {
+            return true;
+        }
         let mut tags = lock(&self.tags);
         // No entry is made for a tag only asked about: a peer naming many
         // tags must not grow the table.
@@ -399,40 +453,104 @@ impl Dispatcher {
         self.policy.touch();
     }
 
+    /// Whether [`hand_off`](Self::hand_off) would take a message of `len`
+    /// bytes for `tag` now (then it needs no room in the queue).
+    fn would_hand_off(&self, tag: Tag, len: usize) -> bool {
+        let me = self as *const Dispatcher as usize;
+        INLINE
+            .try_with(|c| {
+                let c = c.try_borrow().ok()?;
+                let i = c.as_ref()?;
+                let empty = i.queued.load(Ordering::Relaxed) == 0;
+                Some(i.takes(me, tag, len, self.budget, empty))
+            })
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    }
+
+    /// Hand the message `make` builds (`len` bytes from `src` on `tag`) to
+    /// this thread's inline receiver of its tag if that one takes it (see
+    /// [`Inline`]); else give `make` back, not called.
+    ///
+    /// Without `locked`, no lock is taken and the registration's length
+    /// word says whether the queue is empty. The caller must then deliver
+    /// after the same pair's earlier deliveries in the happens-before sense
+    /// (transports deliver a pair's messages under one receive lock; the
+    /// self link on the sending thread), so that the word is current for
+    /// this pair and order holds.
+    ///
+    /// With `locked`, the caller holds `tags` and saw the queue empty; the
+    /// receiver's `handed` bytes are then taken out and returned, for the
+    /// caller to give back to the budgets.
+    fn hand_over<F: FnOnce() -> Bytes>(
+        &self,
+        (src, tag, len): (Rank, Tag, usize),
+        locked: bool,
+        make: F,
+    ) -> std::result::Result<usize, F> {
+        let me = self as *const Dispatcher as usize;
+        let mut make = Some(make);
+        let handed = INLINE
+            .try_with(|c| {
+                let mut c = c.try_borrow_mut().ok()?;
+                let i = c.as_mut()?;
+                let empty = locked || i.queued.load(Ordering::Relaxed) == 0;
+                if !i.takes(me, tag, len, self.budget, empty) {
+                    return None;
+                }
+                let data = make.take()?();
+                i.bytes = i.bytes.saturating_add(cost(len));
+                i.items.push_back(Ok(Message { src, tag, data }));
+                Some(if locked {
+                    std::mem::take(&mut i.handed)
+                } else {
+                    0
+                })
+            })
+            .ok()
+            .flatten();
+        match make {
+            None => Ok(handed.unwrap_or(0)),
+            Some(f) => Err(f),
+        }
+    }
+
     /// Queue `msg` on `q` (under `tags`), or hand it to this thread's
     /// inline receiver of its tag when the queue is empty; returns the
     /// waker to wake, if any.
     fn enqueue(&self, q: &mut TagQueue, msg: Message) -> Option<Waker> {
+        let Message { src, tag, data } = msg;
+        let data = if q.items.is_empty() {
+            match self.hand_over((src, tag, data.len()), true, move || data) {
+                Ok(handed) => {
+                    self.give_back_budget(q, handed);
+                    return None;
+                }
+                Err(data) => data(),
+            }
+        } else {
+            data
+        };
+        let msg = Message { src, tag, data };
         q.bytes += cost(msg.data.len());
         self.add_total(cost(msg.data.len()));
-        let mut slot = Some(msg);
-        if q.items.is_empty() {
-            let me = self as *const Dispatcher as usize;
-            // The handed bytes of the receiver this message went to, if it
-            // went to one (anything that fails here leaves it queued).
-            let handed = INLINE
-                .try_with(|c| {
-                    let mut c = c.try_borrow_mut().ok()?;
-                    let i = c.as_mut()?;
-                    let m = slot.take_if(|m| i.disp == me && i.tag == m.tag)?;
-                    i.items.push_back(Ok(m));
-                    Some(std::mem::take(&mut i.handed))
-                })
-                .ok()
-                .flatten();
-            if let Some(h) = handed {
-                self.give_back_budget(q, h);
-                return None;
-            }
-        }
-        let msg = slot?;
         q.items.push_back(Ok(msg));
         q.queued.store(q.items.len(), Ordering::Relaxed);
         q.waker.take()
     }
 
     /// Queue a complete message and wake its receiver.
+    ///
+    /// The caller delivers after the same pair's earlier deliveries in the
+    /// happens-before sense (see [`hand_over`](Self::hand_over)).
     pub(crate) fn deliver(&self, msg: Message) {
+        let Message { src, tag, data } = msg;
+        let data = match self.hand_over((src, tag, data.len()), false, move || data) {
+            Ok(_) => return,
+            Err(data) => data(),
+        };
+        let msg = Message { src, tag, data };
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
@@ -450,7 +568,7 @@ impl Dispatcher {
     pub(crate) fn offers<R>(&self, f: impl FnOnce(&mut Offers<'_>) -> R) -> R {
         let mut o = Offers {
             disp: self,
-            tags: lock(&self.tags),
+            tags: None,
             wake: Vec::new(),
         };
         let r = f(&mut o);
@@ -517,8 +635,10 @@ impl Dispatcher {
             disp: self.clone(),
             tag,
             closed,
-            queued: q.queued.clone(),
+            queued: Some(q.queued.clone()),
             local: VecDeque::new(),
+            free: 0,
+            poller: None,
             handed: 0,
         })
     }
@@ -586,12 +706,21 @@ impl Dispatcher {
     }
 
     /// Put back the items a receiver moved out but did not hand out (it is
-    /// dropped), in front and in order, and take `handed` bytes off.
-    fn unpop(&self, tag: Tag, handed: usize, back: VecDeque<Result<Message>>) {
+    /// dropped), in front and in order, and take `handed` bytes off. The
+    /// first `uncharged` of them were handed over inline and are charged
+    /// to the budgets now, like any queued message.
+    fn unpop(&self, tag: Tag, handed: usize, back: VecDeque<Result<Message>>, uncharged: usize) {
         let mut tags = lock(&self.tags);
         if let Some(q) = tags.get_mut(&tag) {
             q.bytes = q.bytes.saturating_sub(handed);
             self.sub_total(handed);
+            let charge: usize = back
+                .iter()
+                .take(uncharged)
+                .map(|m| m.as_ref().map_or(0, |m| cost(m.data.len())))
+                .sum();
+            q.bytes = q.bytes.saturating_add(charge);
+            self.add_total(charge);
             for item in back.into_iter().rev() {
                 q.items.push_front(item);
             }
@@ -611,17 +740,20 @@ impl Dispatcher {
     }
 }
 
-/// A run of offers under one lock of the tag table ([`Dispatcher::offers`]).
+/// A run of offers under one lock of the tag table ([`Dispatcher::offers`]),
+/// taken at the first offer that is not handed over inline (none, when all
+/// are: see [`Inline`]).
 pub(crate) struct Offers<'a> {
     disp: &'a Dispatcher,
-    tags: std::sync::MutexGuard<'a, TagMap>,
+    tags: Option<std::sync::MutexGuard<'a, TagMap>>,
     wake: Vec<Waker>,
 }
 
 impl Offers<'_> {
     /// [`Dispatcher::has_room`] and [`Dispatcher::deliver`] in one: if a
     /// message of `len` bytes for `tag` may be accepted, `make` builds it
-    /// and it is queued. Returns whether it was.
+    /// and it is queued or handed over. Returns whether it was. The caller
+    /// delivers as [`Dispatcher::deliver`] requires.
     pub(crate) fn offer(
         &mut self,
         src: Rank,
@@ -630,7 +762,16 @@ impl Offers<'_> {
         make: impl FnOnce() -> Bytes,
     ) -> bool {
         let d = self.disp;
-        let q = self.tags.entry(tag).or_default();
+        // The caller holds its receive lock (see `Dispatcher::hand_over`).
+        let make = match d.hand_over((src, tag, len), false, make) {
+            Ok(_) => return true,
+            Err(make) => make,
+        };
+        let q = self
+            .tags
+            .get_or_insert_with(|| lock(&d.tags))
+            .entry(tag)
+            .or_default();
         let (tag_ok, all_ok) = d.room(q.bytes, len);
         if !(tag_ok && all_ok) {
             d.refuse(q, tag_ok);
@@ -655,10 +796,18 @@ pub struct Receiver {
     tag: Tag,
     closed: Arc<std::sync::atomic::AtomicBool>,
     /// The tag queue's length as last stored under its lock (see
-    /// `TagQueue::queued`).
-    queued: Arc<AtomicUsize>,
-    /// Items taken from the tag's queue in one lock, handed out one by one.
+    /// `TagQueue::queued`); lent to the inline registration during a poll
+    /// (`None` only if a poll unwound: then every poll looks in the queue).
+    queued: Option<Arc<AtomicUsize>>,
+    /// Items taken from the tag's queue in one lock, or handed over inline,
+    /// handed out one by one.
     local: VecDeque<Result<Message>>,
+    /// How many of `local`'s first items were handed over inline and so
+    /// were never charged to the budgets.
+    free: usize,
+    /// The fabric's progress poller, upgraded once (dropped when the fabric
+    /// closes, so a receiver kept longer does not keep the transports).
+    poller: Option<Poller>,
     /// Budget bytes of messages handed out since the last refill, given
     /// back to the budgets at the next one.
     handed: usize,
@@ -693,30 +842,48 @@ impl Stream for Receiver {
         // task may have queued it): a lock and a lookup less per message
         // when this receiver's own progress finds it. (A stale zero only
         // defers the look to the refill below.)
-        if me.queued.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+        if me
+            .queued
+            .as_ref()
+            .map_or(true, |q| q.load(std::sync::atomic::Ordering::Relaxed) > 0)
+        {
             match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
                 Poll::Pending => {}
             }
         }
+        if me.closed.load(std::sync::atomic::Ordering::Relaxed) {
+            // Let the transports go with their fabric.
+            me.poller = None;
+        }
         // Messages for our tag that our own progress finds come straight
         // to us (see `Inline`), without a second trip through the queue.
         // (`local` is empty here: it was drained above.)
-        (me.local, me.handed) = {
-            let buf = std::mem::take(&mut me.local);
-            let handed = std::mem::take(&mut me.handed);
-            match InlineGuard::register(&me.disp, me.tag, buf, handed) {
-                Ok(guard) => {
-                    me.disp.progress_inline();
-                    guard.take()
-                }
-                Err(buf) => {
-                    me.disp.progress_inline();
-                    (buf, handed)
+        match me.queued.take() {
+            Some(queued) => {
+                let buf = std::mem::take(&mut me.local);
+                let handed = std::mem::take(&mut me.handed);
+                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed) {
+                    Ok(guard) => {
+                        me.disp.progress_inline_with(&mut me.poller);
+                        if let Some(i) = guard.take() {
+                            me.queued = Some(i.queued);
+                            me.free = i.items.len();
+                            me.local = i.items;
+                            me.handed = i.handed;
+                        }
+                    }
+                    Err((queued, buf)) => {
+                        (me.queued, me.local, me.handed) = (Some(queued), buf, handed);
+                        me.disp.progress_inline_with(&mut me.poller);
+                    }
                 }
             }
-        };
+            None => {
+                me.disp.progress_inline_with(&mut me.poller);
+            }
+        }
         if !me.local.is_empty() {
             return Poll::Ready(me.next_local());
         }
@@ -745,6 +912,11 @@ impl Receiver {
     /// next one, which may arrive meanwhile.
     fn next_local(&mut self) -> Option<Result<Message>> {
         let item = self.local.pop_front()?;
+        if self.free > 0 {
+            // Handed over inline: never charged.
+            self.free -= 1;
+            return Some(item);
+        }
         if let Ok(m) = &item {
             let c = cost(m.data.len());
             if m.data.len() >= SETTLE_AT_ONCE {
@@ -760,7 +932,7 @@ impl Receiver {
 impl Drop for Receiver {
     fn drop(&mut self) {
         let back = std::mem::take(&mut self.local);
-        self.disp.unpop(self.tag, self.handed, back);
+        self.disp.unpop(self.tag, self.handed, back, self.free);
         self.disp.release(self.tag);
     }
 }
@@ -782,17 +954,28 @@ mod tests {
         lock(&d.tags).get(&tag).map_or(0, |q| q.bytes)
     }
 
-    /// A dispatcher, a receiver for tag 1, and a progress hook that runs
-    /// `each` (with the dispatcher) on every inline progress call.
-    fn hooked(
+    /// A dispatcher with a tag budget of `budget` bytes, a receiver for
+    /// tag 1, and a progress poller (keep it: the dispatcher holds it
+    /// weakly) that runs `each` (with the dispatcher) on every inline
+    /// progress call.
+    fn hooked_with(
+        budget: usize,
         each: impl Fn(&Dispatcher) -> usize + Send + Sync + 'static,
-    ) -> (Arc<Dispatcher>, Receiver) {
-        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+    ) -> (Arc<Dispatcher>, Receiver, Poller) {
+        let d = Dispatcher::new((budget, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
         let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let rx = d.take(1, closed).unwrap();
         let weak = Arc::downgrade(&d);
-        d.set_progress_hook(Arc::new(move |_| weak.upgrade().map_or(0, |d| each(&d))));
-        (d, rx)
+        let p: Poller = Arc::new(move |_| weak.upgrade().map_or(0, |d| each(&d)));
+        d.set_progress_hook(&p);
+        (d, rx, p)
+    }
+
+    /// [`hooked_with`] a budget of 1 MiB.
+    fn hooked(
+        each: impl Fn(&Dispatcher) -> usize + Send + Sync + 'static,
+    ) -> (Arc<Dispatcher>, Receiver, Poller) {
+        hooked_with(1 << 20, each)
     }
 
     /// `each`, on the first call only.
@@ -810,50 +993,120 @@ mod tests {
     }
 
     /// Messages our own inline progress finds go straight to the polling
-    /// receiver, in order and counted against the budgets like queued
-    /// ones; messages for another tag, or arriving behind queued ones,
-    /// take the queue.
+    /// receiver, in order, without the tag lock and without a charge to
+    /// the budgets; messages for another tag take the queue.
     #[tokio::test]
     async fn inline_progress_hands_messages_straight_to_the_receiver() {
-        let (d, mut rx) = hooked(once(|d| {
+        let (d, mut rx, _p) = hooked(once(|d| {
             d.offers(|o| {
                 for i in 0..3u8 {
                     assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));
                 }
+                // No lock taken for tag 1's.
+                assert!(o.tags.is_none());
                 assert!(o.offer(0, 2, 10, || Bytes::from(vec![9; 10])));
-                // Tag 1's never entered its queue; tag 2's did.
-                assert_eq!(o.tags.get(&1).map(|q| q.items.len()), Some(0));
-                assert_eq!(o.tags.get(&2).map(|q| q.items.len()), Some(1));
+                let tags = o.tags.as_ref().expect("tag 2's took the lock");
+                assert_eq!(tags.get(&1).map(|q| q.items.len()), Some(0));
+                assert_eq!(tags.get(&2).map(|q| q.items.len()), Some(1));
             });
             4
         }));
         for i in 0..3u8 {
             assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+            assert_eq!(queued(&d, 1), 0, "a message handed over is not charged");
         }
-        // Tag 1's went to the receiver, never through its queue; tag 2's
-        // was queued. All count against the budgets until settled.
-        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(0));
         assert_eq!(lock(&d.tags).get(&2).map(|q| q.items.len()), Some(1));
-        assert_eq!(queued(&d, 1), 3 * cost(10));
         assert!(futures::poll!(rx.next()).is_pending());
-        assert_eq!(queued(&d, 1), 0);
         assert_eq!(d.total.load(Ordering::Relaxed), cost(10));
     }
 
+    /// A message that finds its tag's queue holding one (queued by another
+    /// thread's progress, say) is queued behind it, not handed over; and
+    /// one registration takes at most a tag budget's worth inline, the
+    /// rest is queued and charged as usual.
+    #[tokio::test]
+    async fn hand_offs_keep_order_and_a_budget() {
+        let budget = 4 * cost(10);
+        let (d, mut rx, _p) = hooked_with(
+            budget,
+            once(|d| {
+                for i in 1..8u8 {
+                    d.deliver(msg(i, 10));
+                }
+                7
+            }),
+        );
+        // Queued before the receiver polls, with the registration's length
+        // word (lent by the receiver) up to date.
+        d.deliver(msg(0, 10));
+        for i in 0..8u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i, "message {i}");
+        }
+        // Message 0 was queued: 1..8 found it there and were queued too.
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(queued(&d, 1), 0);
+
+        let (d, mut rx, _p) = hooked_with(
+            budget,
+            once(|d| {
+                d.offers(|o| (0..8u8).all(|i| o.offer(0, 1, 10, || Bytes::from(vec![i; 10]))));
+                8
+            }),
+        );
+        assert_eq!(rx.next().await.unwrap().unwrap().data[0], 0);
+        // Four handed over (the budget), four queued and charged.
+        assert_eq!(rx.local.len(), 3);
+        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(4));
+        assert_eq!(queued(&d, 1), 4 * cost(10));
+        for i in 1..8u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i, "message {i}");
+        }
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(queued(&d, 1), 0);
+        assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// A receiver dropped with messages handed over inline but not handed
+    /// out puts them back in its tag's queue, charged, in order.
+    #[tokio::test]
+    async fn a_dropped_receiver_requeues_what_was_handed_over() {
+        let (d, mut rx, _p) = hooked(once(|d| {
+            d.offers(|o| (0..3u8).all(|i| o.offer(0, 1, 10, || Bytes::from(vec![i; 10]))));
+            3
+        }));
+        assert_eq!(rx.next().await.unwrap().unwrap().data[0], 0);
+        drop(rx);
+        assert_eq!(queued(&d, 1), 2 * cost(10));
+        assert_eq!(d.total.load(Ordering::Relaxed), 2 * cost(10));
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        for i in 1..3u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+        }
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(queued(&d, 1), 0);
+    }
+
     /// A receiver fed only by hand-offs (it never reaches a refill while it
-    /// stays hot) still gives the bytes it handed out back to the budgets:
-    /// the next hand-off does it.
+    /// stays hot) leaves nothing on the budgets, whether the hand-off took
+    /// the tag lock or not.
     #[tokio::test]
     async fn hand_offs_keep_the_budget_flat() {
-        let (d, mut rx) = hooked(|d| {
+        let (d, mut rx, _p) = hooked(|d| {
+            // One through the locked path, one not.
             d.offers(|o| assert!(o.offer(0, 1, 10, || Bytes::from(vec![1; 10]))));
-            1
+            let w = {
+                let mut tags = lock(&d.tags);
+                let q = tags.entry(1).or_default();
+                d.enqueue(q, msg(2, 10))
+            };
+            assert!(w.is_none(), "handed over, nobody to wake");
+            2
         });
         for _ in 0..1000 {
             rx.next().await.unwrap().unwrap();
-            // The message just handed out, and at most the one before it.
-            assert!(queued(&d, 1) <= 2 * cost(10), "{}", queued(&d, 1));
-            assert!(d.total.load(Ordering::Relaxed) <= 2 * cost(10));
+            assert_eq!(queued(&d, 1), 0);
+            assert_eq!(d.total.load(Ordering::Relaxed), 0);
         }
     }
 
@@ -861,7 +1114,7 @@ mod tests {
     /// over goes back to the queue, in order, for the next poll.
     #[tokio::test]
     async fn inline_hand_off_survives_a_panicking_progress_call() {
-        let (d, mut rx) = hooked(once(|d| {
+        let (d, mut rx, _p) = hooked(once(|d| {
             d.offers(|o| {
                 for i in 0..2u8 {
                     assert!(o.offer(0, 1, 10, || Bytes::from(vec![i; 10])));

@@ -232,8 +232,11 @@ impl FabricBuilder {
 /// memory, and owns the progress tasks.
 pub struct Fabric {
     core: Arc<Core>,
-    /// Shared with the dispatcher's inline-progress hook (weakly).
+    /// Also held by `poller`.
     transports: Arc<Vec<Arc<dyn Transport>>>,
+    /// Inline progress over `transports`, for receivers (the dispatcher
+    /// holds it weakly); dropped at shutdown.
+    poller: Option<crate::dispatch::Poller>,
     drivers: Vec<JoinHandle<()>>,
     sm: Option<Arc<SmTransport>>,
     udp: Option<Arc<UdpTransport>>,
@@ -376,16 +379,13 @@ impl Fabric {
             .write()
             .map_err(|_| Error::Misuse("poisoned link table".into()))? = links;
 
-        // Weak: the dispatcher lives in the core, which transports hold; a
-        // strong reference here would keep the whole fabric alive forever.
-        // One weak reference to the whole list: one upgrade per call (an
-        // atomic read-modify-write and its release), not one per transport.
+        // The dispatcher holds the poller weakly (it lives in the core, which
+        // transports hold: a strong reference would keep the fabric alive
+        // forever); the fabric and, while it is open, each receiver that
+        // used it hold it strongly. One list for all transports.
         let transports = Arc::new(transports);
-        let hook_ts = Arc::downgrade(&transports);
-        core.dispatcher.set_progress_hook(Arc::new(move |turns| {
-            let Some(ts) = hook_ts.upgrade() else {
-                return 0;
-            };
+        let ts = transports.clone();
+        let poller: crate::dispatch::Poller = Arc::new(move |turns| {
             for _ in 0..turns {
                 let work: usize = ts.iter().map(|t| t.progress()).sum();
                 if work > 0 {
@@ -394,7 +394,8 @@ impl Fabric {
                 std::hint::spin_loop();
             }
             0
-        }));
+        });
+        core.dispatcher.set_progress_hook(&poller);
         let drivers = transports
             .iter()
             .map(|t| tokio::spawn(crate::progress::drive(t.clone(), core.clone())))
@@ -402,6 +403,7 @@ impl Fabric {
         Ok(Fabric {
             core,
             transports,
+            poller: Some(poller),
             drivers,
             sm,
             udp,
@@ -627,6 +629,7 @@ impl Fabric {
         }
         self.sm = None;
         self.udp = None;
+        self.poller = None;
     }
 }
 

@@ -18,6 +18,9 @@ pub(crate) struct Counters {
     pub(crate) cma_gets: AtomicU64,
     pub(crate) stale_segments_removed: AtomicU64,
     pub(crate) foreign_datagrams: AtomicU64,
+    /// Written only by the sm transport under its receive lock (a load and
+    /// a store: no locked instruction on the receive path); counted in
+    /// `recvs` too, which it is not added to.
     pub(crate) fast_box_recvs: AtomicU64,
     pub(crate) rendezvous_sends: AtomicU64,
     pub(crate) split_tails_written: AtomicU64,
@@ -37,7 +40,7 @@ impl Counters {
             access_refused: g(&self.access_refused),
             peers_lost: g(&self.peers_lost),
             sends: g(&self.sends),
-            recvs: g(&self.recvs),
+            recvs: g(&self.recvs).wrapping_add(g(&self.fast_box_recvs)),
             direct_puts: g(&self.direct_puts),
             direct_gets: g(&self.direct_gets),
             emulated_puts: g(&self.emulated_puts),
