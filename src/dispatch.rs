@@ -74,13 +74,16 @@ type TagMap = HashMap<Tag, TagQueue, std::hash::BuildHasherDefault<TagHasher>>;
 /// lock. Only while its poll runs progress; a guard takes whatever is left
 /// when the poll ends, even by unwinding.
 ///
-/// Without the tag lock ([`Dispatcher::hand_off`]): the registration
+/// Without the tag lock ([`Dispatcher::hand_over`]): the registration
 /// carries the queue's length word, and a transport hands over only under
 /// the lock it delivered the pair's earlier messages under, so a zero read
 /// there means nothing of that pair waits in the queue and order holds.
 /// Handed messages are not charged to the queue's budgets (that needs the
 /// lock); instead one registration takes at most one tag budget's worth
-/// (`bytes`), so memory stays bounded as for a queue.
+/// (`bytes`), and only while the total of all queues (read as a hint)
+/// leaves room for it, so memory stays bounded as for a queue. (A message
+/// that `has_room` admitted this way and that then takes the queue after
+/// all may exceed the budgets by itself, as a first message may.)
 struct Inline {
     /// The dispatcher's address (several fabrics may share a thread).
     disp: usize,
@@ -98,13 +101,16 @@ struct Inline {
 }
 
 impl Inline {
-    /// Whether a message of `len` bytes for `tag` of dispatcher `disp` may
-    /// be handed over now (`empty`: its queue holds nothing).
-    fn takes(&self, disp: usize, tag: Tag, len: usize, budget: usize, empty: bool) -> bool {
-        self.disp == disp
+    /// Whether a message of `len` bytes for `tag` of dispatcher `d` may be
+    /// handed over now (`empty`: its queue holds nothing).
+    fn takes(&self, d: &Dispatcher, tag: Tag, len: usize, empty: bool) -> bool {
+        let after = self.bytes.saturating_add(cost(len));
+        let total = d.total.load(Ordering::Relaxed);
+        self.disp == d as *const Dispatcher as usize
             && self.tag == tag
             && empty
-            && (self.bytes == 0 || self.bytes.saturating_add(cost(len)) <= budget)
+            && (self.bytes == 0 || after <= d.budget)
+            && ((self.bytes == 0 && total == 0) || total.saturating_add(after) <= d.total_budget)
     }
 }
 
@@ -238,6 +244,9 @@ const SETTLE_AT_ONCE: usize = 64 * 1024;
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
 
+/// See [`Dispatcher::progress_inline_for_op`].
+const OP_POLL_GAP_NS: u64 = 1_000;
+
 /// See [`Hot::spinning_idle`].
 const OS_YIELD_AFTER_NS: u64 = 20_000;
 
@@ -258,6 +267,9 @@ struct Hot {
     /// Nanoseconds since `epoch` of the last inline poll by a hot receiver
     /// (Relaxed: a hint for the progress task to stand back).
     inline: AtomicU64,
+    /// Nanoseconds since `epoch` of the last inline poll for an operation
+    /// that found nothing (Relaxed: a hint).
+    op_idle: AtomicU64,
 }
 
 impl Hot {
@@ -319,6 +331,7 @@ impl Dispatcher {
                 worked: AtomicBool::new(false),
                 polled: AtomicU64::new(0),
                 inline: AtomicU64::new(0),
+                op_idle: AtomicU64::new(0),
             },
         })
     }
@@ -344,6 +357,25 @@ impl Dispatcher {
     pub(crate) fn progress_inline(&self) -> bool {
         let mut p = None;
         self.progress_inline_with(&mut p)
+    }
+
+    /// [`progress_inline`](Self::progress_inline) for a future waiting on
+    /// an operation's completion, unless such a poll found nothing less
+    /// than [`OP_POLL_GAP_NS`] ago: a task waiting on many operations at
+    /// once (a window of puts joined together) polls every one of them per
+    /// wake-up, and one progress call serves them all (over udp each call
+    /// is a system call: 64 per wake-up made small puts 8 times slower).
+    pub(crate) fn progress_inline_for_op(&self) -> bool {
+        let p = &self.policy;
+        let now = p.now_ns();
+        if now.saturating_sub(p.op_idle.load(Ordering::Relaxed)) < OP_POLL_GAP_NS {
+            return false;
+        }
+        let worked = self.progress_inline();
+        if !worked {
+            p.op_idle.store(now, Ordering::Relaxed);
+        }
+        worked
     }
 
     /// [`progress_inline`](Self::progress_inline) with the poller kept in
@@ -375,8 +407,8 @@ impl Dispatcher {
     /// About to return `Pending`: while traffic is hot, have the task polled
     /// again at once on its own thread (busy-polling inside the caller's
     /// task, no cross-thread wake-up) and tell the progress task it may stand
-    /// back.
-    pub(crate) fn stay_hot(&self, cx: &Context<'_>) {
+    /// back. Returns whether it did (traffic is hot).
+    pub(crate) fn stay_hot(&self, cx: &Context<'_>) -> bool {
         let p = &self.policy;
         // The clock as this poll's inline progress read it (a microsecond
         // old at most).
@@ -391,11 +423,19 @@ impl Dispatcher {
                 std::thread::yield_now();
             }
             cx.waker().wake_by_ref();
-        } else if p.inline.swap(0, Ordering::Relaxed) != 0 {
+            return true;
+        }
+        if p.inline.swap(0, Ordering::Relaxed) != 0 {
             // We were polling inline and stop now: hand over to the
             // progress task, which may be standing back.
             self.cold.notify_one();
         }
+        false
+    }
+
+    /// The length word of `tag`'s queue (see `TagQueue::queued`).
+    fn length_word(&self, tag: Tag) -> Option<Arc<AtomicUsize>> {
+        lock(&self.tags).get(&tag).map(|q| q.queued.clone())
     }
 
     /// Whether a receiver has been polling progress inline within `window`:
@@ -453,16 +493,16 @@ impl Dispatcher {
         self.policy.touch();
     }
 
-    /// Whether [`hand_off`](Self::hand_off) would take a message of `len`
-    /// bytes for `tag` now (then it needs no room in the queue).
+    /// Whether [`hand_over`](Self::hand_over) would take a message of
+    /// `len` bytes for `tag` now, without the lock (then it needs no room
+    /// in the queue).
     fn would_hand_off(&self, tag: Tag, len: usize) -> bool {
-        let me = self as *const Dispatcher as usize;
         INLINE
             .try_with(|c| {
                 let c = c.try_borrow().ok()?;
                 let i = c.as_ref()?;
                 let empty = i.queued.load(Ordering::Relaxed) == 0;
-                Some(i.takes(me, tag, len, self.budget, empty))
+                Some(i.takes(self, tag, len, empty))
             })
             .ok()
             .flatten()
@@ -489,14 +529,13 @@ impl Dispatcher {
         locked: bool,
         make: F,
     ) -> std::result::Result<usize, F> {
-        let me = self as *const Dispatcher as usize;
         let mut make = Some(make);
         let handed = INLINE
             .try_with(|c| {
                 let mut c = c.try_borrow_mut().ok()?;
                 let i = c.as_mut()?;
                 let empty = locked || i.queued.load(Ordering::Relaxed) == 0;
-                if !i.takes(me, tag, len, self.budget, empty) {
+                if !i.takes(self, tag, len, empty) {
                     return None;
                 }
                 let data = make.take()?();
@@ -805,8 +844,9 @@ pub struct Receiver {
     /// How many of `local`'s first items were handed over inline and so
     /// were never charged to the budgets.
     free: usize,
-    /// The fabric's progress poller, upgraded once (dropped when the fabric
-    /// closes, so a receiver kept longer does not keep the transports).
+    /// The fabric's progress poller, upgraded once while the receiver
+    /// polls hot (dropped when it goes to sleep and when the fabric closes,
+    /// so a receiver kept longer does not keep the transports).
     poller: Option<Poller>,
     /// Budget bytes of messages handed out since the last refill, given
     /// back to the budgets at the next one.
@@ -838,14 +878,20 @@ impl Stream for Receiver {
         if let Some(x) = me.next_local() {
             return Poll::Ready(Some(x));
         }
+        if me.queued.is_none() {
+            // Lost to a poll that unwound: take it again.
+            me.queued = me.disp.length_word(me.tag);
+        }
         // Look in the queue first only if something is there (the progress
-        // task may have queued it): a lock and a lookup less per message
-        // when this receiver's own progress finds it. (A stale zero only
-        // defers the look to the refill below.)
-        if me
-            .queued
-            .as_ref()
-            .map_or(true, |q| q.load(std::sync::atomic::Ordering::Relaxed) > 0)
+        // task may have queued it), or to give back the budget of what we
+        // handed out since the last look: a lock and a lookup less per
+        // message when this receiver's own progress finds it. (A stale zero
+        // only defers the look to the refill below.)
+        if me.handed > 0
+            || me
+                .queued
+                .as_ref()
+                .map_or(true, |q| q.load(std::sync::atomic::Ordering::Relaxed) > 0)
         {
             match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
                 Poll::Ready(None) => return Poll::Ready(None),
@@ -853,9 +899,14 @@ impl Stream for Receiver {
                 Poll::Pending => {}
             }
         }
-        if me.closed.load(std::sync::atomic::Ordering::Relaxed) {
-            // Let the transports go with their fabric.
+        if me.closed.load(std::sync::atomic::Ordering::Acquire) {
+            // No more progress: let the transports go with their fabric,
+            // and hand out what is queued, then end.
             me.poller = None;
+            return match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
+                Poll::Ready(Some(())) => Poll::Ready(me.next_local()),
+                _ => Poll::Ready(None),
+            };
         }
         // Messages for our tag that our own progress finds come straight
         // to us (see `Inline`), without a second trip through the queue.
@@ -898,7 +949,10 @@ impl Stream for Receiver {
         if me.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Poll::Ready(None);
         }
-        me.disp.stay_hot(cx);
+        if !me.disp.stay_hot(cx) {
+            // Going to sleep: a receiver nobody polls keeps no transports.
+            me.poller = None;
+        }
         Poll::Pending
     }
 }
@@ -1028,21 +1082,23 @@ mod tests {
     async fn hand_offs_keep_order_and_a_budget() {
         let budget = 4 * cost(10);
         let (d, mut rx, _p) = hooked_with(
-            budget,
+            1 << 20,
             once(|d| {
+                // Another thread's progress queues message 0 while this
+                // receiver runs progress inline...
+                std::thread::scope(|s| {
+                    s.spawn(|| d.deliver(msg(0, 10)));
+                });
+                // ... so 1..8, found after it, must queue behind it.
                 for i in 1..8u8 {
                     d.deliver(msg(i, 10));
                 }
-                7
+                8
             }),
         );
-        // Queued before the receiver polls, with the registration's length
-        // word (lent by the receiver) up to date.
-        d.deliver(msg(0, 10));
         for i in 0..8u8 {
             assert_eq!(rx.next().await.unwrap().unwrap().data[0], i, "message {i}");
         }
-        // Message 0 was queued: 1..8 found it there and were queued too.
         assert!(futures::poll!(rx.next()).is_pending());
         assert_eq!(queued(&d, 1), 0);
 
@@ -1108,6 +1164,27 @@ mod tests {
             assert_eq!(queued(&d, 1), 0);
             assert_eq!(d.total.load(Ordering::Relaxed), 0);
         }
+
+        // A receiver that took charged messages from the queue and is then
+        // fed only by hand-offs gives their budget back at once.
+        let (d, mut rx, _p) = hooked(|d| {
+            d.offers(|o| assert!(o.offer(0, 1, 10, || Bytes::from(vec![1; 10]))));
+            1
+        });
+        for i in 0..3u8 {
+            d.deliver(msg(i, 10));
+        }
+        rx.next().await.unwrap().unwrap();
+        assert_eq!(
+            queued(&d, 1),
+            3 * cost(10),
+            "handed out, not yet given back"
+        );
+        for _ in 0..10 {
+            rx.next().await.unwrap().unwrap();
+        }
+        assert_eq!(queued(&d, 1), 0);
+        assert_eq!(d.total.load(Ordering::Relaxed), 0);
     }
 
     /// A progress call that unwinds leaves nothing behind: what it handed
@@ -1129,6 +1206,8 @@ mod tests {
         }));
         assert!(poll.is_err());
         assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(2));
+        // Back in the queue, and charged like any queued message.
+        assert_eq!(queued(&d, 1), 2 * cost(10));
         for i in 0..2u8 {
             assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
         }

@@ -205,7 +205,8 @@ impl Endpoint {
                 len,
             )
         };
-        OpState::Wait(done, self.0.core.clone())
+        let gathered = !cma && self.0.link.gathers();
+        OpState::Wait(done, self.0.core.clone(), gathered)
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -313,7 +314,7 @@ fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
     if let Poll::Ready(r) = c.poll(cx) {
         return Poll::Ready(r);
     }
-    if core.dispatcher.progress_inline() {
+    if !core.is_closed() && core.dispatcher.progress_inline_for_op() {
         if let Poll::Ready(r) = c.poll(cx) {
             return Poll::Ready(r);
         }
@@ -324,7 +325,9 @@ fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
 
 enum OpState {
     Ready(Option<Result<()>>),
-    Wait(Arc<Completion>, Arc<Core>),
+    /// `true` until the first poll when the request may wait in a bundle
+    /// (see [`Link::gathers`]).
+    Wait(Arc<Completion>, Arc<Core>, bool),
 }
 
 impl OpState {
@@ -335,7 +338,20 @@ impl OpState {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
             }
-            OpState::Wait(c, core) => wait(c, core, cx),
+            OpState::Wait(c, core, first) => {
+                if !std::mem::take(first) {
+                    return wait(c, core, cx);
+                }
+                // The request may wait to leave with the rest of a burst
+                // that this task is starting (a window of puts, each polled
+                // once): no progress call yet, which would send it alone.
+                // The task is polled again at once.
+                if let Poll::Ready(r) = c.poll(cx) {
+                    return Poll::Ready(r);
+                }
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
         }
     }
 }

@@ -168,8 +168,10 @@ impl Rma {
         id
     }
 
+    /// Send a request (gathered with the rest of a burst where the
+    /// transport does that: see [`Link::submit_gathered`]).
     fn send(&self, link: &dyn Link, kind: Kind, id: u64, body: Result<Bytes>) {
-        if let Err(e) = body.and_then(|b| link.submit(kind, id, b)) {
+        if let Err(e) = body.and_then(|b| link.submit_gathered(kind, id, b)) {
             if let Some(op) = lock(&self.ops).remove(&id) {
                 op.done.complete(Err(e));
                 // Nothing reached the peer: nothing of ours is exposed.
@@ -467,8 +469,11 @@ impl Rma {
         r
     }
 
+    /// Answer a request. Gathered (see [`Link::submit_gathered`]): the
+    /// requests of a burst arrive together, and their answers leave
+    /// together after the progress call that read them.
     fn answer(&self, link: &dyn Link, kind: Kind, id: u64, body: BytesMut) {
-        if let Err(e) = link.submit(kind, id, body.freeze()) {
+        if let Err(e) = link.submit_gathered(kind, id, body.freeze()) {
             tracing::debug!(peer = link.peer(), "could not answer RMA request: {e}");
         }
     }

@@ -121,6 +121,28 @@ pub(crate) trait Link: Send + Sync {
     /// stopped it. Never blocks.
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>>;
 
+    /// [`submit`](Self::submit) for a message that is likely one of a
+    /// burst (an emulated put or get request): a transport that
+    /// [`gathers`](Self::gathers) may hold a small one back until the next
+    /// progress call, so that the burst leaves together. Order with every
+    /// other message to the peer is kept.
+    fn submit_gathered(
+        &self,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+    ) -> Result<Option<Arc<Completion>>> {
+        self.submit(kind, tag, data)
+    }
+
+    /// Whether [`submit_gathered`](Self::submit_gathered) holds messages
+    /// back until the next progress call: the future waiting on such a
+    /// request lets its task start the rest of the burst before it makes
+    /// progress.
+    fn gathers(&self) -> bool {
+        false
+    }
+
     /// Direct load/store access to the peer's region behind `key`, when this
     /// transport can map it (shared memory): the mapping the key keeps
     /// (made on its first use). `None`: not offered, use messages.

@@ -95,6 +95,7 @@ fn rank_main() {
             "foreign" => foreign(f).await,
             "stopped" => stopped(f).await,
             "v6sizes" => v6sizes(f).await,
+            "bursts" => bursts(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -185,6 +186,60 @@ async fn putget(f: Fabric) {
         );
         f.barrier().await.unwrap();
     }
+    f.close().await.unwrap();
+}
+
+/// Bursts of small sends and of small puts: everything arrives whole and in
+/// order (puts: at their offsets), and the bursts travel in bundles (the
+/// sender's protocol messages are far fewer than its sends and puts).
+async fn bursts(f: Fabric) {
+    const SENDS: usize = 20_000;
+    const PUTS: usize = 2_000;
+    const SLOT: usize = 64;
+    let msg = |i: usize| pattern(i % 300, i as u64);
+    if f.rank() == 1 {
+        let target = f.register(vec![0u8; PUTS * SLOT]);
+        let ep = f.endpoint(0).unwrap();
+        ep.send(1, target.remote_key().to_bytes()).await.unwrap();
+        let mut rx = f.receiver(2).unwrap();
+        for i in 0..SENDS {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, msg(i), "message {i} whole and in order");
+        }
+        f.barrier().await.unwrap(); // rank 0's puts are done
+        for i in 0..PUTS {
+            let mut got = vec![0u8; SLOT];
+            target.read(i * SLOT, &mut got).unwrap();
+            let len = 1 + i % SLOT;
+            assert_eq!(&got[..len], &pattern(len, i as u64)[..], "put {i}");
+            assert!(
+                got[len..].iter().all(|b| *b == 0),
+                "put {i} stayed in bounds"
+            );
+        }
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let target = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..SENDS {
+            ep.send(2, msg(i)).await.unwrap();
+        }
+        let sent_before_puts = f.udp_stats(1).unwrap().messages_sent;
+        let src = f.register((0..PUTS).flat_map(|i| pattern(SLOT, i as u64)).collect());
+        for window in (0..PUTS).collect::<Vec<_>>().chunks(100) {
+            let puts = window.iter().map(|&i| {
+                let len = 1 + i % SLOT;
+                ep.put(&src, i * SLOT..i * SLOT + len, &target, (i * SLOT) as u64)
+            });
+            futures::future::try_join_all(puts).await.unwrap();
+        }
+        ep.flush().await.unwrap();
+        let s = f.udp_stats(1).unwrap();
+        println!("send_messages={sent_before_puts}");
+        println!("put_messages={}", s.messages_sent - sent_before_puts);
+        f.barrier().await.unwrap();
+    }
+    f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
 
@@ -368,6 +423,22 @@ async fn mixed() {
 fn udp_sizes_between_processes() {
     let outs = job(2, "sizes", &[]).wait(Duration::from_secs(120));
     assert_ok(&outs);
+}
+
+#[test]
+fn udp_bursts_of_small_sends_and_puts_travel_in_bundles() {
+    let outs = job(2, "bursts", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    // 20 000 sends and 2 000 puts (plus the key and barrier messages):
+    // bundles carry several each.
+    let (sends, puts) = (n("send_messages"), n("put_messages"));
+    println!("protocol messages: {sends} for 20000 sends, {puts} for 2000 puts");
+    assert!(
+        sends < 20_000 / 2,
+        "{sends} protocol messages for 20000 sends"
+    );
+    assert!(puts < 2_000 / 2, "{puts} protocol messages for 2000 puts");
 }
 
 #[test]

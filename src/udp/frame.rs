@@ -6,6 +6,13 @@
 //! a 17-byte head (kind byte with [`SPLIT`] set, tag, data length) and then
 //! the data itself as the next message. The protocol keeps order, so the
 //! receiver pairs them.
+//!
+//! Several small one-part messages may also travel as one protocol message,
+//! a *bundle* (built by the driver's `peer::PeerState` while the path to
+//! the peer is busy): a [`BUNDLE`] byte, then for each message its
+//! one-part encoding's length (u32 little-endian) and that encoding. A
+//! bundle is checked whole before any of it is delivered: a malformed one
+//! is dropped and counted like any bad frame.
 
 use std::sync::Arc;
 
@@ -17,8 +24,12 @@ use crate::transport::Kind;
 
 /// Kind-byte bit: the data follows as the next protocol message.
 const SPLIT: u8 = 0x80;
+/// Kind byte of a bundle of one-part messages.
+const BUNDLE: u8 = 0x40;
 /// Prefix of a one-part message.
 pub(crate) const PREFIX: usize = 9;
+/// Bytes a bundle adds per message: the length of its one-part encoding.
+pub(crate) const BUNDLE_ENTRY: usize = 4;
 /// Length of a split message's head.
 const HEAD: usize = 17;
 /// Messages at least this large are sent in two parts, without a copy.
@@ -61,6 +72,139 @@ pub(crate) fn encode(pool: &Arc<BufPool>, kind: Kind, tag: u64, data: Bytes) -> 
     (h.freeze(), Some(data))
 }
 
+/// Small one-part messages being gathered into one protocol message (see
+/// the module documentation). Holds its first message as it came, so a
+/// bundle of one goes out as that message.
+#[derive(Debug)]
+pub(crate) struct Bundle {
+    buf: Vec<u8>,
+    first: Bytes,
+    count: usize,
+}
+
+impl Bundle {
+    /// A bundle holding `msg` (a one-part encoding), with room reserved
+    /// for `cap` bytes in all.
+    pub(crate) fn new(msg: Bytes, cap: usize) -> Bundle {
+        let mut buf = Vec::with_capacity(cap);
+        buf.push(BUNDLE);
+        Self::append(&mut buf, &msg);
+        Bundle {
+            buf,
+            first: msg,
+            count: 1,
+        }
+    }
+
+    fn append(buf: &mut Vec<u8>, msg: &[u8]) {
+        // One-part encodings that go into bundles are small (see
+        // `peer::BUNDLE_ITEM_MAX`): the length fits in a u32.
+        buf.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+        buf.extend_from_slice(msg);
+    }
+
+    /// Add `msg` if the bundle stays within `cap` bytes; else hand it back.
+    pub(crate) fn push(&mut self, msg: Bytes, cap: usize) -> Result<(), Bytes> {
+        if self.buf.len() + BUNDLE_ENTRY + msg.len() > cap || msg.len() > u32::MAX as usize {
+            return Err(msg);
+        }
+        Self::append(&mut self.buf, &msg);
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Messages in the bundle.
+    #[cfg(test)]
+    pub(crate) fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The protocol message to send: the first message itself when it is
+    /// alone.
+    pub(crate) fn finish(self) -> Bytes {
+        if self.count == 1 {
+            self.first
+        } else {
+            Bytes::from(self.buf)
+        }
+    }
+}
+
+/// What one protocol message decoded to.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Frames {
+    /// A head was stored: its data comes as the next protocol message.
+    Head,
+    /// One whole transport message.
+    One(Kind, u64, Bytes),
+    /// A checked bundle: iterate for its messages, in order.
+    Many(Unbundle),
+}
+
+/// The messages of a checked bundle, in order.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Unbundle {
+    rest: Bytes,
+}
+
+impl Iterator for Unbundle {
+    type Item = (Kind, u64, Bytes);
+    fn next(&mut self) -> Option<Self::Item> {
+        // Checked whole by `check_bundle`: every entry parses.
+        let Entry { kind, tag, len } = entry(&self.rest).ok()??;
+        let msg = self.rest.slice(BUNDLE_ENTRY..BUNDLE_ENTRY + len);
+        self.rest = self.rest.slice(BUNDLE_ENTRY + len..);
+        Some((kind, tag, msg.slice(PREFIX..)))
+    }
+}
+
+/// A bundle entry's kind and tag, and the length of its one-part encoding.
+struct Entry {
+    kind: Kind,
+    tag: u64,
+    len: usize,
+}
+
+/// Parse the bundle entry at the start of `b`. `Ok(None)` at the end of
+/// the bundle.
+fn entry(b: &[u8]) -> Result<Option<Entry>, FrameError> {
+    if b.is_empty() {
+        return Ok(None);
+    }
+    let len: [u8; BUNDLE_ENTRY] = b
+        .get(..BUNDLE_ENTRY)
+        .and_then(|l| l.try_into().ok())
+        .ok_or(FrameError::Short)?;
+    let len = u32::from_le_bytes(len) as usize;
+    let msg = b
+        .get(BUNDLE_ENTRY..)
+        .and_then(|m| m.get(..len))
+        .ok_or(FrameError::BodyLength)?;
+    if msg.len() < PREFIX {
+        return Err(FrameError::Short);
+    }
+    let k = msg[0];
+    let kind = Kind::from_u8(k).ok_or(FrameError::Kind(k))?;
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&msg[1..PREFIX]);
+    Ok(Some(Entry {
+        kind,
+        tag: u64::from_le_bytes(tag),
+        len,
+    }))
+}
+
+/// Check every entry of a bundle's body.
+fn check_bundle(mut b: &[u8]) -> Result<(), FrameError> {
+    if b.is_empty() {
+        return Err(FrameError::Short);
+    }
+    while let Some(e) = entry(b)? {
+        b = &b[BUNDLE_ENTRY + e.len..];
+    }
+    Ok(())
+}
+
 /// Why a protocol message is not a valid frame. The peer is buggy or
 /// hostile; the message is dropped and counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,14 +224,19 @@ pub(crate) struct Decoder {
 }
 
 impl Decoder {
-    /// Take the next protocol message. `Ok(Some)` is a whole transport
-    /// message; `Ok(None)` means a head was stored and its data comes next.
-    pub(crate) fn push(&mut self, msg: Bytes) -> Result<Option<(Kind, u64, Bytes)>, FrameError> {
+    /// Take the next protocol message.
+    pub(crate) fn push(&mut self, msg: Bytes) -> Result<Frames, FrameError> {
         if let Some((kind, tag, len)) = self.want.take() {
             if msg.len() as u64 != len {
                 return Err(FrameError::BodyLength);
             }
-            return Ok(Some((kind, tag, msg)));
+            return Ok(Frames::One(kind, tag, msg));
+        }
+        if msg.first() == Some(&BUNDLE) {
+            check_bundle(&msg[1..])?;
+            return Ok(Frames::Many(Unbundle {
+                rest: msg.slice(1..),
+            }));
         }
         if msg.len() < PREFIX {
             return Err(FrameError::Short);
@@ -98,7 +247,7 @@ impl Decoder {
         tag.copy_from_slice(&msg[1..PREFIX]);
         let tag = u64::from_le_bytes(tag);
         if k & SPLIT == 0 {
-            return Ok(Some((kind, tag, msg.slice(PREFIX..))));
+            return Ok(Frames::One(kind, tag, msg.slice(PREFIX..)));
         }
         if msg.len() != HEAD {
             return Err(FrameError::Short);
@@ -106,7 +255,7 @@ impl Decoder {
         let mut len = [0u8; 8];
         len.copy_from_slice(&msg[PREFIX..HEAD]);
         self.want = Some((kind, tag, u64::from_le_bytes(len)));
-        Ok(None)
+        Ok(Frames::Head)
     }
 
     /// Forget a half-received message (peer lost).
@@ -136,10 +285,48 @@ mod tests {
             let mut got = None;
             for (i, p) in parts.into_iter().enumerate() {
                 let r = d.push(p).unwrap();
-                prop_assert_eq!(r.is_some(), i + 1 == n);
-                got = r;
+                prop_assert_eq!(r != Frames::Head, i + 1 == n);
+                got = Some(r);
             }
-            prop_assert_eq!(got, Some((kind, tag, data)));
+            prop_assert_eq!(got, Some(Frames::One(kind, tag, data)));
+        }
+
+        /// Any run of small messages bundled comes out whole and in order,
+        /// and a bundle of one is that message as it was.
+        #[test]
+        fn bundles_round_trip(msgs in proptest::collection::vec((kinds(), any::<u64>(), proptest::collection::vec(any::<u8>(), 0..64)), 1..20)) {
+            let pool = Arc::default();
+            let enc: Vec<Bytes> = msgs.iter().map(|(k, t, d)| one_part(&pool, *k, *t, d)).collect();
+            let mut b = Bundle::new(enc[0].clone(), 1 << 16);
+            for m in &enc[1..] {
+                prop_assert!(b.push(m.clone(), 1 << 16).is_ok());
+            }
+            prop_assert_eq!(b.count(), msgs.len());
+            let wire = b.finish();
+            let mut d = Decoder::default();
+            let got: Vec<(Kind, u64, Bytes)> = match d.push(wire.clone()).unwrap() {
+                Frames::One(k, t, data) => vec![(k, t, data)],
+                Frames::Many(it) => it.collect(),
+                Frames::Head => vec![],
+            };
+            let want: Vec<(Kind, u64, Bytes)> = msgs.into_iter().map(|(k, t, d)| (k, t, Bytes::from(d))).collect();
+            if want.len() == 1 {
+                prop_assert_eq!(&wire, &enc[0]);
+            }
+            prop_assert_eq!(got, want);
+        }
+
+        /// Bytes after a bundle marker never decode to a partial bundle:
+        /// all of it is checked, or it is refused.
+        #[test]
+        fn bundles_are_checked_whole(body in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let mut d = Decoder::default();
+            let mut m = vec![BUNDLE];
+            m.extend_from_slice(&body);
+            if let Ok(Frames::Many(it)) = d.push(Bytes::from(m)) {
+                let total: usize = it.map(|(_, _, data)| BUNDLE_ENTRY + PREFIX + data.len()).sum();
+                prop_assert_eq!(total, body.len());
+            }
         }
 
         #[test]
@@ -168,7 +355,7 @@ mod tests {
         let mut h = vec![0x80u8];
         h.extend_from_slice(&7u64.to_le_bytes());
         h.extend_from_slice(&5u64.to_le_bytes());
-        assert_eq!(d.push(h.into()), Ok(None));
+        assert_eq!(d.push(h.into()), Ok(Frames::Head));
         assert_eq!(
             d.push(Bytes::from_static(&[1; 4])),
             Err(FrameError::BodyLength)
@@ -176,8 +363,39 @@ mod tests {
         // The decoder is back in sync afterwards.
         let ok = one_part(&Arc::default(), Kind::User, 3, b"x");
         assert_eq!(
-            d.push(ok),
-            Ok(Some((Kind::User, 3, Bytes::from_static(b"x"))))
+            d.push(ok.clone()),
+            Ok(Frames::One(Kind::User, 3, Bytes::from_static(b"x")))
         );
+        // Bundles: empty, an entry longer than the rest, an entry shorter
+        // than a prefix, a split head inside, a good entry then garbage.
+        let bundle = |body: &[u8]| {
+            let mut m = vec![BUNDLE];
+            m.extend_from_slice(body);
+            Bytes::from(m)
+        };
+        let entry = |m: &[u8]| {
+            let mut e = (m.len() as u32).to_le_bytes().to_vec();
+            e.extend_from_slice(m);
+            e
+        };
+        assert_eq!(d.push(bundle(&[])), Err(FrameError::Short));
+        assert_eq!(
+            d.push(bundle(&[20, 0, 0, 0, 0])),
+            Err(FrameError::BodyLength)
+        );
+        assert_eq!(d.push(bundle(&entry(&[0; 3]))), Err(FrameError::Short));
+        let mut head = vec![0x80u8];
+        head.extend_from_slice(&[0; 8]);
+        assert_eq!(d.push(bundle(&entry(&head))), Err(FrameError::Kind(0x80)));
+        let mut two = entry(&ok);
+        two.extend_from_slice(&[1, 2]);
+        assert_eq!(d.push(bundle(&two)), Err(FrameError::Short));
+        // And a good bundle of two.
+        let mut good = entry(&ok);
+        good.extend_from_slice(&entry(&ok));
+        match d.push(bundle(&good)) {
+            Ok(Frames::Many(it)) => assert_eq!(it.count(), 2),
+            other => panic!("a good bundle was refused: {other:?}"),
+        }
     }
 }

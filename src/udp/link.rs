@@ -88,7 +88,42 @@ impl Link for UdpLink {
         })
     }
 
+    fn submit_gathered(
+        &self,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+    ) -> Result<Option<Arc<Completion>>> {
+        let now = Instant::now();
+        let mut st = lock(&self.peer.st);
+        self.check_alive()?;
+        let max = st.conn.max_message();
+        if data.len() as u64 + frame::PREFIX as u64 + 32 > max {
+            return Err(Error::Misuse(format!(
+                "a {}-byte message is larger than the udp limit of {max} bytes",
+                data.len()
+            )));
+        }
+        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
+        let (r, gathered) = st.gather_held(now, self.peer.rank, parts)?;
+        if gathered {
+            // The next progress call's service pass sends the bundle.
+            self.t.hold_bundle();
+        } else {
+            st.flush(now, &self.t.io, &self.peer, usize::MAX);
+        }
+        self.t.after_send(&st);
+        Ok(match r {
+            Queued::Done => None,
+            Queued::Waiting(c) => Some(c),
+        })
+    }
+
+    fn gathers(&self) -> bool {
+        true
+    }
+
     fn has_queued(&self) -> bool {
-        !lock(&self.peer.st).queue_is_empty()
+        lock(&self.peer.st).holds_messages()
     }
 }

@@ -427,8 +427,14 @@ impl UdpTransport {
     /// locked): lower `wake_at` to the connection's new deadline, note a
     /// backlog, and wake a parked progress task if it must act sooner than
     /// it planned to.
+    /// A peer holds a gathered bundle: the next progress call runs the
+    /// service pass, which sends it.
+    pub(crate) fn hold_bundle(&self) {
+        self.backlog.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn after_send(&self, st: &PeerState) {
-        let due = st.conn.poll_timeout().map_or(u64::MAX, |t| self.nanos(t));
+        let due = st.poll_timeout().map_or(u64::MAX, |t| self.nanos(t));
         // AcqRel: pairs with the loads in `progress` and `wait` and with the
         // compare-exchange in `publish_wake_at`.
         let planned = self.wake_at.fetch_min(due, Ordering::AcqRel);
@@ -480,7 +486,7 @@ impl UdpTransport {
             }
             backlog |= st.has_backlog();
             for t in [
-                st.conn.poll_timeout(),
+                st.poll_timeout(),
                 Some(st.last_sent + self.keepalive),
                 Some(st.last_heard + timeout),
             ]
@@ -564,7 +570,12 @@ impl Transport for UdpTransport {
             // the receiver had its message and could answer. The next
             // call comes at once while anyone polls; a parking driver
             // runs it in `arm`.
-            put_off = received > 0 && rx.delivered > 0 && !rx.urgent;
+            // (Nor when a bundle was gathered meanwhile, answers to the
+            // requests just read, say: it leaves in this call's pass.)
+            put_off = received > 0
+                && rx.delivered > 0
+                && !rx.urgent
+                && !self.backlog.load(Ordering::Relaxed);
         }
         work += received;
         if put_off {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::frame::Bundle;
 use super::io;
 use super::proto::{self, Connection, Event, SendError};
 use crate::completion::Completion;
@@ -33,7 +34,40 @@ pub(crate) struct PeerState {
     pub(crate) last_heard: Instant,
     /// Datagrams the connection accepted as well-formed and ours, so far.
     valid_seen: u64,
+    /// Small messages gathered while the path is busy (see
+    /// [`BUNDLE_AFTER`]) or on request ([`PeerState::gather_held`]).
+    bundle: Option<Gathered>,
 }
+
+/// An open bundle.
+struct Gathered {
+    bundle: Bundle,
+    /// When the gathering began.
+    since: Instant,
+    /// Gathered on request: leaves at the next flush, busy path or not.
+    held: bool,
+}
+
+/// Small messages are gathered into one protocol message (a bundle, see
+/// `frame`) while this many data segments are in flight to the peer: a
+/// burst of small sends or put requests then costs a datagram per bundle,
+/// not per message, while a lone message or a ping-pong (one in flight)
+/// goes out at once. The bundle leaves when an acknowledgement brings the
+/// segments in flight below this (every segment that empties our queue
+/// asks for a prompt one), when it is full, or after [`BUNDLE_WAIT`] —
+/// Nagle's idea, with a few messages allowed in flight instead of one.
+/// (Open MPI's TCP BTL sends each message by itself; its one-sided layer
+/// gathers puts until a flush.)
+const BUNDLE_AFTER: usize = 2;
+
+/// The longest a bundle waits for an acknowledgement.
+const BUNDLE_WAIT: Duration = Duration::from_micros(50);
+
+/// One-part encodings larger than this are never bundled.
+const BUNDLE_ITEM_MAX: usize = 1024;
+
+/// Bytes of a bundle at most (and never more than one datagram carries).
+const BUNDLE_MAX: usize = 16 * 1024;
 
 /// A datagram to send, in parts, so the payload (a slice of the user's
 /// message) is never copied: header, payload, checksum trailer.
@@ -89,6 +123,7 @@ impl PeerState {
             last_sent: now,
             last_heard: now,
             valid_seen: 0,
+            bundle: None,
         }
     }
 
@@ -96,9 +131,135 @@ impl PeerState {
         self.queue.is_empty()
     }
 
+    /// Whether messages wait here for the protocol (queued, or in a
+    /// bundle).
+    pub(crate) fn holds_messages(&self) -> bool {
+        !self.queue.is_empty() || self.bundle.is_some()
+    }
+
     /// Whether nothing is queued, unsent or unacknowledged either way.
     pub(crate) fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.backlog.is_empty() && self.conn.is_idle()
+        self.queue.is_empty()
+            && self.bundle.is_none()
+            && self.backlog.is_empty()
+            && self.conn.is_idle()
+    }
+
+    /// The earliest deadline of the connection's timers and of an open
+    /// bundle.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let b = self
+            .bundle
+            .as_ref()
+            .and_then(|g| g.since.checked_add(BUNDLE_WAIT));
+        match (self.conn.poll_timeout(), b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whether the open bundle should leave now.
+    fn bundle_due(&self, now: Instant) -> bool {
+        self.bundle.as_ref().is_some_and(|g| {
+            g.held
+                || self.conn.in_flight() < BUNDLE_AFTER
+                || now.saturating_duration_since(g.since) >= BUNDLE_WAIT
+        })
+    }
+
+    /// Bytes a bundle may hold.
+    fn bundle_cap(&self) -> usize {
+        BUNDLE_MAX.min(self.conn.chunk())
+    }
+
+    /// Gather `msg` (a one-part encoding when `one_part`) into the open
+    /// bundle, or open one while the path is busy; otherwise close any
+    /// open bundle, which nothing may overtake, and hand `msg` back.
+    fn gather(
+        &mut self,
+        now: Instant,
+        rank: Rank,
+        msg: Bytes,
+        one_part: bool,
+    ) -> Result<Option<Bytes>> {
+        let busy = self.conn.in_flight() >= BUNDLE_AFTER;
+        self.gather_if(now, rank, msg, one_part, busy, false)
+    }
+
+    /// [`gather`](Self::gather) with the decision made: open a bundle
+    /// when `open` (marked `held` or not).
+    fn gather_if(
+        &mut self,
+        now: Instant,
+        rank: Rank,
+        msg: Bytes,
+        one_part: bool,
+        open: bool,
+        held: bool,
+    ) -> Result<Option<Bytes>> {
+        let small = one_part && msg.len() <= BUNDLE_ITEM_MAX && self.queue.is_empty();
+        let cap = self.bundle_cap();
+        let mut msg = msg;
+        if let Some(g) = &mut self.bundle {
+            if small {
+                match g.bundle.push(msg, cap) {
+                    Ok(()) => {
+                        g.held |= held;
+                        return Ok(None);
+                    }
+                    Err(m) => msg = m,
+                }
+            }
+            self.close_bundle(now, rank)?;
+        }
+        if small && self.queue.is_empty() && open {
+            self.bundle = Some(Gathered {
+                bundle: Bundle::new(msg, cap),
+                since: now,
+                held,
+            });
+            return Ok(None);
+        }
+        Ok(Some(msg))
+    }
+
+    /// Queue a message like [`submit`](Self::submit), but gather a small
+    /// one into a bundle that leaves at the next flush, busy path or not
+    /// (the caller does not flush now: the rest of a burst may follow).
+    /// Returns whether it was gathered.
+    pub(crate) fn gather_held(
+        &mut self,
+        now: Instant,
+        rank: Rank,
+        (first, second): super::frame::Parts,
+    ) -> Result<(Queued, bool)> {
+        match self.gather_if(now, rank, first, second.is_none(), true, true)? {
+            None => Ok((Queued::Done, true)),
+            Some(first) => Ok((self.submit_now(now, rank, (first, second))?, false)),
+        }
+    }
+
+    /// Hand the open bundle to the protocol (or to the queue, behind what
+    /// waits there).
+    fn close_bundle(&mut self, now: Instant, rank: Rank) -> Result<()> {
+        let Some(g) = self.bundle.take() else {
+            return Ok(());
+        };
+        let mut msg = g.bundle.finish();
+        if self.queue.is_empty() {
+            match self.conn.send(now, msg) {
+                Ok(_) => return Ok(()),
+                Err(SendError::WouldBlock(m)) => msg = m,
+                Err(e) => return Err(to_error(e, rank)),
+            }
+        }
+        // Its messages were reported sent (accepted); nobody waits on this
+        // completion.
+        self.queue.push_back(Pending {
+            parts: VecDeque::from([msg]),
+            done: Completion::new(),
+        });
+        Ok(())
     }
 
     pub(crate) fn has_backlog(&self) -> bool {
@@ -108,9 +269,13 @@ impl PeerState {
     /// Whether the driver's service pass has something to do for this peer
     /// at `now` besides deadlines further on: a datagram to send (an ACK
     /// owed, a resend, data with an open window), queued messages the
-    /// protocol may now take, or datagrams the kernel refused.
+    /// protocol may now take, datagrams the kernel refused, or a bundle
+    /// that should leave.
     pub(crate) fn wants_service(&self, now: Instant) -> bool {
-        self.conn.wants_transmit(now) || !self.queue.is_empty() || !self.backlog.is_empty()
+        self.conn.wants_transmit(now)
+            || !self.queue.is_empty()
+            || !self.backlog.is_empty()
+            || self.bundle_due(now)
     }
 
     /// Feed one datagram; events go to `out`. Refreshes the liveness clock
@@ -181,6 +346,19 @@ impl PeerState {
         rank: Rank,
         (first, second): super::frame::Parts,
     ) -> Result<Queued> {
+        let Some(first) = self.gather(now, rank, first, second.is_none())? else {
+            return Ok(Queued::Done);
+        };
+        self.submit_now(now, rank, (first, second))
+    }
+
+    /// The protocol or the queue takes the message now (no bundle).
+    fn submit_now(
+        &mut self,
+        now: Instant,
+        rank: Rank,
+        (first, second): super::frame::Parts,
+    ) -> Result<Queued> {
         let mut rest: VecDeque<Bytes> = VecDeque::new();
         if self.queue.is_empty() {
             let mut next = Some(first);
@@ -213,6 +391,7 @@ impl PeerState {
 
     /// Fail every queued message (the peer is lost).
     pub(crate) fn fail_queue(&mut self, rank: Rank, reason: &str) {
+        self.bundle = None;
         for p in self.queue.drain(..) {
             p.done.complete(Err(Error::PeerLost {
                 rank,
@@ -224,6 +403,10 @@ impl PeerState {
 
     /// Send everything the connection has to send now. Returns datagrams sent.
     pub(crate) fn flush(&mut self, now: Instant, io: &Sockets, peer: &Peer, max: usize) -> usize {
+        if self.bundle_due(now) && self.close_bundle(now, peer.rank).is_err() {
+            // The peer is lost: the loss path fails what is pending.
+            self.bundle = None;
+        }
         let mut sent = 0;
         // Bytes one batch may carry, doubling from batch to batch: each
         // datagram's CRC is computed before its batch goes out, so a first

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::frame::Decoder;
+use super::frame::{Decoder, Frames};
 use super::io::{self, RecvBatch};
 use super::proto::{self, Event};
 use super::UdpTransport;
@@ -496,19 +496,15 @@ impl UdpTransport {
         for ev in cx.events.drain(..) {
             match ev {
                 Event::Message(m) => match prx.dec.push(m) {
-                    Ok(Some((kind, tag, data))) => {
-                        if kind != Kind::User
-                            || (prx.held.is_empty()
-                                && self.core.dispatcher.has_room(tag, data.len()))
-                        {
-                            self.dispatch(rank, kind, tag, data);
-                            *cx.delivered += 1;
-                        } else {
-                            prx.held_bytes += data.len();
-                            prx.held.push_back((kind, tag, data));
+                    Ok(Frames::One(kind, tag, data)) => {
+                        self.take_message(prx, cx.delivered, rank, (kind, tag, data));
+                    }
+                    Ok(Frames::Many(msgs)) => {
+                        for m in msgs {
+                            self.take_message(prx, cx.delivered, rank, m);
                         }
                     }
-                    Ok(None) => {}
+                    Ok(Frames::Head) => {}
                     Err(e) => {
                         Counters::bump(&self.core.counters.bad_frames);
                         tracing::warn!(peer = rank, "udp: dropped a malformed frame: {e:?}");
@@ -517,6 +513,26 @@ impl UdpTransport {
                 Event::Acked(_) => {}
                 Event::PeerLost => self.lose(rank, &self.stall_reason()),
             }
+        }
+    }
+
+    /// Deliver a decoded message now, or hold it (with everything after
+    /// it from this peer) while its tag has no room.
+    fn take_message(
+        &self,
+        prx: &mut PeerRx,
+        delivered: &mut usize,
+        rank: Rank,
+        (kind, tag, data): (Kind, u64, Bytes),
+    ) {
+        if kind != Kind::User
+            || (prx.held.is_empty() && self.core.dispatcher.has_room(tag, data.len()))
+        {
+            self.dispatch(rank, kind, tag, data);
+            *delivered += 1;
+        } else {
+            prx.held_bytes += data.len();
+            prx.held.push_back((kind, tag, data));
         }
     }
 

@@ -181,6 +181,17 @@ impl Connection {
         !self.lost && self.send.can_send(len)
     }
 
+    /// Data segments sent and not yet acknowledged, plus messages queued
+    /// and not yet cut into segments: how busy the path to the peer is.
+    pub fn in_flight(&self) -> usize {
+        self.send.in_flight()
+    }
+
+    /// Payload bytes one datagram carries.
+    pub fn chunk(&self) -> usize {
+        self.send.chunk()
+    }
+
     /// Processes one received datagram. Anything malformed, corrupted,
     /// misdirected, duplicated or outside the window is dropped and counted;
     /// peer input never panics and never grows memory beyond the windows

@@ -571,6 +571,17 @@ impl SendSide {
         self.inflight.is_empty() && self.queue.is_empty()
     }
 
+    /// Segments sent and not yet acknowledged, plus messages not yet cut
+    /// into segments.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len() + self.queue.len()
+    }
+
+    /// Payload bytes of one segment.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
     /// Whether [`next_segment`](Self::next_segment) would return a segment
     /// now: a resend is queued, or new data waits and the window is open.
     pub fn has_segment(&self) -> bool {
