@@ -64,10 +64,10 @@ const BUNDLE_AFTER: usize = 2;
 const BUNDLE_WAIT: Duration = Duration::from_micros(50);
 
 /// One-part encodings larger than this are never bundled.
-const BUNDLE_ITEM_MAX: usize = 1024;
+const BUNDLE_ITEM_MAX: usize = 4096 + 64;
 
 /// Bytes of a bundle at most (and never more than one datagram carries).
-const BUNDLE_MAX: usize = 16 * 1024;
+const BUNDLE_MAX: usize = 32 * 1024;
 
 /// A datagram to send, in parts, so the payload (a slice of the user's
 /// message) is never copied: header, payload, checksum trailer.
