@@ -205,8 +205,12 @@ impl Endpoint {
                 len,
             )
         };
-        let gathered = !cma && self.0.link.gathers();
-        OpState::Wait(done, self.0.core.clone(), gathered)
+        let gather = if !cma && self.0.link.gathers() {
+            Gather::Unpolled(self.0.link.clone())
+        } else {
+            Gather::No
+        };
+        OpState::Wait(done, self.0.core.clone(), gather)
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -325,9 +329,18 @@ fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
 
 enum OpState {
     Ready(Option<Result<()>>),
-    /// `true` until the first poll when the request may wait in a bundle
-    /// (see [`Link::gathers`]).
-    Wait(Arc<Completion>, Arc<Core>, bool),
+    Wait(Arc<Completion>, Arc<Core>, Gather),
+}
+
+/// Where a request that may wait in a bundle (see [`Link::gathers`]) is,
+/// seen from its future.
+enum Gather {
+    /// Not gathered, or sent.
+    No,
+    /// Not polled yet.
+    Unpolled(Arc<dyn Link>),
+    /// Polled once: the task has started the rest of its burst.
+    Polled(Arc<dyn Link>),
 }
 
 impl OpState {
@@ -338,20 +351,26 @@ impl OpState {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
             }
-            OpState::Wait(c, core, first) => {
-                if !std::mem::take(first) {
-                    return wait(c, core, cx);
+            OpState::Wait(c, core, gather) => match std::mem::replace(gather, Gather::No) {
+                Gather::Unpolled(link) => {
+                    // The request may wait to leave with the rest of a burst
+                    // that this task is starting (a window of puts, each
+                    // polled once): no progress call yet, which would send
+                    // it alone. The task is polled again at once.
+                    *gather = Gather::Polled(link);
+                    if let Poll::Ready(r) = c.poll(cx) {
+                        return Poll::Ready(r);
+                    }
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
                 }
-                // The request may wait to leave with the rest of a burst
-                // that this task is starting (a window of puts, each polled
-                // once): no progress call yet, which would send it alone.
-                // The task is polled again at once.
-                if let Poll::Ready(r) = c.poll(cx) {
-                    return Poll::Ready(r);
+                Gather::Polled(link) => {
+                    // The burst is complete: send it (with this request).
+                    link.flush_gathered();
+                    wait(c, core, cx)
                 }
-                cx.waker().wake_by_ref();
-                Poll::Pending
-            }
+                Gather::No => wait(c, core, cx),
+            },
         }
     }
 }

@@ -135,6 +135,10 @@ pub(crate) trait Link: Send + Sync {
         self.submit(kind, tag, data)
     }
 
+    /// Send what [`submit_gathered`](Self::submit_gathered) held back for
+    /// this peer, now (the caller's burst is complete).
+    fn flush_gathered(&self) {}
+
     /// Whether [`submit_gathered`](Self::submit_gathered) holds messages
     /// back until the next progress call: the future waiting on such a
     /// request lets its task start the rest of the burst before it makes

@@ -12,7 +12,9 @@
 //! the peer is busy): a [`BUNDLE`] byte, then for each message its
 //! one-part encoding's length (u32 little-endian) and that encoding. A
 //! bundle is checked whole before any of it is delivered: a malformed one
-//! is dropped and counted like any bad frame.
+//! is dropped and counted like any bad frame. Its messages are copied out
+//! (they are small), so a message kept by the program never pins the
+//! whole bundle's buffer.
 
 use std::sync::Arc;
 
@@ -74,7 +76,9 @@ pub(crate) fn encode(pool: &Arc<BufPool>, kind: Kind, tag: u64, data: Bytes) -> 
 
 /// Small one-part messages being gathered into one protocol message (see
 /// the module documentation). Holds its first message as it came, so a
-/// bundle of one goes out as that message.
+/// bundle of one goes out as that message and allocates nothing; the
+/// buffer is made by the second message and grows with the bundle (at
+/// most twice what it holds).
 #[derive(Debug)]
 pub(crate) struct Bundle {
     buf: Vec<u8>,
@@ -83,16 +87,21 @@ pub(crate) struct Bundle {
 }
 
 impl Bundle {
-    /// A bundle holding `msg` (a one-part encoding), with room reserved
-    /// for `cap` bytes in all.
-    pub(crate) fn new(msg: Bytes, cap: usize) -> Bundle {
-        let mut buf = Vec::with_capacity(cap);
-        buf.push(BUNDLE);
-        Self::append(&mut buf, &msg);
+    /// A bundle holding `msg` (a one-part encoding).
+    pub(crate) fn new(msg: Bytes) -> Bundle {
         Bundle {
-            buf,
+            buf: Vec::new(),
             first: msg,
             count: 1,
+        }
+    }
+
+    /// Bytes of the bundle as it would be sent with more than one message.
+    fn len(&self) -> usize {
+        if self.count == 1 {
+            1 + BUNDLE_ENTRY + self.first.len()
+        } else {
+            self.buf.len()
         }
     }
 
@@ -105,8 +114,14 @@ impl Bundle {
 
     /// Add `msg` if the bundle stays within `cap` bytes; else hand it back.
     pub(crate) fn push(&mut self, msg: Bytes, cap: usize) -> Result<(), Bytes> {
-        if self.buf.len() + BUNDLE_ENTRY + msg.len() > cap || msg.len() > u32::MAX as usize {
+        if self.len() + BUNDLE_ENTRY + msg.len() > cap || msg.len() > u32::MAX as usize {
             return Err(msg);
+        }
+        if self.count == 1 {
+            let mut buf = Vec::with_capacity(2 * (self.len() + BUNDLE_ENTRY + msg.len()));
+            buf.push(BUNDLE);
+            Self::append(&mut buf, &self.first);
+            self.buf = buf;
         }
         Self::append(&mut self.buf, &msg);
         self.count += 1;
@@ -150,11 +165,13 @@ pub(crate) struct Unbundle {
 impl Iterator for Unbundle {
     type Item = (Kind, u64, Bytes);
     fn next(&mut self) -> Option<Self::Item> {
+        use bytes::Buf;
         // Checked whole by `check_bundle`: every entry parses.
         let Entry { kind, tag, len } = entry(&self.rest).ok()??;
-        let msg = self.rest.slice(BUNDLE_ENTRY..BUNDLE_ENTRY + len);
-        self.rest = self.rest.slice(BUNDLE_ENTRY + len..);
-        Some((kind, tag, msg.slice(PREFIX..)))
+        let data =
+            Bytes::copy_from_slice(self.rest.get(BUNDLE_ENTRY + PREFIX..BUNDLE_ENTRY + len)?);
+        self.rest.advance(BUNDLE_ENTRY + len);
+        Some((kind, tag, data))
     }
 }
 
@@ -297,7 +314,7 @@ mod tests {
         fn bundles_round_trip(msgs in proptest::collection::vec((kinds(), any::<u64>(), proptest::collection::vec(any::<u8>(), 0..64)), 1..20)) {
             let pool = Arc::default();
             let enc: Vec<Bytes> = msgs.iter().map(|(k, t, d)| one_part(&pool, *k, *t, d)).collect();
-            let mut b = Bundle::new(enc[0].clone(), 1 << 16);
+            let mut b = Bundle::new(enc[0].clone());
             for m in &enc[1..] {
                 prop_assert!(b.push(m.clone(), 1 << 16).is_ok());
             }
@@ -316,16 +333,38 @@ mod tests {
             prop_assert_eq!(got, want);
         }
 
-        /// Bytes after a bundle marker never decode to a partial bundle:
-        /// all of it is checked, or it is refused.
+        /// A damaged bundle (a byte changed, bytes cut off or added) never
+        /// decodes to part of one: either it is refused, or every byte of
+        /// it is accounted for by whole messages.
         #[test]
-        fn bundles_are_checked_whole(body in proptest::collection::vec(any::<u8>(), 0..80)) {
+        fn bundles_are_checked_whole(
+            sizes in proptest::collection::vec(0usize..40, 2..6),
+            at in any::<prop::sample::Index>(),
+            byte: u8,
+            how in 0u8..3,
+        ) {
+            let pool = Arc::default();
+            let enc: Vec<Bytes> = sizes.iter().map(|n| one_part(&pool, Kind::User, 7, &vec![1; *n])).collect();
+            let mut b = Bundle::new(enc[0].clone());
+            for m in &enc[1..] {
+                prop_assert!(b.push(m.clone(), 1 << 16).is_ok());
+            }
+            let mut wire = b.finish().to_vec();
+            let i = 1 + at.index(wire.len() - 1);
+            match how {
+                0 => wire[i] = byte,
+                1 => wire.truncate(i),
+                _ => wire.insert(i, byte),
+            }
+            let len = wire.len();
             let mut d = Decoder::default();
-            let mut m = vec![BUNDLE];
-            m.extend_from_slice(&body);
-            if let Ok(Frames::Many(it)) = d.push(Bytes::from(m)) {
-                let total: usize = it.map(|(_, _, data)| BUNDLE_ENTRY + PREFIX + data.len()).sum();
-                prop_assert_eq!(total, body.len());
+            match d.push(Bytes::from(wire)) {
+                Ok(Frames::Many(it)) => {
+                    let total: usize = it.map(|(_, _, data)| BUNDLE_ENTRY + PREFIX + data.len()).sum();
+                    prop_assert_eq!(total + 1, len);
+                }
+                Ok(other) => prop_assert!(false, "a damaged bundle decoded as {:?}", other),
+                Err(_) => {}
             }
         }
 
@@ -336,6 +375,26 @@ mod tests {
                 let _ = d.push(Bytes::from(m));
             }
         }
+    }
+
+    /// A bundle takes messages up to its cap, then hands the next back;
+    /// one that holds a single message is that message, unallocated.
+    #[test]
+    fn bundles_stop_at_their_cap() {
+        let pool = Arc::default();
+        let m = one_part(&pool, Kind::User, 1, &[5; 11]); // 20 bytes
+        let mut b = Bundle::new(m.clone());
+        assert_eq!(b.len(), 1 + 4 + 20);
+        assert!(b.buf.capacity() == 0, "a bundle of one allocates nothing");
+        let cap = 1 + 3 * (4 + 20);
+        assert!(b.push(m.clone(), cap).is_ok());
+        assert!(b.push(m.clone(), cap).is_ok());
+        assert_eq!(b.len(), cap);
+        assert_eq!(b.push(m.clone(), cap), Err(m.clone()));
+        assert_eq!(b.count(), 3);
+        assert!(b.buf.capacity() <= 2 * cap);
+        let one = Bundle::new(m.clone());
+        assert_eq!(one.finish(), m);
     }
 
     #[test]

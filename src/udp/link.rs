@@ -119,6 +119,15 @@ impl Link for UdpLink {
         })
     }
 
+    fn flush_gathered(&self) {
+        let now = Instant::now();
+        let mut st = lock(&self.peer.st);
+        if st.holds_messages() {
+            st.flush(now, &self.t.io, &self.peer, usize::MAX);
+            self.t.after_send(&st);
+        }
+    }
+
     fn gathers(&self) -> bool {
         true
     }

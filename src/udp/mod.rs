@@ -657,11 +657,16 @@ impl Transport for UdpTransport {
                 let ids = st.conn.unacked_messages();
                 (!st.is_idle()).then(|| {
                     format!(
-                        "udp rank {}: {} messages unacknowledged (ids {:?}{})",
+                        "udp rank {}: {} messages unacknowledged (ids {:?}{}){}",
                         p.rank,
                         ids.len(),
                         &ids[..ids.len().min(8)],
-                        if ids.len() > 8 { ", ..." } else { "" }
+                        if ids.len() > 8 { ", ..." } else { "" },
+                        if st.holds_messages() {
+                            ", and messages not yet handed to the protocol"
+                        } else {
+                            ""
+                        }
                     )
                 })
             })

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::frame::Bundle;
+use super::frame::{self, Bundle};
 use super::io;
 use super::proto::{self, Connection, Event, SendError};
 use crate::completion::Completion;
@@ -37,6 +37,8 @@ pub(crate) struct PeerState {
     /// Small messages gathered while the path is busy (see
     /// [`BUNDLE_AFTER`]) or on request ([`PeerState::gather_held`]).
     bundle: Option<Gathered>,
+    /// Small messages submitted in a row (a larger one resets it).
+    small_run: usize,
 }
 
 /// An open bundle.
@@ -49,16 +51,19 @@ struct Gathered {
 }
 
 /// Small messages are gathered into one protocol message (a bundle, see
-/// `frame`) while this many data segments are in flight to the peer: a
-/// burst of small sends or put requests then costs a datagram per bundle,
-/// not per message, while a lone message or a ping-pong (one in flight)
-/// goes out at once. The bundle leaves when an acknowledgement brings the
-/// segments in flight below this (every segment that empties our queue
-/// asks for a prompt one), when it is full, or after [`BUNDLE_WAIT`] —
-/// Nagle's idea, with a few messages allowed in flight instead of one.
-/// (Open MPI's TCP BTL sends each message by itself; its one-sided layer
-/// gathers puts until a flush.)
-const BUNDLE_AFTER: usize = 2;
+/// `frame`) once more than this many were sent in a row and at least this
+/// many data segments are in flight to the peer: a stream of small sends
+/// then costs a datagram per bundle, not per message, while a lone
+/// message, a ping-pong, a few requests before a reply, or a small message
+/// after a large one goes out at once. The bundle leaves when an
+/// acknowledgement brings the segments in flight below this (every
+/// segment that empties our queue asks for a prompt one), when it is full,
+/// or after [`BUNDLE_WAIT`] — Nagle's idea, with a few messages allowed in
+/// flight instead of one. The price: in a stream of small messages, one
+/// sent while the path is busy waits for an acknowledgement, at most a
+/// round trip (or `BUNDLE_WAIT`). (Open MPI's TCP BTL sends each message
+/// by itself; its one-sided layer gathers puts until a flush.)
+const BUNDLE_AFTER: usize = 4;
 
 /// The longest a bundle waits for an acknowledgement.
 const BUNDLE_WAIT: Duration = Duration::from_micros(50);
@@ -124,6 +129,7 @@ impl PeerState {
             last_heard: now,
             valid_seen: 0,
             bundle: None,
+            small_run: 0,
         }
     }
 
@@ -167,9 +173,23 @@ impl PeerState {
         })
     }
 
+    /// Hand the open bundle to the protocol if it should leave now.
+    fn close_due(&mut self, now: Instant, rank: Rank) {
+        if self.bundle_due(now) && self.close_bundle(now, rank).is_err() {
+            // The peer is lost: the loss path fails what is pending.
+            self.bundle = None;
+        }
+    }
+
     /// Bytes a bundle may hold.
     fn bundle_cap(&self) -> usize {
         BUNDLE_MAX.min(self.conn.chunk())
+    }
+
+    /// Whether a one-part encoding of `len` bytes may join a bundle (at
+    /// least two fit in one; on a 1500-byte path that is about 700 bytes).
+    fn bundleable(&self, len: usize) -> bool {
+        len <= BUNDLE_ITEM_MAX.min((self.bundle_cap() / 2).saturating_sub(frame::BUNDLE_ENTRY))
     }
 
     /// Gather `msg` (a one-part encoding when `one_part`) into the open
@@ -182,7 +202,9 @@ impl PeerState {
         msg: Bytes,
         one_part: bool,
     ) -> Result<Option<Bytes>> {
-        let busy = self.conn.in_flight() >= BUNDLE_AFTER;
+        let small = one_part && self.bundleable(msg.len());
+        self.small_run = if small { self.small_run + 1 } else { 0 };
+        let busy = self.small_run > BUNDLE_AFTER && self.conn.in_flight() >= BUNDLE_AFTER;
         self.gather_if(now, rank, msg, one_part, busy, false)
     }
 
@@ -197,7 +219,7 @@ impl PeerState {
         open: bool,
         held: bool,
     ) -> Result<Option<Bytes>> {
-        let small = one_part && msg.len() <= BUNDLE_ITEM_MAX && self.queue.is_empty();
+        let small = one_part && self.bundleable(msg.len()) && self.queue.is_empty();
         let cap = self.bundle_cap();
         let mut msg = msg;
         if let Some(g) = &mut self.bundle {
@@ -214,7 +236,7 @@ impl PeerState {
         }
         if small && self.queue.is_empty() && open {
             self.bundle = Some(Gathered {
-                bundle: Bundle::new(msg, cap),
+                bundle: Bundle::new(msg),
                 since: now,
                 held,
             });
@@ -403,10 +425,7 @@ impl PeerState {
 
     /// Send everything the connection has to send now. Returns datagrams sent.
     pub(crate) fn flush(&mut self, now: Instant, io: &Sockets, peer: &Peer, max: usize) -> usize {
-        if self.bundle_due(now) && self.close_bundle(now, peer.rank).is_err() {
-            // The peer is lost: the loss path fails what is pending.
-            self.bundle = None;
-        }
+        self.close_due(now, peer.rank);
         let mut sent = 0;
         // Bytes one batch may carry, doubling from batch to batch: each
         // datagram's CRC is computed before its batch goes out, so a first
@@ -544,4 +563,135 @@ impl Peer {
 /// How long a peer may be silent before we prove we are alive.
 pub(crate) fn keepalive_every(peer_timeout: Duration) -> Duration {
     (peer_timeout / 4).max(Duration::from_millis(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::frame::{Decoder, Frames};
+    use super::super::proto::{Config, ConnIds};
+    use super::*;
+    use crate::transport::Kind;
+
+    /// Our side of a connection (1500-byte path) and the peer's.
+    fn pair(now: Instant) -> (PeerState, Connection, Decoder) {
+        let ids = |local_rank, peer_rank| ConnIds {
+            job: 9,
+            local_rank,
+            peer_rank,
+        };
+        let a = Connection::new(Config::default(), ids(0, 1), 11, 22, now).unwrap();
+        let b = Connection::new(Config::default(), ids(1, 0), 22, 11, now).unwrap();
+        (PeerState::new(a, now), b, Decoder::default())
+    }
+
+    fn small(tag: u64) -> super::super::frame::Parts {
+        super::super::frame::encode(&Arc::default(), Kind::User, tag, Bytes::from(vec![7; 20]))
+    }
+
+    /// Carry every datagram we have to the peer and its acknowledgements
+    /// back; the tags it delivers, in order, and how many protocol
+    /// messages carried them.
+    fn carry(
+        a: &mut PeerState,
+        b: &mut Connection,
+        dec: &mut Decoder,
+        now: Instant,
+    ) -> (Vec<u64>, usize) {
+        let mut buf = Vec::new();
+        while a.conn.poll_transmit(now, &mut buf).is_some() {
+            b.handle_datagram(now, &buf);
+        }
+        let (mut tags, mut msgs) = (Vec::new(), 0);
+        while let Some(ev) = b.poll_event() {
+            if let Event::Message(m) = ev {
+                msgs += 1;
+                match dec.push(m).unwrap() {
+                    Frames::One(_, t, _) => tags.push(t),
+                    Frames::Many(it) => tags.extend(it.map(|(_, t, _)| t)),
+                    Frames::Head => {}
+                }
+            }
+        }
+        // (The peer holds an ACK back a while for a reply to carry it.)
+        let later = now + Duration::from_millis(2);
+        while b.poll_transmit(later, &mut buf).is_some() {
+            a.conn.handle_datagram(now, &buf);
+        }
+        while a.conn.poll_event().is_some() {}
+        (tags, msgs)
+    }
+
+    /// A few small messages go out by themselves; from the fifth in a row
+    /// with four in flight they gather, until a large message closes the
+    /// bundle ahead of itself; a small one after the large one goes out
+    /// at once. Everything arrives in order.
+    #[test]
+    fn bundles_form_in_streams_and_nothing_overtakes_them() {
+        let now = Instant::now();
+        let (mut a, mut b, mut dec) = pair(now);
+        for t in 0..7 {
+            assert!(matches!(a.submit(now, 1, small(t)).unwrap(), Queued::Done));
+        }
+        assert!(a.bundle.as_ref().is_some_and(|g| g.bundle.count() == 3));
+        let big = super::super::frame::encode(
+            &Arc::default(),
+            Kind::User,
+            7,
+            Bytes::from(vec![1; 70_000]),
+        );
+        a.submit(now, 1, big).unwrap();
+        assert!(a.bundle.is_none(), "the large message closed the bundle");
+        a.submit(now, 1, small(8)).unwrap();
+        assert!(
+            a.bundle.is_none(),
+            "a small message after a large one is not held"
+        );
+        let (tags, msgs) = carry(&mut a, &mut b, &mut dec, now);
+        assert_eq!(tags, (0..9).collect::<Vec<_>>());
+        // 4 alone, 1 bundle of 3, the large one's head and body, 1 alone.
+        assert_eq!(msgs, 8);
+    }
+
+    /// An open bundle leaves when acknowledgements bring the segments in
+    /// flight below the threshold, or at its deadline; a held one at the
+    /// next flush whatever is in flight.
+    #[test]
+    fn bundles_leave_on_acknowledgement_deadline_or_flush() {
+        let now = Instant::now();
+        let (mut a, mut b, mut dec) = pair(now);
+        for t in 0..6 {
+            a.submit(now, 1, small(t)).unwrap();
+        }
+        a.close_due(now, 1);
+        assert!(a.bundle.is_some(), "four in flight: the bundle waits");
+        let (tags, _) = carry(&mut a, &mut b, &mut dec, now);
+        assert_eq!(tags, (0..4).collect::<Vec<_>>());
+        a.close_due(now, 1);
+        assert!(a.bundle.is_none(), "acknowledged: the bundle left");
+        assert_eq!(carry(&mut a, &mut b, &mut dec, now).0, vec![4, 5]);
+
+        // Deadline: four more in flight, not acknowledged.
+        for t in 6..16 {
+            a.submit(now, 1, small(t)).unwrap();
+        }
+        assert!(a.bundle.is_some());
+        a.close_due(now + BUNDLE_WAIT / 2, 1);
+        assert!(a.bundle.is_some());
+        assert_eq!(a.poll_timeout().map(|t| t >= now + BUNDLE_WAIT), Some(true));
+        a.close_due(now + BUNDLE_WAIT, 1);
+        assert!(a.bundle.is_none(), "the deadline passed: the bundle left");
+        assert_eq!(
+            carry(&mut a, &mut b, &mut dec, now).0,
+            (6..16).collect::<Vec<_>>()
+        );
+
+        // Held: nothing in flight, gathered anyway, sent at the next flush.
+        for t in 16..19 {
+            let (q, gathered) = a.gather_held(now, 1, small(t)).unwrap();
+            assert!(matches!(q, Queued::Done) && gathered);
+        }
+        a.close_due(now, 1);
+        let (tags, msgs) = carry(&mut a, &mut b, &mut dec, now);
+        assert_eq!((tags, msgs), (vec![16, 17, 18], 1));
+    }
 }

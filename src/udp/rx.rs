@@ -37,6 +37,12 @@ use crate::transport::Kind;
 use crate::Rank;
 
 /// Receive-side state of one peer.
+/// What a held message counts against [`HOLD_LIMIT`]: its bytes and a
+/// fixed charge, so that a bundle of empty messages is not free.
+fn held_cost(len: usize) -> usize {
+    len + 64
+}
+
 #[derive(Default)]
 pub(crate) struct PeerRx {
     dec: Decoder,
@@ -531,7 +537,7 @@ impl UdpTransport {
             self.dispatch(rank, kind, tag, data);
             *delivered += 1;
         } else {
-            prx.held_bytes += data.len();
+            prx.held_bytes += held_cost(data.len());
             prx.held.push_back((kind, tag, data));
         }
     }
@@ -557,7 +563,7 @@ impl UdpTransport {
                 break;
             }
             if let Some((kind, tag, data)) = prx.held.pop_front() {
-                prx.held_bytes -= data.len();
+                prx.held_bytes -= held_cost(data.len());
                 self.dispatch(rank, kind, tag, data);
                 *cx.delivered += 1;
                 work += 1;
