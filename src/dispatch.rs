@@ -1122,6 +1122,31 @@ mod tests {
         assert_eq!(d.total.load(Ordering::Relaxed), 0);
     }
 
+    /// A receiver keeps the progress poller only while it polls hot: it
+    /// lets it go when it goes to sleep and when its fabric closes (so a
+    /// receiver kept longer never keeps the transports alive).
+    #[tokio::test]
+    async fn receivers_keep_the_poller_only_while_hot() {
+        for mode in [ProgressMode::Interrupt, ProgressMode::BusyPoll] {
+            let d = Dispatcher::new((1 << 20, 1 << 30), mode, Duration::ZERO);
+            let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let mut rx = d.take(1, closed.clone()).unwrap();
+            let p: Poller = Arc::new(|_| 0);
+            d.set_progress_hook(&p);
+            assert!(futures::poll!(rx.next()).is_pending());
+            let held = Arc::strong_count(&p) - 1;
+            match mode {
+                // Asleep: nothing polls it until a wake-up.
+                ProgressMode::Interrupt => assert_eq!(held, 0),
+                // Hot: it polls again at once, with the poller.
+                _ => assert_eq!(held, 1),
+            }
+            closed.store(true, Ordering::Release);
+            assert!(matches!(futures::poll!(rx.next()), Poll::Ready(None)));
+            assert_eq!(Arc::strong_count(&p), 1, "closed: the poller is let go");
+        }
+    }
+
     /// A receiver dropped with messages handed over inline but not handed
     /// out puts them back in its tag's queue, charged, in order.
     #[tokio::test]
