@@ -86,6 +86,17 @@ pub struct Limits {
     /// Shared memory: sends of at least this many bytes are copied by both
     /// processes at once (split copy).
     pub sm_split_min: usize,
+    /// UDP: largest message (its framing included) gathered into bundles,
+    /// where half a datagram allows it.
+    pub udp_bundle_message_max: usize,
+    /// UDP: largest bundle, where one datagram allows it.
+    pub udp_bundle_max: usize,
+    /// UDP: small messages in a row, and data segments in flight, before
+    /// small messages are gathered.
+    pub udp_bundle_after: usize,
+    /// UDP: the longest a bundle waits for an acknowledgement, in
+    /// microseconds.
+    pub udp_bundle_wait_us: u64,
     /// Address exchange limit at start-up, in milliseconds.
     pub boot_timeout_ms: u64,
     /// Limit on `Fabric::close`, in milliseconds.
@@ -115,6 +126,10 @@ impl From<&Config> for Limits {
             sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
             sm_single_copy_min: c.sm_cma_min,
             sm_split_min: c.sm_split_min,
+            udp_bundle_message_max: crate::udp::peer::BUNDLE_ITEM_MAX,
+            udp_bundle_max: crate::udp::peer::BUNDLE_MAX,
+            udp_bundle_after: crate::udp::peer::BUNDLE_AFTER,
+            udp_bundle_wait_us: crate::udp::peer::BUNDLE_WAIT.as_micros() as u64,
             boot_timeout_ms: ms(c.boot_timeout),
             close_timeout_ms: ms(c.close_timeout),
             allowed_transports: c.transports.clone(),

@@ -52,7 +52,7 @@ mod frame;
 mod io;
 mod link;
 mod net;
-mod peer;
+pub(crate) mod peer;
 pub mod proto;
 mod rx;
 

@@ -63,16 +63,16 @@ struct Gathered {
 /// sent while the path is busy waits for an acknowledgement, at most a
 /// round trip (or `BUNDLE_WAIT`). (Open MPI's TCP BTL sends each message
 /// by itself; its one-sided layer gathers puts until a flush.)
-const BUNDLE_AFTER: usize = 4;
+pub(crate) const BUNDLE_AFTER: usize = 4;
 
 /// The longest a bundle waits for an acknowledgement.
-const BUNDLE_WAIT: Duration = Duration::from_micros(50);
+pub(crate) const BUNDLE_WAIT: Duration = Duration::from_micros(50);
 
 /// One-part encodings larger than this are never bundled.
-const BUNDLE_ITEM_MAX: usize = 4096 + 64;
+pub(crate) const BUNDLE_ITEM_MAX: usize = 4096 + 64;
 
 /// Bytes of a bundle at most (and never more than one datagram carries).
-const BUNDLE_MAX: usize = 32 * 1024;
+pub(crate) const BUNDLE_MAX: usize = 32 * 1024;
 
 /// A datagram to send, in parts, so the payload (a slice of the user's
 /// message) is never copied: header, payload, checksum trailer.
