@@ -244,8 +244,9 @@ const SETTLE_AT_ONCE: usize = 64 * 1024;
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
 
-/// See [`Dispatcher::progress_inline_for_op`].
-const OP_POLL_GAP_NS: u64 = 1_000;
+/// What a waiting operation's future has seen of
+/// [`Dispatcher::progress_inline_for_op`] before its first poll.
+pub(crate) const OP_UNSEEN: u64 = u64::MAX;
 
 /// See [`Hot::spinning_idle`].
 const OS_YIELD_AFTER_NS: u64 = 20_000;
@@ -267,9 +268,9 @@ struct Hot {
     /// Nanoseconds since `epoch` of the last inline poll by a hot receiver
     /// (Relaxed: a hint for the progress task to stand back).
     inline: AtomicU64,
-    /// Nanoseconds since `epoch` of the last inline poll for an operation
-    /// that found nothing (Relaxed: a hint).
-    op_idle: AtomicU64,
+    /// Inline progress calls made for futures waiting on operations
+    /// (Relaxed: a hint; see `Dispatcher::progress_inline_for_op`).
+    op_polls: AtomicU64,
 }
 
 impl Hot {
@@ -331,7 +332,7 @@ impl Dispatcher {
                 worked: AtomicBool::new(false),
                 polled: AtomicU64::new(0),
                 inline: AtomicU64::new(0),
-                op_idle: AtomicU64::new(0),
+                op_polls: AtomicU64::new(0),
             },
         })
     }
@@ -360,22 +361,26 @@ impl Dispatcher {
     }
 
     /// [`progress_inline`](Self::progress_inline) for a future waiting on
-    /// an operation's completion, unless such a poll found nothing less
-    /// than [`OP_POLL_GAP_NS`] ago: a task waiting on many operations at
-    /// once (a window of puts joined together) polls every one of them per
-    /// wake-up, and one progress call serves them all (over udp each call
-    /// is a system call: 64 per wake-up made small puts 8 times slower).
-    pub(crate) fn progress_inline_for_op(&self) -> bool {
+    /// an operation's completion, unless another such future ran it since
+    /// this one's last poll (`seen`: the count of those calls it saw then,
+    /// [`OP_UNSEEN`] before its first poll). A task waiting on many
+    /// operations at once (a window of puts joined together) polls every
+    /// one of them per wake-up, and one progress call, fabric-wide, serves
+    /// them all (over udp each call is a system call: 64 per wake-up made
+    /// small puts 8 times slower); a lone future runs it on every poll.
+    /// Skipping is safe: a completion found by anyone's progress wakes its
+    /// future.
+    pub(crate) fn progress_inline_for_op(&self, seen: &mut u64) -> bool {
         let p = &self.policy;
-        let now = p.now_ns();
-        if now.saturating_sub(p.op_idle.load(Ordering::Relaxed)) < OP_POLL_GAP_NS {
+        let n = p.op_polls.load(Ordering::Relaxed);
+        if *seen != OP_UNSEEN && *seen != n {
+            *seen = n;
             return false;
         }
-        let worked = self.progress_inline();
-        if !worked {
-            p.op_idle.store(now, Ordering::Relaxed);
-        }
-        worked
+        let n = n.wrapping_add(1) % OP_UNSEEN;
+        p.op_polls.store(n, Ordering::Relaxed);
+        *seen = n;
+        self.progress_inline()
     }
 
     /// [`progress_inline`](Self::progress_inline) with the poller kept in
@@ -1120,6 +1125,46 @@ mod tests {
         assert!(futures::poll!(rx.next()).is_pending());
         assert_eq!(queued(&d, 1), 0);
         assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// Futures waiting on operations share inline progress: a lone one
+    /// runs it on every poll; of many polled in turn (a join), one per
+    /// sweep does.
+    #[test]
+    fn waiting_operations_share_one_progress_call_per_sweep() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let c = calls.clone();
+        let p: Poller = Arc::new(move |_| {
+            c.fetch_add(1, Ordering::Relaxed);
+            0
+        });
+        d.set_progress_hook(&p);
+        // Hook calls one inline progress makes (a first turn, then more).
+        d.progress_inline();
+        let per = calls.swap(0, Ordering::Relaxed);
+        assert!(per >= 1);
+        let mut lone = OP_UNSEEN;
+        for i in 1..=5 {
+            d.progress_inline_for_op(&mut lone);
+            assert_eq!(
+                calls.swap(0, Ordering::Relaxed),
+                per,
+                "poll {i} of a lone future"
+            );
+        }
+        let mut many = [OP_UNSEEN; 64];
+        // First polls all run it (each future's first look).
+        many.iter_mut().for_each(|s| {
+            d.progress_inline_for_op(s);
+        });
+        calls.store(0, Ordering::Relaxed);
+        for _ in 0..10 {
+            many.iter_mut().for_each(|s| {
+                d.progress_inline_for_op(s);
+            });
+            assert_eq!(calls.swap(0, Ordering::Relaxed), per, "one call per sweep");
+        }
     }
 
     /// A receiver keeps the progress poller only while it polls hot: it

@@ -9,6 +9,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 
 use crate::completion::Completion;
+use crate::dispatch::OP_UNSEEN;
 use crate::fabric::Core;
 use crate::region::{MemoryRegion, RemoteKey};
 use crate::stats::Counters;
@@ -67,6 +68,7 @@ impl Endpoint {
                 data: data.into(),
             },
             ep: self.0.clone(),
+            seen: OP_UNSEEN,
         }
     }
 
@@ -85,6 +87,7 @@ impl Endpoint {
             tag,
             data,
             queued: None,
+            seen: OP_UNSEEN,
         }
     }
 
@@ -210,7 +213,7 @@ impl Endpoint {
         } else {
             Gather::No
         };
-        OpState::Wait(done, self.0.core.clone(), gather)
+        OpState::Wait(done, self.0.core.clone(), gather, OP_UNSEEN)
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -240,6 +243,7 @@ enum SendState {
 pub struct Send {
     state: SendState,
     ep: Arc<Inner>,
+    seen: u64,
 }
 
 impl Future for Send {
@@ -255,7 +259,8 @@ impl Future for Send {
                     }
                 }
                 SendState::Wait(c) => {
-                    let p = wait(&c, &self.ep.core, cx);
+                    let this = &mut *self;
+                    let p = wait(&c, &this.ep.core, &mut this.seen, cx);
                     if p.is_pending() {
                         self.state = SendState::Wait(c);
                     }
@@ -283,13 +288,15 @@ pub struct SendInline<'a> {
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
+    seen: u64,
 }
 
 impl Future for SendInline<'_> {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        if let Some(c) = &self.queued {
-            return wait(c, &self.ep.core, cx);
+        let this = &mut *self;
+        if let Some(c) = &this.queued {
+            return wait(c, &this.ep.core, &mut this.seen, cx);
         }
         match self.ep.link.try_send(Kind::User, self.tag, self.data) {
             Ok(true) => return Poll::Ready(Ok(())),
@@ -303,8 +310,9 @@ impl Future for SendInline<'_> {
         {
             Ok(None) => Poll::Ready(Ok(())),
             Ok(Some(c)) => {
-                let p = wait(&c, &self.ep.core, cx);
-                self.queued = Some(c);
+                let this = &mut *self;
+                let p = wait(&c, &this.ep.core, &mut this.seen, cx);
+                this.queued = Some(c);
                 p
             }
             Err(e) => Poll::Ready(Err(e)),
@@ -312,13 +320,15 @@ impl Future for SendInline<'_> {
     }
 }
 
-/// Poll a completion; if it is not done, run progress inline once and look
-/// again, and keep the task hot while traffic flows.
-fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
+/// Poll a completion; if it is not done, run progress inline once (unless
+/// another waiting future did since this one's last poll: `seen`, see
+/// `Dispatcher::progress_inline_for_op`) and look again, and keep the task
+/// hot while traffic flows.
+fn wait(c: &Completion, core: &Core, seen: &mut u64, cx: &mut Context<'_>) -> Poll<Result<()>> {
     if let Poll::Ready(r) = c.poll(cx) {
         return Poll::Ready(r);
     }
-    if !core.is_closed() && core.dispatcher.progress_inline_for_op() {
+    if !core.is_closed() && core.dispatcher.progress_inline_for_op(seen) {
         if let Poll::Ready(r) = c.poll(cx) {
             return Poll::Ready(r);
         }
@@ -329,7 +339,9 @@ fn wait(c: &Completion, core: &Core, cx: &mut Context<'_>) -> Poll<Result<()>> {
 
 enum OpState {
     Ready(Option<Result<()>>),
-    Wait(Arc<Completion>, Arc<Core>, Gather),
+    /// The completion, the core, where a gathered request is, and what
+    /// the future has seen of inline progress (see `wait`).
+    Wait(Arc<Completion>, Arc<Core>, Gather, u64),
 }
 
 /// Where a request that may wait in a bundle (see [`Link::gathers`]) is,
@@ -351,7 +363,7 @@ impl OpState {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
             }
-            OpState::Wait(c, core, gather) => match std::mem::replace(gather, Gather::No) {
+            OpState::Wait(c, core, gather, seen) => match std::mem::replace(gather, Gather::No) {
                 Gather::Unpolled(link) => {
                     // The request may wait to leave with the rest of a burst
                     // that this task is starting (a window of puts, each
@@ -367,9 +379,9 @@ impl OpState {
                 Gather::Polled(link) => {
                     // The burst is complete: send it (with this request).
                     link.flush_gathered();
-                    wait(c, core, cx)
+                    wait(c, core, seen, cx)
                 }
-                Gather::No => wait(c, core, cx),
+                Gather::No => wait(c, core, seen, cx),
             },
         }
     }
