@@ -217,8 +217,8 @@ impl Endpoint {
     }
 
     /// Resolves once every send queued to this peer has been handed over and
-    /// every put/get to it has completed; fails with `PeerLost` if the peer
-    /// is gone.
+    /// every put/get to it has completed (including those whose futures
+    /// were dropped); fails with `PeerLost` if the peer is gone.
     pub fn flush(&self) -> Flush {
         Flush {
             ep: self.0.clone(),
@@ -425,36 +425,69 @@ impl Future for Get {
 
 /// Future of [`Endpoint::flush`].
 ///
+/// Like `MPI_Win_flush`, it completes what was started: puts and gets
+/// whose futures were dropped after their first poll still complete, and
+/// the flush waits for them (a `put` loop then `flush` is the one-sided
+/// pattern; keep the futures to see each operation's own error).
+///
 /// # Cancel safety
-/// Waiting only; dropping it changes nothing.
+/// Waiting only (it may send requests held back for their burst, which
+/// would have left at the next progress call anyway); dropping it changes
+/// nothing.
 #[must_use = "futures do nothing unless polled"]
 pub struct Flush {
     ep: Arc<Inner>,
     tick: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
+impl Flush {
+    /// Whether the peer took everything: `Some` when the flush is over.
+    fn over(&self) -> Option<Result<()>> {
+        let peer = self.ep.link.peer();
+        if let Some(reason) = self.ep.core.lost_reason(peer) {
+            return Some(Err(Error::PeerLost { rank: peer, reason }));
+        }
+        if !self.ep.link.has_queued() && self.ep.core.rma.outstanding(peer) == 0 {
+            return Some(Ok(()));
+        }
+        if self.ep.core.is_closed() {
+            return Some(Err(Error::Closed));
+        }
+        None
+    }
+}
+
 impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        // Requests held back to leave with their burst (puts whose futures
+        // were polled once, or dropped) leave now: the burst is over.
+        self.ep.link.flush_gathered();
+        if let Some(r) = self.over() {
+            return Poll::Ready(r);
+        }
+        // Make progress here, as the futures of the operations would, and
+        // keep polling while traffic is hot (MPI_Win_flush spins too).
+        if self.ep.core.dispatcher.progress_inline() {
+            if let Some(r) = self.over() {
+                return Poll::Ready(r);
+            }
+        }
+        if self.ep.core.dispatcher.stay_hot(cx) {
+            return Poll::Pending;
+        }
         loop {
-            let peer = self.ep.link.peer();
-            if let Some(reason) = self.ep.core.lost_reason(peer) {
-                return Poll::Ready(Err(Error::PeerLost { rank: peer, reason }));
-            }
-            if !self.ep.link.has_queued() && self.ep.core.rma.outstanding(peer) == 0 {
-                return Poll::Ready(Ok(()));
-            }
-            if self.ep.core.is_closed() {
-                return Poll::Ready(Err(Error::Closed));
-            }
-            // Re-check on a short timer: completions of many kinds feed this,
-            // and flush is rare enough that a 100 µs poll costs nothing.
+            // Cold: re-check on a short timer (completions of many kinds
+            // feed this, and the progress task makes the progress).
             let tick = self.tick.get_or_insert_with(|| {
                 Box::pin(tokio::time::sleep(std::time::Duration::from_micros(100)))
             });
             match tick.as_mut().poll(cx) {
                 Poll::Ready(()) => self.tick = None,
                 Poll::Pending => return Poll::Pending,
+            }
+            if let Some(r) = self.over() {
+                return Poll::Ready(r);
             }
         }
     }

@@ -195,10 +195,12 @@ async fn putget(f: Fabric) {
 async fn bursts(f: Fabric) {
     const SENDS: usize = 20_000;
     const PUTS: usize = 2_000;
+    /// Puts whose futures are dropped (half after one poll), then flushed.
+    const DROPPED: usize = 200;
     const SLOT: usize = 64;
     let msg = |i: usize| pattern(i % 300, i as u64);
     if f.rank() == 1 {
-        let target = f.register(vec![0u8; PUTS * SLOT]);
+        let target = f.register(vec![0u8; (PUTS + DROPPED) * SLOT]);
         let ep = f.endpoint(0).unwrap();
         ep.send(1, target.remote_key().to_bytes()).await.unwrap();
         let mut rx = f.receiver(2).unwrap();
@@ -207,7 +209,7 @@ async fn bursts(f: Fabric) {
             assert_eq!(m.data, msg(i), "message {i} whole and in order");
         }
         f.barrier().await.unwrap(); // rank 0's puts are done
-        for i in 0..PUTS {
+        for i in 0..PUTS + DROPPED {
             let mut got = vec![0u8; SLOT];
             target.read(i * SLOT, &mut got).unwrap();
             let len = 1 + i % SLOT;
@@ -225,13 +227,26 @@ async fn bursts(f: Fabric) {
             ep.send(2, msg(i)).await.unwrap();
         }
         let sent_before_puts = f.udp_stats(1).unwrap().messages_sent;
-        let src = f.register((0..PUTS).flat_map(|i| pattern(SLOT, i as u64)).collect());
+        let src = f.register(
+            (0..PUTS + DROPPED)
+                .flat_map(|i| pattern(SLOT, i as u64))
+                .collect(),
+        );
         for window in (0..PUTS).collect::<Vec<_>>().chunks(100) {
             let puts = window.iter().map(|&i| {
                 let len = 1 + i % SLOT;
                 ep.put(&src, i * SLOT..i * SLOT + len, &target, (i * SLOT) as u64)
             });
             futures::future::try_join_all(puts).await.unwrap();
+        }
+        ep.flush().await.unwrap();
+        // MPI style: start puts, keep no future, flush.
+        for i in PUTS..PUTS + DROPPED {
+            let len = 1 + i % SLOT;
+            let mut put = ep.put(&src, i * SLOT..i * SLOT + len, &target, (i * SLOT) as u64);
+            if i % 2 == 0 {
+                assert!(futures::poll!(&mut put).is_pending());
+            }
         }
         ep.flush().await.unwrap();
         let s = f.udp_stats(1).unwrap();

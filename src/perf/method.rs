@@ -18,8 +18,6 @@
 
 use std::time::{Duration, Instant};
 
-use futures::future::try_join_all;
-
 use super::plan::Plan;
 use super::wire::Wire;
 use super::{Test, Unit};
@@ -184,8 +182,27 @@ where
             std::task::Poll::Pending => pending.push(f),
         }
     }
-    try_join_all(pending).await?;
-    Ok(())
+    // Wait for the rest by polling them in place, all with the task's
+    // waker (`try_join_all` of more than 30 futures builds a
+    // `FuturesOrdered`: an allocation and a waker per future, which cost
+    // as much as an emulated put itself).
+    futures::future::poll_fn(|cx| {
+        let mut failed = None;
+        pending.retain_mut(|f| match std::pin::Pin::new(f).poll(cx) {
+            std::task::Poll::Ready(Ok(())) => false,
+            std::task::Poll::Ready(Err(e)) => {
+                failed.get_or_insert(e);
+                false
+            }
+            std::task::Poll::Pending => true,
+        });
+        match failed {
+            Some(e) => std::task::Poll::Ready(Err(e)),
+            None if pending.is_empty() => std::task::Poll::Ready(Ok(())),
+            None => std::task::Poll::Pending,
+        }
+    })
+    .await
 }
 
 #[cfg(test)]
