@@ -12,9 +12,9 @@
 //! the peer is busy): a [`BUNDLE`] byte, then for each message its
 //! one-part encoding's length (u32 little-endian) and that encoding. A
 //! bundle is checked whole before any of it is delivered: a malformed one
-//! is dropped and counted like any bad frame. Its messages are copied out
-//! (they are small), so a message kept by the program never pins the
-//! whole bundle's buffer.
+//! is dropped and counted like any bad frame. Its user messages are copied
+//! out (they are small), so a message kept by the program never pins the
+//! whole bundle's buffer; protocol messages, consumed at once, are slices.
 
 use std::sync::Arc;
 
@@ -168,8 +168,15 @@ impl Iterator for Unbundle {
         use bytes::Buf;
         // Checked whole by `check_bundle`: every entry parses.
         let Entry { kind, tag, len } = entry(&self.rest).ok()??;
-        let data =
-            Bytes::copy_from_slice(self.rest.get(BUNDLE_ENTRY + PREFIX..BUNDLE_ENTRY + len)?);
+        let body = BUNDLE_ENTRY + PREFIX..BUNDLE_ENTRY + len;
+        // A user message may be kept by the program: copy it out, so that
+        // it does not pin the bundle. Protocol messages (put/get requests
+        // and answers, barriers) are consumed at once: a slice.
+        let data = if kind == Kind::User {
+            Bytes::copy_from_slice(self.rest.get(body)?)
+        } else {
+            self.rest.slice(body)
+        };
         self.rest.advance(BUNDLE_ENTRY + len);
         Some((kind, tag, data))
     }
