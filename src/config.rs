@@ -105,6 +105,11 @@ pub struct Config {
     /// large datagrams, or a receiver that stopped reading for that long).
     /// Env: `BTL_UDP_STALL_TIMEOUT_MS`.
     pub udp_stall_timeout: Duration,
+    /// UDP: gather small messages into bundles while the path is busy, and
+    /// put/get requests started together into one (on by default). Off,
+    /// every message leaves as soon as the window allows, like
+    /// `TCP_NODELAY`. Env: `BTL_UDP_BUNDLE` (`1`/`on`, `0`/`off`).
+    pub udp_bundle: bool,
     /// Transports allowed, in preference order (`BTL_TRANSPORTS=sm,udp`, like
     /// `UCX_TLS`). Empty means all.
     pub transports: Vec<String>,
@@ -131,6 +136,7 @@ impl Default for Config {
             udp_window: None,
             udp_peer_timeout: Duration::from_secs(5),
             udp_stall_timeout: Duration::from_secs(60),
+            udp_bundle: true,
             transports: Vec::new(),
         }
     }
@@ -172,6 +178,17 @@ impl Config {
         }
         if let Some(v) = us("BTL_UDP_STALL_TIMEOUT_MS")? {
             c.udp_stall_timeout = Duration::from_millis(v.max(1));
+        }
+        if let Some(v) = get("BTL_UDP_BUNDLE") {
+            c.udp_bundle = match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "on" | "yes" | "true" => true,
+                "0" | "off" | "no" | "false" => false,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "BTL_UDP_BUNDLE={v:?}: use 1 (gather small messages, the default) or 0 (send each at once)"
+                    )))
+                }
+            };
         }
         if let Some(v) = get("BTL_UDP_ADDR") {
             let a: std::net::IpAddr = v
@@ -300,5 +317,17 @@ mod tests {
         }
         let e = with_udp_addr("fe80::1").unwrap_err().to_string();
         assert!(e.contains("scope id"), "{e}");
+    }
+
+    #[test]
+    fn udp_bundle_switch() {
+        let with =
+            |v: &str| Config::from_lookup(|k| (k == "BTL_UDP_BUNDLE").then(|| v.to_string()));
+        assert!(Config::default().udp_bundle);
+        for (v, want) in [("1", true), ("on", true), ("0", false), (" OFF ", false)] {
+            assert_eq!(with(v).unwrap().udp_bundle, want, "{v}");
+        }
+        let e = with("maybe").unwrap_err().to_string();
+        assert!(e.contains("BTL_UDP_BUNDLE"), "{e}");
     }
 }

@@ -98,14 +98,18 @@ fn render_text(r: &Report) -> String {
         "  sm paths        fast box up to {} B, fragments, single copy from {} B, split copy from {} B",
         l.sm_fast_box_max, l.sm_single_copy_min, l.sm_split_min
     ));
-    out.push(format!(
-        "  udp bundles     messages up to {} B, from the {}th in a row sent with {} segments in flight, gathered up to {} B or {} µs",
-        l.udp_bundle_message_max,
-        l.udp_bundle_after + 1,
-        l.udp_bundle_after,
-        l.udp_bundle_max,
-        l.udp_bundle_wait_us
-    ));
+    out.push(if l.udp_bundle {
+        format!(
+            "  udp bundles     messages up to {} B, from the {}th in a row sent with {} segments in flight, gathered up to {} B or {} µs",
+            l.udp_bundle_message_max,
+            l.udp_bundle_after + 1,
+            l.udp_bundle_after,
+            l.udp_bundle_max,
+            l.udp_bundle_wait_us
+        )
+    } else {
+        "  udp bundles     off (BTL_UDP_BUNDLE=0): every message leaves at once".to_string()
+    });
     out.push(format!(
         "  receive budget  {} B per tag, {} B in all",
         l.recv_budget, l.recv_total_budget

@@ -86,6 +86,9 @@ pub struct Limits {
     /// Shared memory: sends of at least this many bytes are copied by both
     /// processes at once (split copy).
     pub sm_split_min: usize,
+    /// UDP: whether small messages are gathered into bundles
+    /// (`BTL_UDP_BUNDLE`).
+    pub udp_bundle: bool,
     /// UDP: largest message (its framing included) gathered into bundles,
     /// where half a datagram allows it.
     pub udp_bundle_message_max: usize,
@@ -126,6 +129,7 @@ impl From<&Config> for Limits {
             sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
             sm_single_copy_min: c.sm_cma_min,
             sm_split_min: c.sm_split_min,
+            udp_bundle: c.udp_bundle,
             udp_bundle_message_max: crate::udp::peer::BUNDLE_ITEM_MAX,
             udp_bundle_max: crate::udp::peer::BUNDLE_MAX,
             udp_bundle_after: crate::udp::peer::BUNDLE_AFTER,

@@ -129,7 +129,7 @@ impl Link for UdpLink {
     }
 
     fn gathers(&self) -> bool {
-        true
+        self.t.core.config.udp_bundle
     }
 
     fn has_queued(&self) -> bool {

@@ -341,7 +341,7 @@ impl UdpTransport {
                 stash_limit,
                 lost: AtomicBool::new(false),
                 busy: AtomicBool::new(false),
-                st: Mutex::new(PeerState::new(conn, now)),
+                st: Mutex::new(PeerState::new(conn, now, self.core.config.udp_bundle)),
             });
             for addr in [peer.data_addr, peer.prio_addr] {
                 if by_addr.insert(addr, *rank).is_some() {

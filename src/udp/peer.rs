@@ -39,6 +39,8 @@ pub(crate) struct PeerState {
     bundle: Option<Gathered>,
     /// Small messages submitted in a row (a larger one resets it).
     small_run: usize,
+    /// Bundling is on (`Config::udp_bundle`).
+    bundling: bool,
 }
 
 /// An open bundle.
@@ -119,7 +121,8 @@ pub(crate) enum Queued {
 }
 
 impl PeerState {
-    pub(crate) fn new(conn: Connection, now: Instant) -> PeerState {
+    /// `bundling`: gather small messages (`Config::udp_bundle`).
+    pub(crate) fn new(conn: Connection, now: Instant, bundling: bool) -> PeerState {
         PeerState {
             conn,
             queue: VecDeque::new(),
@@ -130,6 +133,7 @@ impl PeerState {
             valid_seen: 0,
             bundle: None,
             small_run: 0,
+            bundling,
         }
     }
 
@@ -219,7 +223,8 @@ impl PeerState {
         open: bool,
         held: bool,
     ) -> Result<Option<Bytes>> {
-        let small = one_part && self.bundleable(msg.len()) && self.queue.is_empty();
+        let small =
+            self.bundling && one_part && self.bundleable(msg.len()) && self.queue.is_empty();
         let cap = self.bundle_cap();
         let mut msg = msg;
         if let Some(g) = &mut self.bundle {
@@ -581,7 +586,7 @@ mod tests {
         };
         let a = Connection::new(Config::default(), ids(0, 1), 11, 22, now).unwrap();
         let b = Connection::new(Config::default(), ids(1, 0), 22, 11, now).unwrap();
-        (PeerState::new(a, now), b, Decoder::default())
+        (PeerState::new(a, now, true), b, Decoder::default())
     }
 
     fn small(tag: u64) -> super::super::frame::Parts {
@@ -650,6 +655,24 @@ mod tests {
         assert_eq!(tags, (0..9).collect::<Vec<_>>());
         // 4 alone, 1 bundle of 3, the large one's head and body, 1 alone.
         assert_eq!(msgs, 8);
+    }
+
+    /// With bundling off (`BTL_UDP_BUNDLE=0`), a stream of small messages
+    /// and gathered requests each go to the protocol at once.
+    #[test]
+    fn bundling_off_sends_every_message_by_itself() {
+        let now = Instant::now();
+        let (a, mut b, mut dec) = pair(now);
+        let mut a = PeerState::new(a.conn, now, false);
+        for t in 0..10 {
+            a.submit(now, 1, small(t)).unwrap();
+        }
+        let (q, gathered) = a.gather_held(now, 1, small(10)).unwrap();
+        assert!(matches!(q, Queued::Done) && !gathered);
+        assert!(a.bundle.is_none());
+        let (tags, msgs) = carry(&mut a, &mut b, &mut dec, now);
+        assert_eq!(tags, (0..11).collect::<Vec<_>>());
+        assert_eq!(msgs, 11);
     }
 
     /// An open bundle leaves when acknowledgements bring the segments in
