@@ -83,12 +83,16 @@ impl BtlWire {
 
     fn payload(&self, len: usize) -> Result<Bytes> {
         if len > self.data.len() {
-            return Err(Error::Misuse(format!(
-                "message of {len} bytes is above the wire's {}",
-                self.data.len()
-            )));
+            return Err(self.too_long(len));
         }
         Ok(self.data.slice(..len))
+    }
+
+    fn too_long(&self, len: usize) -> Error {
+        Error::Misuse(format!(
+            "message of {len} bytes is above the wire's {}",
+            self.data.len()
+        ))
     }
 }
 
@@ -100,8 +104,19 @@ async fn btl_recv(rx: &mut Receiver, len: usize) -> Result<()> {
     Ok(())
 }
 
+/// Messages up to this size are sent with `send_inline` (a borrowed slice,
+/// copied straight into the transport: no reference count taken and
+/// dropped per message), larger ones with `send` of a `Bytes` (which a
+/// rendezvous or a udp split message sends without a copy) — what a
+/// program that knows the API does.
+const INLINE_MAX: usize = 1024;
+
 impl Wire for BtlWire {
     async fn send(&mut self, len: usize) -> Result<()> {
+        if len <= INLINE_MAX {
+            let data = self.data.get(..len).ok_or_else(|| self.too_long(len))?;
+            return self.ep.send_inline(self.tag, data).await;
+        }
         let p = self.payload(len)?;
         self.ep.send(self.tag, p).await
     }
@@ -114,6 +129,19 @@ impl Wire for BtlWire {
     /// complete on that poll: the message is in the peer's queue), and wait
     /// for the rest together — the async form of MPI's Isend + Waitall.
     async fn send_window(&mut self, len: usize, count: u64) -> Result<()> {
+        if len <= INLINE_MAX {
+            let data = self.data.get(..len).ok_or_else(|| self.too_long(len))?;
+            let mut pending = Vec::new();
+            for _ in 0..count {
+                let mut send = self.ep.send_inline(self.tag, data);
+                match futures::poll!(&mut send) {
+                    std::task::Poll::Ready(r) => r?,
+                    std::task::Poll::Pending => pending.push(send),
+                }
+            }
+            try_join_all(pending).await?;
+            return Ok(());
+        }
         let p = self.payload(len)?;
         let mut pending = Vec::new();
         for _ in 0..count {
