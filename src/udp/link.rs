@@ -20,6 +20,50 @@ pub(crate) struct UdpLink {
 }
 
 impl UdpLink {
+    /// [`Link::submit`], or with `gather` [`Link::submit_gathered`]: a
+    /// small message joins a held bundle, which the next progress call's
+    /// service pass sends.
+    fn submit_as(
+        &self,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+        gather: bool,
+    ) -> Result<Option<Arc<Completion>>> {
+        let now = Instant::now();
+        let mut st = lock(&self.peer.st);
+        self.check_alive()?;
+        // Refuse what the protocol would refuse before any part goes out: a
+        // head sent without its body would make the peer drop the next
+        // message.
+        let max = st.conn.max_message();
+        if data.len() as u64 + frame::PREFIX as u64 + 32 > max {
+            return Err(Error::Misuse(format!(
+                "a {}-byte message is larger than the udp limit of {max} bytes",
+                data.len()
+            )));
+        }
+        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
+        let r = if gather {
+            let (r, gathered) = st.gather_held(now, self.peer.rank, parts)?;
+            if gathered {
+                self.t.hold_bundle();
+            } else {
+                st.flush(now, &self.t.io, &self.peer, usize::MAX);
+            }
+            r
+        } else {
+            let r = st.submit(now, self.peer.rank, parts)?;
+            st.flush(now, &self.t.io, &self.peer, usize::MAX);
+            r
+        };
+        self.t.after_send(&st);
+        Ok(match r {
+            Queued::Done => None,
+            Queued::Waiting(c) => Some(c),
+        })
+    }
+
     fn check_alive(&self) -> Result<()> {
         if self.t.core.is_closed() {
             Err(Error::Closed)
@@ -65,27 +109,7 @@ impl Link for UdpLink {
     }
 
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
-        let now = Instant::now();
-        let mut st = lock(&self.peer.st);
-        self.check_alive()?;
-        // Refuse what the protocol would refuse before any part goes out: a
-        // head sent without its body would make the peer drop the next
-        // message.
-        let max = st.conn.max_message();
-        if data.len() as u64 + frame::PREFIX as u64 + 32 > max {
-            return Err(Error::Misuse(format!(
-                "a {}-byte message is larger than the udp limit of {max} bytes",
-                data.len()
-            )));
-        }
-        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
-        let r = st.submit(now, self.peer.rank, parts)?;
-        st.flush(now, &self.t.io, &self.peer, usize::MAX);
-        self.t.after_send(&st);
-        Ok(match r {
-            Queued::Done => None,
-            Queued::Waiting(c) => Some(c),
-        })
+        self.submit_as(kind, tag, data, false)
     }
 
     fn submit_gathered(
@@ -94,29 +118,7 @@ impl Link for UdpLink {
         tag: u64,
         data: Bytes,
     ) -> Result<Option<Arc<Completion>>> {
-        let now = Instant::now();
-        let mut st = lock(&self.peer.st);
-        self.check_alive()?;
-        let max = st.conn.max_message();
-        if data.len() as u64 + frame::PREFIX as u64 + 32 > max {
-            return Err(Error::Misuse(format!(
-                "a {}-byte message is larger than the udp limit of {max} bytes",
-                data.len()
-            )));
-        }
-        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
-        let (r, gathered) = st.gather_held(now, self.peer.rank, parts)?;
-        if gathered {
-            // The next progress call's service pass sends the bundle.
-            self.t.hold_bundle();
-        } else {
-            st.flush(now, &self.t.io, &self.peer, usize::MAX);
-        }
-        self.t.after_send(&st);
-        Ok(match r {
-            Queued::Done => None,
-            Queued::Waiting(c) => Some(c),
-        })
+        self.submit_as(kind, tag, data, true)
     }
 
     fn flush_gathered(&self) {

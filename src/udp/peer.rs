@@ -239,7 +239,7 @@ impl PeerState {
             }
             self.close_bundle(now, rank)?;
         }
-        if small && self.queue.is_empty() && open {
+        if small && open {
             self.bundle = Some(Gathered {
                 bundle: Bundle::new(msg),
                 since: now,
