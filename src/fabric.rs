@@ -493,7 +493,11 @@ impl Fabric {
 
     /// Counters.
     pub fn stats(&self) -> Stats {
-        self.core.counters.snapshot()
+        let mut s = self.core.counters.snapshot();
+        if let Some(u) = &self.udp {
+            u.add_stats(&mut s);
+        }
+        s
     }
 
     /// The UDP protocol counters of the connection to `peer`, when `udp`

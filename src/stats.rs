@@ -53,6 +53,9 @@ impl Counters {
             rendezvous_sends: g(&self.rendezvous_sends),
             split_tails_written: g(&self.split_tails_written),
             split_tails_taken_back: g(&self.split_tails_taken_back),
+            // (Kept by the udp transport; see `Fabric::stats`.)
+            udp_gso_sends: 0,
+            udp_gro_receives: 0,
         }
     }
 }
@@ -102,4 +105,9 @@ pub struct Stats {
     /// Offered tails the sender did not take in time (or could not write),
     /// which we then copied ourselves.
     pub split_tails_taken_back: u64,
+    /// UDP sends that left as one segmentation-offload (GSO) packet of
+    /// several datagrams.
+    pub udp_gso_sends: u64,
+    /// UDP receives that held several datagrams the kernel joined (GRO).
+    pub udp_gro_receives: u64,
 }

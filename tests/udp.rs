@@ -129,6 +129,9 @@ async fn sizes(f: Fabric) {
         let st = f.udp_stats(0).unwrap();
         println!("udp_stats={st}");
     }
+    let st = f.stats();
+    println!("gso_sends={}", st.udp_gso_sends);
+    println!("gro_receives={}", st.udp_gro_receives);
     f.close().await.unwrap();
 }
 
@@ -439,6 +442,33 @@ async fn mixed() {
 fn udp_sizes_between_processes() {
     let outs = job(2, "sizes", &[]).wait(Duration::from_secs(120));
     assert_ok(&outs);
+}
+
+#[test]
+fn udp_sizes_over_a_1500_byte_path_go_out_in_gso_packets() {
+    // Loopback with the datagrams of an Ethernet path (1472 bytes): runs of
+    // them leave as GSO packets and arrive joined (GRO), where the kernel
+    // has both; every size still arrives intact.
+    let outs = job(2, "sizes", &[("BTL_UDP_MTU", "1500")]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |outs: &[std::process::Output], r: usize, k: &str| -> u64 {
+        value(&outs[r], k).unwrap().parse().unwrap()
+    };
+    let (gso, gro) = async_btl::info::Limits::from(&async_btl::Config::default()).udp_gso_kernel;
+    let (sends, joined) = (n(&outs, 0, "gso_sends"), n(&outs, 1, "gro_receives"));
+    println!("gso_sends={sends} gro_receives={joined}");
+    if gso && gro {
+        assert!(sends > 100, "{sends} GSO sends");
+        assert!(joined > 100, "{joined} GRO receives");
+    } else {
+        println!("skipped the offload checks: this kernel has no UDP GSO/GRO");
+    }
+    // Switched off, every datagram goes alone.
+    let outs = job(2, "sizes", &[("BTL_UDP_MTU", "1500"), ("BTL_UDP_GSO", "0")])
+        .wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    assert_eq!(n(&outs, 0, "gso_sends"), 0);
+    assert_eq!(n(&outs, 1, "gro_receives"), 0);
 }
 
 #[test]

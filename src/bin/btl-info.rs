@@ -110,6 +110,16 @@ fn render_text(r: &Report) -> String {
     } else {
         "  udp bundles     off (BTL_UDP_BUNDLE=0): every message leaves at once".to_string()
     });
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    out.push(if l.udp_gso {
+        format!(
+            "  udp offload     GSO {}, GRO {} (from this kernel; used on the data socket)",
+            yes(l.udp_gso_kernel.0),
+            yes(l.udp_gso_kernel.1)
+        )
+    } else {
+        "  udp offload     off (BTL_UDP_GSO=0): datagram by datagram".to_string()
+    });
     out.push(format!(
         "  receive budget  {} B per tag, {} B in all",
         l.recv_budget, l.recv_total_budget

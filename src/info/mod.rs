@@ -100,6 +100,12 @@ pub struct Limits {
     /// UDP: the longest a bundle waits for an acknowledgement, in
     /// microseconds.
     pub udp_bundle_wait_us: u64,
+    /// UDP: whether segmentation offload and receive coalescing are
+    /// allowed (`BTL_UDP_GSO`).
+    pub udp_gso: bool,
+    /// UDP: whether this kernel offers GSO (`UDP_SEGMENT`) and GRO
+    /// (`UDP_GRO`) on UDP sockets.
+    pub udp_gso_kernel: (bool, bool),
     /// Address exchange limit at start-up, in milliseconds.
     pub boot_timeout_ms: u64,
     /// Limit on `Fabric::close`, in milliseconds.
@@ -134,6 +140,8 @@ impl From<&Config> for Limits {
             udp_bundle_max: crate::udp::peer::BUNDLE_MAX,
             udp_bundle_after: crate::udp::peer::BUNDLE_AFTER,
             udp_bundle_wait_us: crate::udp::peer::BUNDLE_WAIT.as_micros() as u64,
+            udp_gso: c.udp_gso,
+            udp_gso_kernel: crate::udp::UdpTransport::kernel_offload(),
             boot_timeout_ms: ms(c.boot_timeout),
             close_timeout_ms: ms(c.close_timeout),
             allowed_transports: c.transports.clone(),

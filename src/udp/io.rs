@@ -4,10 +4,10 @@
 //! poller also asks a socket when tokio does not hold it readable
 //! (`recv_now`, `recv_one_now`).
 //!
-//! GSO/GRO are not used: on loopback a datagram is already 64 KiB (the
-//! largest a GSO super-packet may be), so batching syscalls is what helps
-//! there; on a 1500-byte path GSO would cut the per-datagram cost further
-//! (left for later, see the module docs of `udp`).
+//! On the data socket, sends of several datagrams of one size go out as
+//! GSO packets and receives may hold GRO-coalesced datagrams, which
+//! [`RecvBatch::iter`] cuts apart (see `offload`). On loopback a datagram
+//! is already 64 KiB, so neither has anything to join there.
 
 use std::io;
 use std::net::SocketAddr;
@@ -17,6 +17,7 @@ use socket2::SockAddr;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
+use super::offload::{self, Ctl, Offload};
 use super::proto;
 
 /// Datagrams moved per system call.
@@ -45,6 +46,13 @@ pub(crate) struct RecvBatch {
     heads: [[u8; HEAD]; BATCH],
     /// ...and where its payload lies in the lent buffer (offset, length).
     at: [(usize, usize); BATCH],
+    /// Per received buffer: the size of the datagrams GRO joined in it, or
+    /// 0 when it holds one datagram.
+    seg: [usize; BATCH],
+    /// Control-message space per buffer (GRO reports the size there).
+    ctl: [Ctl; BATCH],
+    /// Buffers of the last call that held several datagrams.
+    pub(crate) coalesced: usize,
 }
 
 impl RecvBatch {
@@ -57,13 +65,52 @@ impl RecvBatch {
             first: 0,
             heads: [[0; HEAD]; BATCH],
             at: [(0, 0); BATCH],
+            seg: [0; BATCH],
+            ctl: [Ctl::default(); BATCH],
+            coalesced: 0,
         }
+    }
+
+    /// Start a call: nothing received yet.
+    fn reset(&mut self) {
+        self.n = 0;
+        self.first = 0;
+        self.coalesced = 0;
+    }
+
+    /// Point `hdr` at buffer `i`'s control space (for GRO's report).
+    fn aim_ctl(&mut self, i: usize, hdr: &mut libc::msghdr) {
+        hdr.msg_control = self.ctl[i].0.as_mut_ptr().cast();
+        hdr.msg_controllen = self.ctl[i].0.len() as _;
+    }
+
+    /// Note the segment size GRO reported for buffer `i` of `len` bytes.
+    fn note_seg(&mut self, i: usize, hdr: &libc::msghdr, len: usize) {
+        // SAFETY: `hdr` was aimed at `ctl[i]` by `aim_ctl` and the kernel
+        // left `msg_controllen` bytes of control data there (at most what
+        // it was given).
+        let seg = unsafe { offload::gro_segment(hdr) };
+        self.seg[i] = if seg > 0 && len > seg { seg } else { 0 };
+        self.coalesced += usize::from(self.seg[i] > 0);
     }
 
     /// The datagrams of the last call, with their source addresses (those
     /// that landed in a lent buffer excepted: see [`landed`](Self::landed)).
+    /// A buffer GRO filled with several datagrams yields each of them.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (Option<SocketAddr>, &[u8])> {
-        (self.first..self.n).map(|i| (self.from[i], &self.bufs[i][..self.lens[i]]))
+        (self.first..self.n).flat_map(move |i| {
+            let d = &self.bufs[i][..self.lens[i]];
+            let seg = match self.seg[i] {
+                0 => d.len().max(1),
+                s => s,
+            };
+            (0..d.len().div_ceil(seg).max(1)).map(move |k| {
+                (
+                    self.from[i],
+                    &d[(k * seg).min(d.len())..((k + 1) * seg).min(d.len())],
+                )
+            })
+        })
     }
 
     /// The datagrams of the last [`recv_in_place`] that landed in the lent
@@ -104,8 +151,7 @@ pub(crate) fn recv_in_place(
     remaining: usize,
     expect: SocketAddr,
 ) -> io::Result<usize> {
-    b.n = 0;
-    b.first = 0;
+    b.reset();
     let base = buf.len();
     let room = (buf.capacity() - base).min(remaining);
     let chunk = chunk.max(1);
@@ -136,14 +182,16 @@ pub(crate) fn recv_in_place(
             std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
         hdrs[i].msg_hdr.msg_iov = iovs[i].as_mut_ptr();
         hdrs[i].msg_hdr.msg_iovlen = 3;
+        b.aim_ctl(i, &mut hdrs[i].msg_hdr);
     }
     let fd = sock.as_raw_fd();
     let call = |hdrs: &mut [libc::mmsghdr; BATCH]| {
         // SAFETY: every header points at three iovecs covering live,
         // writable memory of their lengths (header buffer, spare room of
-        // `buf` that nothing else uses during the call, overflow buffer)
-        // and at a sockaddr_storage of msg_namelen bytes, all of which
-        // outlive the call; the kernel writes at most that.
+        // `buf` that nothing else uses during the call, overflow buffer),
+        // at a sockaddr_storage of msg_namelen bytes and at a control
+        // buffer of msg_controllen bytes, all of which outlive the call;
+        // the kernel writes at most that.
         let n = unsafe {
             libc::recvmmsg(
                 fd,
@@ -176,7 +224,14 @@ pub(crate) fn recv_in_place(
         let len = hdrs[i].msg_len as usize;
         b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
         b.lens[i] = len.min(RECV_BUF);
-        if landed == i && b.from[i] == Some(expect) && len == HEAD + place(i) + proto::CRC_LEN {
+        b.note_seg(i, &hdrs[i].msg_hdr, len);
+        // (Datagrams GRO joined never land: they are joined below and cut
+        // apart by `iter`.)
+        if landed == i
+            && b.seg[i] == 0
+            && b.from[i] == Some(expect)
+            && len == HEAD + place(i) + proto::CRC_LEN
+        {
             b.at[i] = (at, place(i));
             at += place(i);
             landed += 1;
@@ -214,8 +269,7 @@ pub(crate) fn recv_in_place(
 /// Asks the kernel only when tokio's readiness says the socket may have
 /// data (no system call otherwise).
 pub(crate) fn recv(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
-    b.n = 0;
-    b.first = 0;
+    b.reset();
     let r = sock.try_io(Interest::READABLE, || recvmmsg(sock.as_raw_fd(), b));
     finish(r, b)
 }
@@ -235,8 +289,11 @@ pub(crate) fn recv_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize>
 /// Like [`recv_now`], for one datagram only, with `recvfrom`: the cheapest
 /// way to ask a socket that is usually empty (a hot poll waiting for the
 /// next message).
-pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch) -> io::Result<usize> {
-    ask_now(sock, b, recvfrom)
+///
+/// On a socket with GRO on (`gro`), with `recvmsg` instead: a receive may
+/// then hold several datagrams, and only its control data says so.
+pub(crate) fn recv_one_now(sock: &UdpSocket, b: &mut RecvBatch, gro: bool) -> io::Result<usize> {
+    ask_now(sock, b, if gro { recvmsg } else { recvfrom })
 }
 
 /// Run the receive `call` on `sock` now, through `try_io` when tokio holds
@@ -246,8 +303,7 @@ fn ask_now(
     b: &mut RecvBatch,
     call: fn(std::os::fd::RawFd, &mut RecvBatch) -> io::Result<usize>,
 ) -> io::Result<usize> {
-    b.n = 0;
-    b.first = 0;
+    b.reset();
     let fd = sock.as_raw_fd();
     let mut asked = false;
     let r = sock.try_io(Interest::READABLE, || {
@@ -289,6 +345,43 @@ fn recvfrom(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
     }
     b.lens[0] = (n as usize).min(RECV_BUF);
     b.from[0] = to_addr(&name, len);
+    b.seg[0] = 0;
+    Ok(1)
+}
+
+/// One non-blocking `recvmsg` into `b`'s first buffer, with room for
+/// GRO's control message.
+fn recvmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
+    // SAFETY: all-zero bytes are a valid value of these plain C structs.
+    let mut name: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+    let mut iov = libc::iovec {
+        iov_base: b.bufs[0].as_mut_ptr().cast(),
+        iov_len: b.bufs[0].len(),
+    };
+    hdr.msg_name = (&mut name as *mut libc::sockaddr_storage).cast();
+    hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    hdr.msg_iov = &mut iov;
+    hdr.msg_iovlen = 1;
+    b.aim_ctl(0, &mut hdr);
+    // SAFETY: the header points at one iovec over a live buffer of its
+    // length, at a sockaddr_storage of msg_namelen bytes and at a control
+    // buffer of msg_controllen bytes, all live for the call; the kernel
+    // writes at most that.
+    let n = unsafe { libc::recvmsg(fd, &mut hdr, libc::MSG_DONTWAIT) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return Err(if e.raw_os_error() == Some(libc::EAGAIN) {
+            io::ErrorKind::WouldBlock.into()
+        } else {
+            e
+        });
+    }
+    let len = (n as usize).min(RECV_BUF);
+    b.lens[0] = len;
+    b.from[0] = to_addr(&name, hdr.msg_namelen);
+    b.note_seg(0, &hdr, len);
     Ok(1)
 }
 
@@ -319,10 +412,12 @@ fn recvmmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
             std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
         hdrs[i].msg_hdr.msg_iov = &mut iovs[i];
         hdrs[i].msg_hdr.msg_iovlen = 1;
+        b.aim_ctl(i, &mut hdrs[i].msg_hdr);
     }
     // SAFETY: every header points at one iovec covering a live buffer of
-    // iov_len bytes and at a sockaddr_storage of msg_namelen bytes, all of
-    // which outlive the call; the kernel writes at most that.
+    // iov_len bytes, at a sockaddr_storage of msg_namelen bytes and at a
+    // control buffer of msg_controllen bytes, all of which outlive the
+    // call; the kernel writes at most that.
     let n = unsafe {
         libc::recvmmsg(
             fd,
@@ -337,8 +432,10 @@ fn recvmmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
     }
     let n = n as usize;
     for i in 0..n {
-        b.lens[i] = (hdrs[i].msg_len as usize).min(RECV_BUF);
+        let len = (hdrs[i].msg_len as usize).min(RECV_BUF);
+        b.lens[i] = len;
         b.from[i] = to_addr(&names[i], hdrs[i].msg_hdr.msg_namelen);
+        b.note_seg(i, &hdrs[i].msg_hdr, len);
     }
     Ok(n)
 }
@@ -381,27 +478,117 @@ fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAdd
 /// of `bufs`); fewer than asked when the socket buffer is full. A datagram
 /// the kernel refuses for another reason is skipped (counted as sent): the
 /// protocol retransmits what matters.
-pub(crate) fn send(sock: &UdpSocket, dst: SocketAddr, bufs: &[Parts<'_>]) -> usize {
+///
+/// With `gso` (the data socket's offload state) and GSO on, runs of
+/// datagrams of one size leave as GSO packets, several per `sendmmsg`; a
+/// refused GSO send turns GSO off and is sent again without it.
+pub(crate) fn send(
+    sock: &UdpSocket,
+    dst: SocketAddr,
+    bufs: &[Parts<'_>],
+    gso: Option<&Offload>,
+) -> usize {
     let addr = SockAddr::from(dst);
     let fd = sock.as_raw_fd();
     let mut done = 0;
     while done < bufs.len() {
+        let off = gso.filter(|o| o.gso() && bufs.len() - done > 1);
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
-        let r = sock.try_io(Interest::WRITABLE, || match chunk {
-            [one] => sendmsg(fd, &addr, one),
-            _ => sendmmsg(fd, &addr, chunk),
+        let r = sock.try_io(Interest::WRITABLE, || match (off, chunk) {
+            (Some(_), _) => sendmmsg_gso(fd, &addr, &bufs[done..]),
+            (None, [one]) => sendmsg(fd, &addr, one).map(|n| (n, 0)),
+            (None, _) => sendmmsg(fd, &addr, chunk).map(|n| (n, 0)),
         });
         match r {
-            Ok(n) => done += n.max(1).min(chunk.len()),
+            Ok((n, packets)) => {
+                done += n.max(1).min(bufs.len() - done);
+                if let Some(o) = off {
+                    o.gso_sends
+                        .fetch_add(packets as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
+                if let Some(o) = off.filter(|_| offload::refusal(&e)) {
+                    // Sent again, datagram by datagram, on the next turn.
+                    o.refused(&e);
+                    continue;
+                }
                 tracing::debug!("udp: datagram to {dst} refused by the kernel: {e}");
                 done += 1;
             }
         }
     }
     done
+}
+
+/// Datagrams from the start of `bufs` in at most [`BATCH`] messages of one
+/// `sendmmsg`: each message a GSO packet of a run of one size (see
+/// `offload::group`), or a lone datagram. Returns the datagrams the kernel
+/// took and how many of the messages it took were GSO packets.
+fn sendmmsg_gso(
+    fd: std::os::fd::RawFd,
+    addr: &SockAddr,
+    bufs: &[Parts<'_>],
+) -> io::Result<(usize, usize)> {
+    let lens: Vec<usize> = bufs
+        .iter()
+        .map(|p| p.iter().map(|part| part.len()).sum())
+        .collect();
+    // (start, count) of each message.
+    let mut groups = [(0usize, 0usize); BATCH];
+    let mut g = 0;
+    let mut at = 0;
+    while at < bufs.len() && g < BATCH {
+        let n = offload::group(&lens[at..]);
+        groups[g] = (at, n);
+        at += n;
+        g += 1;
+    }
+    let mut iovs: Vec<libc::iovec> = bufs[..at]
+        .iter()
+        .flatten()
+        .map(|part| libc::iovec {
+            iov_base: part.as_ptr() as *mut libc::c_void,
+            iov_len: part.len(),
+        })
+        .collect();
+    let base = iovs.as_mut_ptr();
+    let mut ctl = [Ctl::default(); BATCH];
+    // SAFETY: all-zero bytes are a valid value of this plain C struct.
+    let mut hdrs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+    for (i, &(start, n)) in groups[..g].iter().enumerate() {
+        let h = &mut hdrs[i].msg_hdr;
+        h.msg_name = addr.as_ptr() as *mut libc::c_void;
+        h.msg_namelen = addr.len();
+        // SAFETY: the groups cover `bufs[..at]` in order, so `start *
+        // PARTS + n * PARTS <= iovs.len()`: the pointer and the run after
+        // it stay inside `iovs`, which is not touched again before the
+        // call.
+        h.msg_iov = unsafe { base.add(start * PARTS) };
+        h.msg_iovlen = n * PARTS;
+        if n > 1 {
+            // `group` keeps every size of a run within u16.
+            let size = u16::try_from(lens[start]).unwrap_or(u16::MAX);
+            h.msg_controllen = offload::segment_cmsg(&mut ctl[i], size) as _;
+            h.msg_control = ctl[i].0.as_mut_ptr().cast();
+        }
+    }
+    // SAFETY: each header points at its datagrams' iovecs (inside `iovs`,
+    // over buffers that outlive the call), at the destination address and,
+    // for a GSO packet, at a control buffer holding one UDP_SEGMENT
+    // message of msg_controllen bytes; sendmmsg only reads them (and
+    // writes msg_len in the headers).
+    let m = unsafe { libc::sendmmsg(fd, hdrs.as_mut_ptr(), g as libc::c_uint, libc::MSG_DONTWAIT) };
+    if m < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let took = &groups[..(m as usize).min(g)];
+    Ok((
+        took.iter().map(|&(_, n)| n).sum(),
+        took.iter().filter(|&&(_, n)| n > 1).count(),
+    ))
 }
 
 /// A lone datagram (the latency path): plain `sendmsg`, which does less
@@ -624,7 +811,7 @@ mod tests {
             let mut batch = RecvBatch::new();
             // recvfrom, then recvmmsg, then an in-place batch.
             a.send_to(&dgram(1, 10), to).unwrap();
-            assert_eq!(recv_one_now(&rx, &mut batch).unwrap(), 1);
+            assert_eq!(recv_one_now(&rx, &mut batch, false).unwrap(), 1);
             let got: Vec<_> = batch.iter().map(|(f, d)| (f, d.to_vec())).collect();
             assert_eq!(got, vec![(Some(from), dgram(1, 10))]);
             a.send_to(&dgram(2, 10), to).unwrap();
@@ -645,11 +832,130 @@ mod tests {
             let d = dgram(5, 7);
             let parts: Parts<'_> = [&d[..HEAD], &d[HEAD..], &[]];
             rx.writable().await.unwrap();
-            assert_eq!(send(&rx, from, &[parts, parts]), 2);
+            assert_eq!(send(&rx, from, &[parts, parts], None), 2);
             let mut got = [0u8; 200];
             for _ in 0..2 {
                 let (n, src) = a.recv_from(&mut got).unwrap();
                 assert_eq!((src, &got[..n]), (to, &d[..]));
+            }
+        });
+    }
+
+    /// A datagram of `len` bytes whose bytes say which one it is.
+    fn numbered(i: usize, len: usize) -> Vec<u8> {
+        (0..len).map(|k| (i * 7 + k) as u8).collect()
+    }
+
+    /// Sockets with GSO on the sender and GRO on the receiver, if the
+    /// kernel has them (`None`, said why, if not).
+    async fn offload_pair() -> Option<(UdpSocket, Offload, UdpSocket, Offload)> {
+        let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let tx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let off_rx = Offload::probe(rx.as_raw_fd(), true);
+        let off_tx = Offload::probe(tx.as_raw_fd(), true);
+        if !off_tx.gso() || !off_rx.gro() {
+            println!("skipped: this kernel has no UDP GSO/GRO");
+            return None;
+        }
+        Some((tx, off_tx, rx, off_rx))
+    }
+
+    #[test]
+    fn gso_packets_arrive_whole_and_gro_joined_ones_are_cut_apart() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let Some((tx, off, rx, _)) = offload_pair().await else {
+                return;
+            };
+            let to = rx.local_addr().unwrap();
+            // Runs of one size, a shorter one now and then (it ends a GSO
+            // packet), and one longer one (it starts another).
+            let dgrams: Vec<Vec<u8>> = (0..300)
+                .map(|i| match i {
+                    _ if i % 70 == 69 => numbered(i, 300),
+                    150 => numbered(i, 1200),
+                    _ => numbered(i, 1000),
+                })
+                .collect();
+            let parts: Vec<Parts<'_>> = dgrams
+                .iter()
+                .map(|d| [&d[..32], &d[32..d.len() - 4], &d[d.len() - 4..]])
+                .collect();
+            let mut batch = RecvBatch::new();
+            let (mut sent, mut got, mut joined) = (0, Vec::new(), 0);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while got.len() < dgrams.len() && std::time::Instant::now() < deadline {
+                // A few GSO packets at a time, received before the next
+                // (the receive buffer is the kernel's default, and UDP
+                // drops what does not fit).
+                if sent == got.len() {
+                    tx.writable().await.unwrap();
+                    let most = (sent + 100).min(parts.len());
+                    sent += send(&tx, to, &parts[sent..most], Some(&off));
+                }
+                // Both receive paths: one buffer at a time, and batches.
+                let n = if got.len() % 2 == 0 {
+                    recv_one_now(&rx, &mut batch, true)
+                } else {
+                    recv_now(&rx, &mut batch)
+                };
+                if n.unwrap() > 0 {
+                    joined += batch.coalesced;
+                    got.extend(batch.iter().map(|(_, d)| d.to_vec()));
+                } else {
+                    tokio::task::yield_now().await;
+                }
+            }
+            assert_eq!(got.len(), dgrams.len());
+            assert!(got == dgrams, "datagrams differ after GSO and GRO");
+            let packets = off.gso_sends.load(std::sync::atomic::Ordering::Relaxed);
+            assert!(packets >= 6, "only {packets} GSO packets");
+            assert!(joined > 0, "no receive held joined datagrams");
+        });
+    }
+
+    #[test]
+    fn a_gro_joined_receive_never_lands_in_place() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let Some((tx, off, rx, _)) = offload_pair().await else {
+                return;
+            };
+            let (to, from) = (rx.local_addr().unwrap(), tx.local_addr().unwrap());
+            let chunk = 500;
+            let sent: Vec<Vec<u8>> = (1..=5).map(|i| dgram(i, chunk)).collect();
+            let parts: Vec<Parts<'_>> = sent
+                .iter()
+                .map(|d| [&d[..HEAD], &d[HEAD..d.len() - 4], &d[d.len() - 4..]])
+                .collect();
+            tx.writable().await.unwrap();
+            assert_eq!(send(&tx, to, &parts, Some(&off)), 5);
+            let mut batch = RecvBatch::new();
+            let mut buf = Vec::with_capacity(10 * chunk);
+            buf.extend_from_slice(&[9u8; 10]);
+            let mut n = 0;
+            for _ in 0..1000 {
+                n = recv_in_place(&rx, &mut batch, &mut buf, chunk, 10 * chunk, from).unwrap();
+                if n > 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            assert!(n > 0);
+            let got: Vec<Vec<u8>> = batch.iter().map(|(_, d)| d.to_vec()).collect();
+            if batch.coalesced > 0 {
+                // Nothing landed; the joined datagrams come out whole.
+                assert_eq!(batch.landed().count(), 0);
+                assert_eq!(buf, vec![9u8; 10]);
+                assert_eq!(got, sent[..got.len()].to_vec());
+            } else {
+                println!("the kernel did not join these datagrams: nothing to check");
             }
         });
     }

@@ -148,16 +148,41 @@ pub(crate) fn default_addr(ifs: &[Iface]) -> IpAddr {
         .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |i| i.addr)
 }
 
-/// The MTU of an interface, from sysfs.
+/// The MTU of an interface, asked of the kernel (`SIOCGIFMTU`) in this
+/// process's network namespace. (Not from sysfs: `/sys/class/net` shows
+/// the namespace sysfs was mounted in, which a process that entered
+/// another namespace without remounting it, `unshare -n` say, does not
+/// live in.)
 pub(crate) fn iface_mtu(name: &str) -> Option<usize> {
-    if name.contains('/') || name.starts_with('.') {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() >= libc::IFNAMSIZ || bytes.contains(&0) {
         return None;
     }
-    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    let sock = Socket::new(Domain::IPV4, Type::DGRAM, None)
+        .or_else(|_| Socket::new(Domain::IPV6, Type::DGRAM, None))
+        .ok()?;
+    // SAFETY: all-zero bytes are a valid ifreq (a name and a plain union).
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: `req` is a live ifreq holding a NUL-terminated name (checked
+    // shorter than IFNAMSIZ, zero-filled after it); SIOCGIFMTU reads the
+    // name and writes the union's `ifru_mtu`, nothing else.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            libc::SIOCGIFMTU as _,
+            &mut req,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    // SAFETY: the ioctl succeeded, so it wrote `ifru_mtu` (an int; every
+    // bit pattern is a valid int).
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    usize::try_from(mtu).ok().filter(|&m| m > 0)
 }
 
 /// MTU of the interface holding `addr` (loopback's for 127/8 and ::1), or
@@ -246,6 +271,24 @@ pub(crate) fn bind(ip: IpAddr) -> Result<(std::net::UdpSocket, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interface_mtus_come_from_the_kernel() {
+        let ifs = interfaces();
+        let lo = ifs
+            .iter()
+            .find(|i| i.loopback)
+            .expect("a loopback interface");
+        let mtu = iface_mtu(&lo.name).expect("the loopback MTU");
+        // In the namespace sysfs shows (the test's own), both agree.
+        if let Ok(s) = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", lo.name)) {
+            assert_eq!(s.trim().parse::<usize>().unwrap(), mtu);
+        }
+        assert_eq!(iface_mtu("no-such-if0"), None);
+        assert_eq!(iface_mtu(&"x".repeat(libc::IFNAMSIZ)), None);
+        assert_eq!(iface_mtu(""), None);
+        assert_eq!(iface_mtu("lo\0x"), None);
+    }
 
     #[test]
     fn host_facts_are_sane() {

@@ -91,6 +91,10 @@ impl Out {
     }
 }
 
+/// Datagrams one send call takes at most with GSO on: a few packets of up
+/// to 64 datagrams each.
+const GSO_RUN: usize = 4 * super::offload::MAX_SEGS;
+
 /// Bytes the first batch of a flush carries at most (see `flush`).
 const FIRST_BATCH_BYTES: usize = 64 * 1024;
 
@@ -437,6 +441,8 @@ impl PeerState {
         // batch of 16 large datagrams (1 MiB) kept the receiver idle for
         // the whole checksum; a small first batch starts the pipeline.
         let mut budget = FIRST_BATCH_BYTES;
+        // With GSO, one call carries several packets of up to 64 datagrams.
+        let fill = if io.off.gso() { GSO_RUN } else { io::BATCH };
         loop {
             sent += self.send_backlog(now, io, peer);
             if !self.backlog.is_empty() || sent >= max {
@@ -444,7 +450,7 @@ impl PeerState {
             }
             let mut n = 0;
             let mut bytes = 0;
-            while n < io::BATCH && bytes < budget {
+            while n < fill && bytes < budget {
                 let mut head = self.spare.pop().unwrap_or_default();
                 match self.conn.poll_transmit_split(now, &mut head) {
                     Some((t, payload, crc)) => {
@@ -475,21 +481,32 @@ impl PeerState {
         let mut sent = 0;
         while let Some(first) = self.backlog.front() {
             let prio = first.priority;
-            let mut parts: [io::Parts<'_>; io::BATCH] = [[&[]; io::PARTS]; io::BATCH];
-            let mut run = 0;
-            for (slot, out) in parts.iter_mut().zip(&self.backlog) {
-                if out.priority != prio {
-                    break;
-                }
-                *slot = out.parts();
-                run += 1;
-            }
+            let gso = (!prio && io.off.gso()).then_some(&io.off);
+            let most = if gso.is_some() { GSO_RUN } else { io::BATCH };
+            let run = self
+                .backlog
+                .iter()
+                .take(most)
+                .take_while(|o| o.priority == prio)
+                .count();
             let (sock, dst) = if prio {
                 (&io.prio, peer.prio_addr)
             } else {
                 (&io.data, peer.data_addr)
             };
-            let n = io::send(sock, dst, &parts[..run]);
+            // A short run (every send on the latency path) takes its parts
+            // from the stack; a long one (GSO) from the heap.
+            let n = if run <= io::BATCH {
+                let mut parts: [io::Parts<'_>; io::BATCH] = [[&[]; io::PARTS]; io::BATCH];
+                for (slot, out) in parts.iter_mut().zip(&self.backlog) {
+                    *slot = out.parts();
+                }
+                io::send(sock, dst, &parts[..run], gso)
+            } else {
+                let parts: Vec<io::Parts<'_>> =
+                    self.backlog.iter().take(run).map(Out::parts).collect();
+                io::send(sock, dst, &parts, gso)
+            };
             for out in self.backlog.drain(..n) {
                 if self.spare.len() < io::BATCH {
                     self.spare.push(out.head);
@@ -556,6 +573,8 @@ fn to_error(e: SendError, rank: Rank) -> Error {
 pub(crate) struct Sockets {
     pub(crate) data: tokio::net::UdpSocket,
     pub(crate) prio: tokio::net::UdpSocket,
+    /// GSO/GRO on the data socket.
+    pub(crate) off: super::offload::Offload,
 }
 
 impl Peer {

@@ -205,6 +205,10 @@ const ACTIVE_TURNS: u32 = 64;
 /// chunks: one receive batch (bounded by the message's stated length).
 const LEND_AHEAD: usize = io::BATCH;
 
+/// With GRO on, a peer's datagrams are received in place only from this
+/// size (loopback's 64 KiB datagrams: nothing for GRO to join there).
+const LEND_MIN_DATAGRAM: usize = 16 * 1024;
+
 /// A progress call that received nothing checks the timers once in this
 /// many calls (deadlines are tens of microseconds or more apart).
 const TIMER_EVERY: u32 = 4;
@@ -276,6 +280,7 @@ impl UdpTransport {
                     Some(r) if i == 1 && direct => self.lend(&mut cx, r),
                     _ => (None, false),
                 };
+                let gro = i == 1 && self.io.off.gro();
                 let one = one || single;
                 let r = if let Some((peer, lent)) = &mut lent {
                     let (chunk, remaining) = (lent.chunk(), lent.remaining());
@@ -289,7 +294,7 @@ impl UdpTransport {
                         peer.data_addr,
                     )
                 } else if one {
-                    io::recv_one_now(sock, batch)
+                    io::recv_one_now(sock, batch, gro)
                 } else if direct {
                     io::recv_now(sock, batch)
                 } else {
@@ -311,6 +316,12 @@ impl UdpTransport {
                     tracing::debug!("udp: receive failed: {e}");
                     0
                 });
+                if batch.coalesced > 0 {
+                    self.io
+                        .off
+                        .gro_receives
+                        .fetch_add(batch.coalesced as u64, std::sync::atomic::Ordering::Relaxed);
+                }
                 got[i] += n;
                 if direct {
                     mode[i] = match (n, mode[i]) {
@@ -481,6 +492,11 @@ impl UdpTransport {
             return (None, false);
         };
         if peer.is_lost() || cx.peers.get(rank as usize).map_or(true, |p| p.paused()) {
+            return (None, false);
+        }
+        if self.io.off.gro() && peer.max_datagram < LEND_MIN_DATAGRAM {
+            // Datagrams this small arrive joined by GRO, and a joined
+            // receive never lands in place (it is cut apart and copied).
             return (None, false);
         }
         let mut st = lock(&peer.st);

@@ -1,0 +1,285 @@
+//! UDP segmentation offload (GSO) on the way out, receive coalescing (GRO)
+//! on the way in.
+//!
+//! Over a path whose MTU is below 64 KiB (any Ethernet: 1500 or 9000
+//! bytes), a large message leaves as many datagrams of one size, and each
+//! one pays the whole network stack on both sides. With GSO one `sendmsg`
+//! hands the kernel up to [`MAX_SEGS`] of them back to back, with their
+//! size in a `UDP_SEGMENT` control message; the stack carries them as one
+//! packet and cuts them apart only at the device (in the NIC, or in
+//! software at the last moment). With GRO (`UDP_GRO` set on the socket),
+//! the kernel may hand a receiver several datagrams of one flow joined in
+//! one buffer, with their size in a control message; [`RecvBatch`] cuts
+//! them apart again. Every datagram keeps its own protocol header and
+//! checksum, so neither changes the protocol: a peer without them talks to
+//! a peer with them.
+//!
+//! Only the data socket uses them (the priority socket carries small
+//! datagrams). Both are probed when the socket is made. A GSO send the
+//! kernel refuses (a device without checksum offload answers `EIO`) turns
+//! GSO off for good, says so once, is counted, and is sent again without
+//! it. `BTL_UDP_GSO=0` turns both off.
+//!
+//! [`RecvBatch`]: super::io::RecvBatch
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// `UDP_SEGMENT` (`linux/udp.h`): the segment size of a GSO send.
+pub(crate) const UDP_SEGMENT: libc::c_int = 103;
+/// `UDP_GRO` (`linux/udp.h`): a socket option, and the control message
+/// that carries the segment size of a coalesced receive.
+pub(crate) const UDP_GRO: libc::c_int = 104;
+/// Most datagrams in one GSO send (the kernel's `UDP_MAX_SEGMENTS`).
+pub(crate) const MAX_SEGS: usize = 64;
+/// Most bytes in one GSO send: what one IP packet carries as UDP payload
+/// (65507 over IPv4), less a margin that keeps IPv6 extension headers in.
+pub(crate) const MAX_BYTES: usize = 65_000;
+
+/// Offload state of the data socket.
+#[derive(Debug, Default)]
+pub(crate) struct Offload {
+    /// GSO sends allowed (probed; cleared when the kernel refuses one).
+    gso: AtomicBool,
+    /// `UDP_GRO` is set: a receive may hold several datagrams.
+    gro: bool,
+    /// Sends that went out as one GSO packet of several datagrams.
+    pub(crate) gso_sends: AtomicU64,
+    /// Receives that held several datagrams joined by GRO.
+    pub(crate) gro_receives: AtomicU64,
+}
+
+impl Offload {
+    /// Probe what the kernel offers on `fd` (both off unless `want`).
+    pub(crate) fn probe(fd: RawFd, want: bool) -> Offload {
+        if !want {
+            return Offload::default();
+        }
+        Offload {
+            gso: AtomicBool::new(gso_supported(fd)),
+            gro: set_int(fd, UDP_GRO, 1),
+            ..Offload::default()
+        }
+    }
+
+    /// Whether sends may use GSO now.
+    pub(crate) fn gso(&self) -> bool {
+        self.gso.load(Ordering::Relaxed)
+    }
+
+    /// Whether receives may hold coalesced datagrams.
+    pub(crate) fn gro(&self) -> bool {
+        self.gro
+    }
+
+    /// The kernel refused a GSO send: stop using GSO (said once).
+    pub(crate) fn refused(&self, e: &io::Error) {
+        if self.gso.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                "udp: the kernel refused a segmentation-offload (GSO) send ({e}); \
+                 sending datagram by datagram from now on"
+            );
+        }
+    }
+}
+
+/// Whether a failed GSO send says the kernel or the device cannot do GSO
+/// (rather than a passing failure, which the protocol's retransmission
+/// covers).
+pub(crate) fn refusal(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EIO | libc::EINVAL | libc::EMSGSIZE | libc::ENOPROTOOPT | libc::EOPNOTSUPP)
+    )
+}
+
+/// Whether the kernel knows `UDP_SEGMENT` (Linux 4.18 and later).
+fn gso_supported(fd: RawFd) -> bool {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are live for the call and `len` says how many
+    // bytes `v` holds; the kernel writes at most that.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_UDP,
+            UDP_SEGMENT,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    r == 0
+}
+
+fn set_int(fd: RawFd, opt: libc::c_int, v: libc::c_int) -> bool {
+    // SAFETY: the option value is a live c_int of the length given; the
+    // kernel only reads it.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_UDP,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    r == 0
+}
+
+/// How many of the datagrams whose lengths are `lens` go out in the first
+/// GSO packet: a run of one length, at most [`MAX_SEGS`] of them and
+/// [`MAX_BYTES`] together, which a shorter one may end (the kernel cuts
+/// the packet every `lens[0]` bytes, so only the last may be shorter).
+/// At least one when `lens` is not empty.
+pub(crate) fn group(lens: &[usize]) -> usize {
+    let Some(&size) = lens.first() else {
+        return 0;
+    };
+    let mut n = 1;
+    let mut total = size;
+    if size == 0 || size > usize::from(u16::MAX) {
+        return 1;
+    }
+    while n < lens.len() && n < MAX_SEGS {
+        let l = lens[n];
+        if l == 0 || l > size || total + l > MAX_BYTES {
+            break;
+        }
+        n += 1;
+        total += l;
+        if l < size {
+            break;
+        }
+    }
+    n
+}
+
+/// A control-message buffer with room for one `int` (aligned for
+/// `cmsghdr`).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(8))]
+pub(crate) struct Ctl(pub(crate) [u8; 32]);
+
+/// The segment size a received message's control data reports (`UDP_GRO`),
+/// or 0 when it has none.
+///
+/// # Safety
+///
+/// `hdr.msg_control` must point at `hdr.msg_controllen` readable bytes
+/// (as the kernel left them after a receive into a [`Ctl`]).
+pub(crate) unsafe fn gro_segment(hdr: &libc::msghdr) -> usize {
+    if hdr.msg_control.is_null() || hdr.msg_controllen < std::mem::size_of::<libc::cmsghdr>() {
+        return 0;
+    }
+    // SAFETY: the caller says the control data is readable for its length;
+    // CMSG_FIRSTHDR/NXTHDR stay inside it and return null past its end.
+    let mut c = unsafe { libc::CMSG_FIRSTHDR(hdr) };
+    while !c.is_null() {
+        // SAFETY: `c` is a header inside the control data (see above).
+        let h = unsafe { &*c };
+        // SAFETY: CMSG_LEN only computes a size.
+        let want = unsafe { libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+        if h.cmsg_level == libc::SOL_UDP && h.cmsg_type == UDP_GRO && h.cmsg_len as usize >= want {
+            // SAFETY: the header's length covers an int of data after it;
+            // the data may be unaligned, so it is read unaligned.
+            let v = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>()) };
+            return usize::try_from(v).unwrap_or(0);
+        }
+        // SAFETY: as for CMSG_FIRSTHDR.
+        c = unsafe { libc::CMSG_NXTHDR(hdr, c) };
+    }
+    0
+}
+
+/// Fill `ctl` with a `UDP_SEGMENT` control message for segments of `size`
+/// bytes; returns the control length to put in the message header.
+pub(crate) fn segment_cmsg(ctl: &mut Ctl, size: u16) -> usize {
+    put_cmsg(ctl, UDP_SEGMENT, &size.to_ne_bytes())
+}
+
+/// Write one `SOL_UDP` control message of type `ty` carrying `data` (at
+/// most 8 bytes) at the start of `ctl`; returns its space.
+fn put_cmsg(ctl: &mut Ctl, ty: libc::c_int, data: &[u8]) -> usize {
+    let n = data.len().min(8) as u32;
+    // SAFETY: CMSG_SPACE/CMSG_LEN only compute sizes.
+    let (space, len) = unsafe { (libc::CMSG_SPACE(n) as usize, libc::CMSG_LEN(n) as usize) };
+    ctl.0 = [0; 32];
+    let hdr = libc::cmsghdr {
+        cmsg_len: len as _,
+        cmsg_level: libc::SOL_UDP,
+        cmsg_type: ty,
+    };
+    let hsize = len - n as usize;
+    debug_assert!(space <= ctl.0.len() && hsize >= std::mem::size_of::<libc::cmsghdr>());
+    // SAFETY: `Ctl` is 8-aligned and 32 bytes long, so a cmsghdr (16
+    // bytes, 8-aligned on the 64-bit targets we build for; smaller
+    // elsewhere) fits at its start.
+    unsafe { std::ptr::write(ctl.0.as_mut_ptr().cast::<libc::cmsghdr>(), hdr) };
+    // The data follows the padded header (CMSG_LEN(n) - n bytes in).
+    ctl.0[hsize..hsize + n as usize].copy_from_slice(&data[..n as usize]);
+    space
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_are_runs_of_one_size_that_a_shorter_one_may_end() {
+        assert_eq!(group(&[]), 0);
+        assert_eq!(group(&[100]), 1);
+        assert_eq!(group(&[100, 100, 100]), 3);
+        assert_eq!(group(&[100, 100, 60, 100]), 3);
+        assert_eq!(group(&[100, 120, 100]), 1);
+        assert_eq!(group(&[100, 100, 120]), 2);
+        assert_eq!(group(&[0, 0]), 1);
+        assert_eq!(group(&[100, 0, 100]), 1);
+        assert_eq!(group(&vec![1000; 200]), 64);
+        assert_eq!(group(&vec![1472; 200]), 44);
+        assert_eq!(group(&[70_000, 70_000]), 1);
+    }
+
+    #[test]
+    fn a_group_never_breaks_the_kernels_rules() {
+        // Every prefix of every mix of a few lengths: only the last datagram
+        // of a group may be shorter, none longer, within the caps.
+        let sizes = [1usize, 7, 1000, 1472, 8000, 32_768];
+        for &a in &sizes {
+            for &b in &sizes {
+                let lens: Vec<usize> = (0..150).map(|i| if i % 37 == 36 { b } else { a }).collect();
+                let mut at = 0;
+                while at < lens.len() {
+                    let n = group(&lens[at..]);
+                    assert!((1..=MAX_SEGS).contains(&n));
+                    let g = &lens[at..at + n];
+                    assert!(g.iter().sum::<usize>() <= MAX_BYTES.max(g[0]));
+                    assert!(g[..n - 1].iter().all(|&l| l == g[0]));
+                    assert!(g[n - 1] <= g[0]);
+                    at += n;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn control_messages_read_back() {
+        let read = |ctl: &mut Ctl, len: usize| {
+            // SAFETY: all-zero bytes are a valid msghdr.
+            let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+            hdr.msg_control = ctl.0.as_mut_ptr().cast();
+            hdr.msg_controllen = len as _;
+            // SAFETY: the control data is `ctl`, live and `len` bytes long.
+            unsafe { gro_segment(&hdr) }
+        };
+        let mut ctl = Ctl::default();
+        // A UDP_SEGMENT message is not a GRO one; nothing, neither.
+        let len = segment_cmsg(&mut ctl, 1472);
+        assert_eq!(read(&mut ctl, len), 0);
+        assert_eq!(read(&mut ctl, 0), 0);
+        let len = put_cmsg(&mut ctl, UDP_GRO, &1472i32.to_ne_bytes());
+        assert_eq!(read(&mut ctl, len), 1472);
+        let len = put_cmsg(&mut ctl, UDP_GRO, &(-5i32).to_ne_bytes());
+        assert_eq!(read(&mut ctl, len), 0);
+    }
+}
