@@ -121,7 +121,7 @@ impl BufPool {
 
     /// Keep `buf` for reuse, making room in the fullest other class if all
     /// classes together would keep too much.
-    fn give_back(&self, buf: Vec<u8>) {
+    pub(crate) fn give_back(&self, buf: Vec<u8>) {
         let Some(c) = class_for_cap(buf.capacity()) else {
             return;
         };

@@ -153,6 +153,10 @@ impl proto::Buffers for Pool {
     fn freeze(&self, buf: Vec<u8>) -> bytes::Bytes {
         self.0.freeze(buf)
     }
+
+    fn recycle(&self, buf: Vec<u8>) {
+        self.0.give_back(buf);
+    }
 }
 
 /// Why `ip` cannot be a udp address, if it cannot (for the configuration's
@@ -405,7 +409,6 @@ impl UdpTransport {
         )
     }
 
-    /// The largest datagram (UDP payload) sent to `rank`.
     /// Whether this kernel offers UDP GSO and GRO (a socket is made to ask).
     pub(crate) fn kernel_offload() -> (bool, bool) {
         match std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) {
@@ -424,6 +427,7 @@ impl UdpTransport {
         s.udp_gro_receives = g(&self.io.off.gro_receives);
     }
 
+    /// The largest datagram (UDP payload) sent to `rank`.
     pub(crate) fn max_datagram(&self, rank: Rank) -> Option<usize> {
         self.peer(rank).map(|p| p.max_datagram)
     }

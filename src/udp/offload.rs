@@ -15,10 +15,14 @@
 //! a peer with them.
 //!
 //! Only the data socket uses them (the priority socket carries small
-//! datagrams). Both are probed when the socket is made. A GSO send the
-//! kernel refuses (a device without checksum offload answers `EIO`) turns
-//! GSO off for good, says so once, is counted, and is sent again without
-//! it. `BTL_UDP_GSO=0` turns both off.
+//! datagrams), and GSO only towards peers whose datagrams are small enough
+//! for two to share a packet. Both are probed when the socket is made. A
+//! GSO send the kernel refuses (a device without checksum offload answers
+//! `EIO`; a route whose MTU is below the interface's, `EINVAL`) turns GSO
+//! off for the socket, so for every peer, for good: said once, and sent
+//! again without it. (Per-peer refusal would keep GSO for the other peers
+//! on such a host; the socket-wide switch is the simple, safe choice.)
+//! `BTL_UDP_GSO=0` turns both off.
 //!
 //! [`RecvBatch`]: super::io::RecvBatch
 
@@ -161,33 +165,33 @@ pub(crate) fn group(lens: &[usize]) -> usize {
 #[repr(C, align(8))]
 pub(crate) struct Ctl(pub(crate) [u8; 32]);
 
-/// The segment size a received message's control data reports (`UDP_GRO`),
-/// or 0 when it has none.
-///
-/// # Safety
-///
-/// `hdr.msg_control` must point at `hdr.msg_controllen` readable bytes
-/// (as the kernel left them after a receive into a [`Ctl`]).
-pub(crate) unsafe fn gro_segment(hdr: &libc::msghdr) -> usize {
-    if hdr.msg_control.is_null() || hdr.msg_controllen < std::mem::size_of::<libc::cmsghdr>() {
-        return 0;
-    }
-    // SAFETY: the caller says the control data is readable for its length;
-    // CMSG_FIRSTHDR/NXTHDR stay inside it and return null past its end.
-    let mut c = unsafe { libc::CMSG_FIRSTHDR(hdr) };
-    while !c.is_null() {
-        // SAFETY: `c` is a header inside the control data (see above).
-        let h = unsafe { &*c };
-        // SAFETY: CMSG_LEN only computes a size.
-        let want = unsafe { libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-        if h.cmsg_level == libc::SOL_UDP && h.cmsg_type == UDP_GRO && h.cmsg_len as usize >= want {
-            // SAFETY: the header's length covers an int of data after it;
-            // the data may be unaligned, so it is read unaligned.
-            let v = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>()) };
-            return usize::try_from(v).unwrap_or(0);
+/// The segment size a received message's control data (`ctl`, the
+/// `msg_controllen` bytes the kernel left) reports (`UDP_GRO`), or 0 when
+/// it has none. Read from bytes, bounds-checked: no pointer is followed.
+pub(crate) fn gro_segment(ctl: &[u8]) -> usize {
+    let word = std::mem::size_of::<usize>();
+    let hsize = std::mem::size_of::<libc::cmsghdr>();
+    let align = |n: usize| n.div_ceil(word) * word;
+    let int = |b: &[u8]| b.try_into().map(libc::c_int::from_ne_bytes).ok();
+    let mut at = 0;
+    // Each message: its length (a size_t), level and type (ints), padding
+    // to the header's alignment, then its data; the next one starts at the
+    // length rounded up (the kernel's CMSG_ALIGN).
+    while at + hsize <= ctl.len() {
+        let h = &ctl[at..at + hsize];
+        let Some(len) = h[..word].try_into().ok().map(usize::from_ne_bytes) else {
+            return 0;
+        };
+        let (level, ty) = (int(&h[word..word + 4]), int(&h[word + 4..word + 8]));
+        if len < hsize || at + len > ctl.len() {
+            return 0;
         }
-        // SAFETY: as for CMSG_FIRSTHDR.
-        c = unsafe { libc::CMSG_NXTHDR(hdr, c) };
+        if level == Some(libc::SOL_UDP) && ty == Some(UDP_GRO) && len >= hsize + 4 {
+            return int(&ctl[at + hsize..at + hsize + 4])
+                .and_then(|v| usize::try_from(v).ok())
+                .unwrap_or(0);
+        }
+        at += align(len);
     }
     0
 }
@@ -264,14 +268,7 @@ mod tests {
 
     #[test]
     fn control_messages_read_back() {
-        let read = |ctl: &mut Ctl, len: usize| {
-            // SAFETY: all-zero bytes are a valid msghdr.
-            let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-            hdr.msg_control = ctl.0.as_mut_ptr().cast();
-            hdr.msg_controllen = len as _;
-            // SAFETY: the control data is `ctl`, live and `len` bytes long.
-            unsafe { gro_segment(&hdr) }
-        };
+        let read = |ctl: &mut Ctl, len: usize| gro_segment(&ctl.0[..len]);
         let mut ctl = Ctl::default();
         // A UDP_SEGMENT message is not a GRO one; nothing, neither.
         let len = segment_cmsg(&mut ctl, 1472);
@@ -281,5 +278,19 @@ mod tests {
         assert_eq!(read(&mut ctl, len), 1472);
         let len = put_cmsg(&mut ctl, UDP_GRO, &(-5i32).to_ne_bytes());
         assert_eq!(read(&mut ctl, len), 0);
+        // A GRO message behind another one is found; a length that runs
+        // past the data, or is too short to be a header, ends the search.
+        let mut two = [0u8; 64];
+        let first = put_cmsg(&mut ctl, UDP_SEGMENT, &7u16.to_ne_bytes());
+        two[..first].copy_from_slice(&ctl.0[..first]);
+        let second = put_cmsg(&mut ctl, UDP_GRO, &1000i32.to_ne_bytes());
+        two[first..first + second].copy_from_slice(&ctl.0[..second]);
+        assert_eq!(gro_segment(&two[..first + second]), 1000);
+        let mut bad = two;
+        bad[..8].copy_from_slice(&1000usize.to_ne_bytes());
+        assert_eq!(gro_segment(&bad[..first + second]), 0);
+        bad[..8].copy_from_slice(&3usize.to_ne_bytes());
+        assert_eq!(gro_segment(&bad[..first + second]), 0);
+        assert_eq!(gro_segment(&two[..first + 19]), 0);
     }
 }

@@ -399,6 +399,10 @@ impl UdpTransport {
                     0
                 });
                 read += n;
+                self.io
+                    .off
+                    .gro_receives
+                    .fetch_add(batch.coalesced as u64, std::sync::atomic::Ordering::Relaxed);
                 for (from, d) in batch.iter() {
                     self.on_datagram(&mut cx, from, d, now);
                 }

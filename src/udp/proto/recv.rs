@@ -91,6 +91,11 @@ pub trait Buffers: Send + Sync {
     /// The whole message, as handed to the owner in
     /// [`Event::Message`].
     fn freeze(&self, buf: Vec<u8>) -> Bytes;
+    /// Take back a buffer a message outgrew (its contents were copied to
+    /// a larger one). The default drops it.
+    fn recycle(&self, buf: Vec<u8>) {
+        drop(buf);
+    }
 }
 
 /// Rebuilds messages from in-order chunks and checks the framing.
@@ -144,7 +149,7 @@ impl Reassembly {
                 _ if total <= self.reserve_max => Vec::with_capacity(total),
                 _ => Vec::new(),
             };
-            grow(&mut buf, payload.len(), total);
+            grow(&mut buf, payload.len(), total, self.buffers.as_deref());
             buf.extend_from_slice(payload);
             self.partial = Some(Partial {
                 id: c.msg_id,
@@ -158,7 +163,7 @@ impl Reassembly {
             return Err("chunk does not continue the message being reassembled");
         }
         let total = usize::try_from(p.total).map_err(|_| "message too large")?;
-        grow(&mut p.buf, payload.len(), total);
+        grow(&mut p.buf, payload.len(), total, self.buffers.as_deref());
         p.buf.extend_from_slice(payload);
         p.chunk = payload.len();
         if (p.buf.len() as u64) < p.total {
@@ -192,8 +197,12 @@ impl Reassembly {
 }
 
 /// Makes room for `extra` more bytes, doubling, but never reserving past
-/// `total` (the decoder guarantees offset + length <= total).
-fn grow(buf: &mut Vec<u8>, extra: usize, total: usize) {
+/// `total` (the decoder guarantees offset + length <= total). With a
+/// buffer source, the larger buffer comes from it and the outgrown one
+/// goes back to it: growing by reallocation gave every large message on a
+/// small-datagram path fresh pages to fault in (a fifth of the receiver's
+/// time at 1 MiB over 1472-byte datagrams).
+fn grow(buf: &mut Vec<u8>, extra: usize, total: usize, src: Option<&dyn Buffers>) {
     let need = buf.len().saturating_add(extra);
     if need <= buf.capacity() {
         return;
@@ -202,7 +211,17 @@ fn grow(buf: &mut Vec<u8>, extra: usize, total: usize) {
         .max(FIRST_RESERVE)
         .min(total)
         .max(need);
-    buf.reserve_exact(target - buf.len());
+    match src {
+        Some(src) => {
+            let mut bigger = src.take(target);
+            bigger.extend_from_slice(buf);
+            let old = std::mem::replace(buf, bigger);
+            if old.capacity() > 0 {
+                src.recycle(old);
+            }
+        }
+        None => buf.reserve_exact(target - buf.len()),
+    }
 }
 
 pub(super) struct RecvSide {
@@ -367,7 +386,7 @@ impl RecvSide {
         self.lent = true;
         let want = chunks.saturating_mul(p.chunk);
         let more = want.min(total.saturating_sub(p.buf.len()));
-        grow(&mut p.buf, more, total);
+        grow(&mut p.buf, more, total, self.reasm.buffers.as_deref());
         Some(Lent {
             filled: p.buf.len(),
             buf: p.buf,

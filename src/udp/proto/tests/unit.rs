@@ -208,6 +208,8 @@ fn the_ack_of_a_held_back_datagram_applies_alone() {
 struct CountingBuffers {
     taken: std::sync::Mutex<Vec<usize>>,
     frozen: std::sync::atomic::AtomicUsize,
+    /// Capacities of the buffers handed back after a message outgrew them.
+    recycled: std::sync::Mutex<Vec<usize>>,
 }
 
 impl super::super::Buffers for CountingBuffers {
@@ -219,6 +221,9 @@ impl super::super::Buffers for CountingBuffers {
         self.frozen
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Bytes::from(buf)
+    }
+    fn recycle(&self, buf: Vec<u8>) {
+        self.recycled.lock().unwrap().push(buf.capacity());
     }
 }
 
@@ -237,8 +242,10 @@ fn received_messages_use_the_buffer_source_within_a_window() {
     b.set_buffers(bufs.clone());
     let window_bytes = 8 * cfg.chunk_payload();
     // Fits a receive window: one buffer of the whole length, frozen once.
-    // Larger: grows as data comes (the source is not asked to reserve it).
-    let sizes = [window_bytes, window_bytes + 1, 100];
+    // Larger: grows as data comes (the source is asked for 64 KiB at most
+    // up front, then for twice as much each time it is full, and takes the
+    // outgrown buffers back).
+    let sizes = [window_bytes, window_bytes + 1, 100, 200_000];
     for (i, len) in sizes.iter().enumerate() {
         a.send(t0, message(i as u64, *len)).unwrap();
     }
@@ -265,10 +272,21 @@ fn received_messages_use_the_buffer_source_within_a_window() {
         .collect();
     assert_eq!(got, want);
     // The one-datagram message is copied into a buffer of its own length
-    // from the source too (the one that grows asks for nothing up front).
-    assert_eq!(*bufs.taken.lock().unwrap(), vec![window_bytes, 100]);
-    // All three are handed over through the source.
-    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 3);
+    // from the source too.
+    assert_eq!(
+        *bufs.taken.lock().unwrap(),
+        vec![
+            window_bytes,
+            window_bytes + 1,
+            100,
+            65_536,
+            131_072,
+            200_000
+        ]
+    );
+    assert_eq!(*bufs.recycled.lock().unwrap(), vec![65_536, 131_072]);
+    // All four are handed over through the source.
+    assert_eq!(bufs.frozen.load(std::sync::atomic::Ordering::Relaxed), 4);
 }
 
 #[test]
