@@ -859,30 +859,31 @@ mod tests {
         (0..len).map(|k| (i * 7 + k) as u8).collect()
     }
 
-    /// Sockets with GSO on the sender and GRO on the receiver, if the
-    /// kernel has them (`None`, said why, if not).
-    async fn offload_pair() -> Option<(UdpSocket, Offload, UdpSocket, Offload)> {
-        let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let tx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let off_rx = Offload::probe(rx.as_raw_fd(), true);
-        let off_tx = Offload::probe(tx.as_raw_fd(), true);
-        if !off_tx.gso() || !off_rx.gro() {
-            println!("skipped: this kernel has no UDP GSO/GRO");
-            return None;
-        }
-        Some((tx, off_tx, rx, off_rx))
-    }
-
-    #[test]
-    fn gso_packets_arrive_whole_and_gro_joined_ones_are_cut_apart() {
+    /// Run `f` on a sender with GSO on and a receiver with GRO on, in a
+    /// one-thread runtime, if the kernel has them (said why, if not).
+    fn with_offload_pair<F: std::future::Future<Output = ()>>(
+        f: impl FnOnce(UdpSocket, Offload, UdpSocket) -> F,
+    ) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .build()
             .unwrap();
         rt.block_on(async {
-            let Some((tx, off, rx, _)) = offload_pair().await else {
+            let rx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            let tx = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+            let off_rx = Offload::probe(rx.as_raw_fd(), true);
+            let off_tx = Offload::probe(tx.as_raw_fd(), true);
+            if !off_tx.gso() || !off_rx.gro() {
+                println!("skipped: this kernel has no UDP GSO/GRO");
                 return;
-            };
+            }
+            f(tx, off_tx, rx).await;
+        });
+    }
+
+    #[test]
+    fn gso_packets_arrive_whole_and_gro_joined_ones_are_cut_apart() {
+        with_offload_pair(|tx, off, rx| async move {
             let to = rx.local_addr().unwrap();
             // Runs of one size, a shorter one now and then (it ends a GSO
             // packet), and one longer one (it starts another).
@@ -933,14 +934,7 @@ mod tests {
 
     #[test]
     fn a_gro_joined_receive_never_lands_in_place() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let Some((tx, off, rx, _)) = offload_pair().await else {
-                return;
-            };
+        with_offload_pair(|tx, off, rx| async move {
             let (to, from) = (rx.local_addr().unwrap(), tx.local_addr().unwrap());
             let chunk = 500;
             let sent: Vec<Vec<u8>> = (1..=5).map(|i| dgram(i, chunk)).collect();
