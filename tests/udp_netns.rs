@@ -110,6 +110,7 @@ async fn stream(f: &Fabric) {
         println!("stats={}", f.udp_stats(1).unwrap());
         println!("resends={}", f.udp_stats(1).unwrap().resends);
         println!("gso_sends={}", f.stats().udp_gso_sends);
+        println!("max_datagram={}", f.udp_max_datagram(1).unwrap());
     }
 }
 
@@ -118,6 +119,8 @@ struct Net {
     ns: [String; 2],
     /// The ranks' addresses, one per namespace.
     addrs: [&'static str; 2],
+    /// The veth ends, one per namespace.
+    devs: [String; 2],
 }
 
 fn sh(args: &[&str]) -> Result<(), String> {
@@ -167,11 +170,12 @@ impl Net {
         } else {
             ["10.77.0.1", "10.77.0.2"]
         };
+        let (va, vb) = (format!("va{id}"), format!("vb{id}"));
         let net = Net {
             ns: [format!("abtl-{id}-a"), format!("abtl-{id}-b")],
             addrs,
+            devs: [va.clone(), vb.clone()],
         };
-        let (va, vb) = (format!("va{id}"), format!("vb{id}"));
         let [a, b] = &net.ns;
         sh(&["ip", "netns", "add", a])?;
         sh(&["ip", "netns", "add", b])?;
@@ -196,6 +200,30 @@ impl Net {
             sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
         }
         Ok(net)
+    }
+
+    /// In namespace `i`, a route to the other namespace's address that
+    /// allows only `mtu` bytes (less than the veth's 1500).
+    fn route_mtu(&self, i: usize, mtu: u32) -> Result<(), String> {
+        let to = self.addrs[1 - i];
+        let host = if to.contains(':') {
+            format!("{to}/128")
+        } else {
+            format!("{to}/32")
+        };
+        let mtu = mtu.to_string();
+        sh(&[
+            "ip",
+            "-n",
+            &self.ns[i],
+            "route",
+            "replace",
+            &host,
+            "dev",
+            &self.devs[i],
+            "mtu",
+            &mtu,
+        ])
     }
 
     /// Load an nft ruleset into namespace `i`.
@@ -351,4 +379,22 @@ fn netns_v6_drop_20_percent() {
     assert!(num(&outs[0], "resends") > 0, "nothing was lost?");
     // veth's 1500-byte MTU less 40 bytes of IPv6 and 8 of UDP header.
     assert_eq!(num(&outs[1], "max_datagram"), 1452);
+}
+
+#[test]
+fn netns_route_mtu_below_the_interface_sizes_the_datagrams() {
+    // Rank 0's route to rank 1 allows 1200 bytes, its veth 1500: it sends
+    // its stream in 1172-byte datagrams (1200 less 28 bytes of IPv4 and UDP
+    // headers), in GSO packets where the kernel has them, never as IP
+    // fragments; rank 1's way back still takes 1472.
+    let Some(net) = setup("m") else { return };
+    net.route_mtu(0, 1200).unwrap();
+    let outs = net.run(20_000);
+    assert_eq!(num(&outs[0], "max_datagram"), 1172);
+    assert_eq!(num(&outs[1], "max_datagram"), 1472);
+    println!(
+        "rank 0 sent {} GSO packets; rank 1 took {} joined receives",
+        num(&outs[0], "gso_sends"),
+        num(&outs[1], "gro_receives")
+    );
 }

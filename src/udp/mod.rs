@@ -289,7 +289,10 @@ impl UdpTransport {
 
     /// Protocol settings towards a peer.
     fn proto_config(&self, a: &UdpAddr) -> proto::Config {
-        let mtu = match self.core.config.udp_mtu {
+        // The path's MTU as both ends see it (the configured one, loopback's,
+        // or the smaller interface MTU): the windows follow from it, so the
+        // peer's receive window is our send window, datagram for datagram.
+        let shared = match self.core.config.udp_mtu {
             Some(m) => m,
             None if net::is_local(&self.ifs, a.ip) => {
                 let lo = if self.me.ip.is_ipv4() {
@@ -299,10 +302,20 @@ impl UdpTransport {
                 };
                 net::mtu_of(&self.ifs, lo)
             }
-            None => (self.me.mtu.min(a.mtu)) as usize,
+            None => self.me.mtu.min(a.mtu) as usize,
+        };
+        // Our datagrams also fit our route to the peer (a route, or a path
+        // the kernel learned, may allow less than the interfaces: a tunnel,
+        // say; above it datagrams would leave as IP fragments, and GSO
+        // packets not at all). The peer does not know our route, so the
+        // windows stay those of `shared`.
+        let route = match self.core.config.udp_mtu {
+            None if !net::is_local(&self.ifs, a.ip) => net::route_mtu(a.ip),
+            _ => None,
         };
         // Both ends are of our family (`reaches`): its headers.
-        let dgram = net::payload_for_mtu(mtu, self.me.ip);
+        let wdgram = net::payload_for_mtu(shared, self.me.ip);
+        let dgram = net::payload_for_mtu(shared.min(route.unwrap_or(usize::MAX)), self.me.ip);
         // A window of datagrams must fit in the receiving socket's buffer,
         // counting the kernel's per-datagram overhead (about as much again
         // for small ones) and leaving half for other senders.
@@ -316,10 +329,10 @@ impl UdpTransport {
             .core
             .config
             .udp_window
-            .unwrap_or_else(|| 256.max((WINDOW_BYTES / dgram.max(1)) as u32))
+            .unwrap_or_else(|| 256.max((WINDOW_BYTES / wdgram.max(1)) as u32))
             .clamp(4, 1 << 16);
         let window =
-            |rcvbuf: u32| ((rcvbuf as usize / 2) / (dgram + 1024)).clamp(4, cap as usize) as u32;
+            |rcvbuf: u32| ((rcvbuf as usize / 2) / (wdgram + 1024)).clamp(4, cap as usize) as u32;
         let send_window = window(a.rcvbuf);
         let d = proto::Config::default();
         proto::Config {

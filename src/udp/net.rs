@@ -185,6 +185,36 @@ pub(crate) fn iface_mtu(name: &str) -> Option<usize> {
     usize::try_from(mtu).ok().filter(|&m| m > 0)
 }
 
+/// The MTU of this host's route to `to` (`IP_MTU`/`IPV6_MTU` of a UDP
+/// socket connected there: the route's own MTU, or a smaller one the
+/// kernel learned for the path), if the kernel says. Nothing is sent.
+pub(crate) fn route_mtu(to: IpAddr) -> Option<usize> {
+    let (domain, level, opt) = match to {
+        IpAddr::V4(_) => (Domain::IPV4, libc::IPPROTO_IP, libc::IP_MTU),
+        IpAddr::V6(_) => (Domain::IPV6, libc::IPPROTO_IPV6, libc::IPV6_MTU),
+    };
+    let sock = Socket::new(domain, Type::DGRAM, None).ok()?;
+    // (Connecting a UDP socket only picks the route.)
+    sock.connect(&SocketAddr::new(to, 9).into()).ok()?;
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are live for the call and `len` says how many
+    // bytes `v` holds; the kernel writes at most that.
+    let r = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            level,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return None;
+    }
+    usize::try_from(v).ok().filter(|&m| m > 0)
+}
+
 /// MTU of the interface holding `addr` (loopback's for 127/8 and ::1), or
 /// 1500.
 pub(crate) fn mtu_of(ifs: &[Iface], addr: IpAddr) -> usize {
@@ -288,6 +318,13 @@ mod tests {
         assert_eq!(iface_mtu(&"x".repeat(libc::IFNAMSIZ)), None);
         assert_eq!(iface_mtu(""), None);
         assert_eq!(iface_mtu("lo\0x"), None);
+        // The route to a loopback address allows no more than loopback
+        // (65535 for its 65536: an IP packet's limit).
+        let route = route_mtu(IpAddr::V4(Ipv4Addr::LOCALHOST)).expect("the route's MTU");
+        assert!(
+            route <= mtu && route >= mtu.min(65_535),
+            "{route} against {mtu}"
+        );
     }
 
     #[test]

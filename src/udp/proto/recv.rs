@@ -249,6 +249,10 @@ pub(super) struct RecvSide {
     /// The reassembly buffer is lent ([`RecvSide::lend`]): DATA is refused
     /// until it is back.
     lent: bool,
+    /// The highest sequence number dropped for lying beyond the window, while
+    /// `nxt` has not passed it: the peer's window overran ours, so there is
+    /// a hole at `nxt` although nothing is buffered (see `has_gap`).
+    overrun: Option<Seq>,
 }
 
 impl RecvSide {
@@ -258,6 +262,7 @@ impl RecvSide {
             window: u64::from(cfg.recv_window),
             slots: VecDeque::new(),
             buffered: 0,
+            overrun: None,
             reasm: Reassembly {
                 next_msg: 0,
                 large_recent: 0,
@@ -289,9 +294,20 @@ impl RecvSide {
         self.nxt.0
     }
 
-    /// Whether out-of-order data is held (our ACK points at a hole).
+    /// Whether our ACK points at a hole: out-of-order data is held, or data
+    /// beyond the window was dropped (the peer's window is larger than
+    /// ours). The flag on our ACKs makes the peer count duplicates and
+    /// resend at each partial ACK, instead of waiting for its timer once
+    /// per segment.
     pub fn has_gap(&self) -> bool {
-        self.buffered > 0
+        self.buffered > 0 || self.overrun.is_some()
+    }
+
+    /// `nxt` moved: forget an overrun it passed.
+    fn advanced(&mut self) {
+        if self.overrun.is_some_and(|h| h.is_before(self.nxt)) {
+            self.overrun = None;
+        }
     }
 
     fn ack_now(&mut self, now: Instant) {
@@ -331,6 +347,10 @@ impl RecvSide {
         };
         if dist >= self.window {
             stats.out_of_window_dropped += 1;
+            let seq = Seq(hdr.seq);
+            if self.overrun.map_or(true, |h| h.is_before(seq)) {
+                self.overrun = Some(seq);
+            }
             self.ack_now(now);
             return;
         }
@@ -347,6 +367,7 @@ impl RecvSide {
         }
         stats.data_received += 1;
         self.nxt = self.nxt.wrapping_add(1);
+        self.advanced();
         self.slots.pop_front();
         self.since_ack += 1;
         let filled = self.drain_buffered(events, stats);
@@ -358,6 +379,7 @@ impl RecvSide {
     fn schedule_ack(&mut self, now: Instant, hdr: &Header, filled: bool) {
         let asked = hdr.flags.contains(Flags::ACK_NOW);
         if filled
+            || self.overrun.is_some()
             || self.since_ack >= self.ack_every
             || (asked && hdr.flags.contains(Flags::RETRANSMIT))
         {
@@ -433,6 +455,7 @@ impl RecvSide {
         lent.chunk = len;
         stats.data_received += 1;
         self.nxt = self.nxt.wrapping_add(1);
+        self.advanced();
         self.slots.pop_front();
         self.since_ack += 1;
         self.schedule_ack(now, hdr, false);

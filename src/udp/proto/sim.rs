@@ -124,8 +124,15 @@ impl Sim {
 
     /// As [`Sim::new`] with chosen ISNs (`isns[i]` is side `i`'s).
     pub fn with_isns(seed: u64, cfg: Config, link: Link, isns: [u64; 2]) -> Sim {
+        Sim::with_configs(seed, [cfg.clone(), cfg], link, isns)
+    }
+
+    /// As [`Sim::with_isns`] with a config per side (`cfgs[i]` is side
+    /// `i`'s).
+    pub fn with_configs(seed: u64, cfgs: [Config; 2], link: Link, isns: [u64; 2]) -> Sim {
         let base = Instant::now();
         let side = |me: u32, peer: u32| {
+            let cfg = &cfgs[me as usize];
             let ids = ConnIds {
                 job: JOB,
                 local_rank: me,

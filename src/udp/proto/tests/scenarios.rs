@@ -359,3 +359,57 @@ fn sack_repairs_many_holes_per_round_trip() {
         tx_without.resends
     );
 }
+
+#[test]
+fn a_sender_whose_window_overruns_the_receivers_recovers_quickly() {
+    // Side 0 may have 64 segments in flight, side 1 takes 16 (configs that
+    // disagree: BTL_UDP_WINDOW set on one rank only, say). Behind a lost
+    // segment, what lands beyond the receive window is dropped; the
+    // receiver's ACKs then say there is a hole, so the sender repairs it
+    // by round trips, not one segment per retransmission timeout.
+    let wide = Config {
+        send_window: 64,
+        recv_window: 64,
+        ..Config::default()
+    };
+    let narrow = Config {
+        send_window: 16,
+        recv_window: 16,
+        ..Config::default()
+    };
+    let link = Link {
+        latency: Duration::from_millis(1),
+        loss: 0.02,
+        ..Link::default()
+    };
+    let mut sim = Sim::with_configs(21, [wide, narrow.clone()], link.clone(), [5, 9]);
+    sim.queue_sizes(0, 0, &[200_000; 10]);
+    sim.run_to_completion(LIMIT);
+    sim.assert_delivered();
+    let (tx, rx) = (sim.stats(0), sim.stats(1));
+    println!("overrun: {:?} virtual\n  tx {tx}\n  rx {rx}", sim.elapsed());
+    assert!(
+        rx.out_of_window_dropped > 0,
+        "the window never overran: {rx}"
+    );
+    // Repaired by fast retransmits: a timeout per dropped segment took 45
+    // times as long as matching windows (one in ten here, at most).
+    assert!(
+        tx.timeout_retransmits * 10 < rx.out_of_window_dropped,
+        "{} timeouts for {} overrun drops",
+        tx.timeout_retransmits,
+        rx.out_of_window_dropped
+    );
+    // Matching windows, for scale.
+    let mut even = Sim::with_configs(21, [narrow.clone(), narrow], link, [5, 9]);
+    even.queue_sizes(0, 0, &[200_000; 10]);
+    even.run_to_completion(LIMIT);
+    even.assert_delivered();
+    println!("matching: {:?} virtual", even.elapsed());
+    assert!(
+        sim.elapsed() < even.elapsed() * 20,
+        "overrun {:?} against matching {:?}",
+        sim.elapsed(),
+        even.elapsed()
+    );
+}
