@@ -1,8 +1,10 @@
 //! udp transport on loopback against tokio baselines, in one group each:
 //! 1 MiB message throughput (async-btl udp, tokio `TcpStream`, tokio
 //! `UdpSocket` with 64 KiB datagrams) and 8 B half round trip (async-btl
-//! udp vs a tokio `UdpSocket` ping-pong). Both ranks live in this process
-//! (two fabrics, in-process address exchange), Adaptive progress.
+//! udp vs a tokio `UdpSocket` ping-pong). A third group sends 1 MiB in an
+//! Ethernet path's datagrams (`udp_mtu` 1500: 1472 bytes each) with GSO
+//! and GRO on, beside the same with them off. Both ranks live in this
+//! process (two fabrics, in-process address exchange), Adaptive progress.
 
 use std::time::{Duration, Instant};
 
@@ -23,10 +25,18 @@ fn rt() -> tokio::runtime::Runtime {
 }
 
 async fn pair() -> (Fabric, Fabric) {
+    pair_with(None, true).await
+}
+
+/// Two fabrics talking udp with datagrams for `mtu` (loopback's when
+/// `None`) and GSO/GRO as `gso` says.
+async fn pair_with(mtu: Option<usize>, gso: bool) -> (Fabric, Fabric) {
     let ex = LocalExchange::new(2);
     let config = Config {
         transports: vec!["udp".into()],
         udp_addr: Some("127.0.0.1".parse().unwrap()),
+        udp_mtu: mtu,
+        udp_gso: gso,
         progress: ProgressMode::Adaptive,
         ..Config::default()
     };
@@ -54,23 +64,7 @@ fn throughput(c: &mut Criterion) {
     let ep = a.endpoint(1).unwrap();
     let mut rx = b.receiver(1).unwrap();
     g.bench_function("async_btl_udp", |bch| {
-        bch.to_custom_iter(|iters| {
-            rt.block_on(async {
-                let t = Instant::now();
-                let send = async {
-                    for _ in 0..iters {
-                        ep.send(1, msg.clone()).await.unwrap();
-                    }
-                };
-                let recv = async {
-                    for _ in 0..iters {
-                        rx.recv().await.unwrap();
-                    }
-                };
-                tokio::join!(send, recv);
-                t.elapsed()
-            })
-        })
+        bch.to_custom_iter(|iters| rt.block_on(stream(&ep, &mut rx, &msg, iters)))
     });
     let (mut tx, mut trx) = rt.block_on(async {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -165,6 +159,54 @@ fn throughput(c: &mut Criterion) {
     });
 }
 
+/// Send `msg` `iters` times from `ep` while `rx` takes them; the time.
+async fn stream(
+    ep: &async_btl::Endpoint,
+    rx: &mut async_btl::Receiver,
+    msg: &Bytes,
+    iters: u64,
+) -> Duration {
+    let t = Instant::now();
+    let send = async {
+        for _ in 0..iters {
+            ep.send(1, msg.clone()).await.unwrap();
+        }
+    };
+    let recv = async {
+        for _ in 0..iters {
+            rx.recv().await.unwrap();
+        }
+    };
+    tokio::join!(send, recv);
+    t.elapsed()
+}
+
+fn ethernet_mtu(c: &mut Criterion) {
+    let rt = rt();
+    let mut g = c.benchmark_group("ethernet_mtu_1MiB");
+    g.throughput(Throughput::Bytes(MIB as u64));
+    let msg = Bytes::from(vec![7u8; MIB]);
+    for (name, gso) in [("async_btl_udp_gso", true), ("async_btl_udp_no_gso", false)] {
+        let (a, b) = rt.block_on(pair_with(Some(1500), gso));
+        let ep = a.endpoint(1).unwrap();
+        let mut rx = b.receiver(1).unwrap();
+        g.bench_function(name, |bch| {
+            bch.to_custom_iter(|iters| rt.block_on(stream(&ep, &mut rx, &msg, iters)))
+        });
+        if gso {
+            let s = a.stats();
+            println!("gso: {} GSO packets sent", s.udp_gso_sends);
+        }
+        drop(rx);
+        rt.block_on(async {
+            let (ra, rb) = tokio::join!(a.close(), b.close());
+            ra.unwrap();
+            rb.unwrap();
+        });
+    }
+    g.finish();
+}
+
 fn latency(c: &mut Criterion) {
     let rt = rt();
     let (a, b) = rt.block_on(pair());
@@ -245,6 +287,6 @@ criterion_group! {
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = throughput, latency
+    targets = throughput, latency, ethernet_mtu
 }
 criterion_main!(benches);
