@@ -287,8 +287,10 @@ impl UdpTransport {
             && (local || !self.me.ip.is_loopback())
     }
 
-    /// Protocol settings towards a peer.
-    fn proto_config(&self, a: &UdpAddr) -> proto::Config {
+    /// Protocol settings towards a peer, and whether our datagrams to it
+    /// fit our route whole (else GSO is not used towards it: the kernel
+    /// would refuse the packets, and turn GSO off for every peer).
+    fn proto_config(&self, a: &UdpAddr) -> (proto::Config, bool) {
         // The path's MTU as both ends see it (the configured one, loopback's,
         // or the smaller interface MTU): the windows follow from it, so the
         // peer's receive window is our send window, datagram for datagram.
@@ -310,7 +312,7 @@ impl UdpTransport {
         // packets not at all). The peer does not know our route, so the
         // windows stay those of `shared`.
         let route = match self.core.config.udp_mtu {
-            None if !net::is_local(&self.ifs, a.ip) => net::route_mtu(a.ip),
+            None if !net::is_local(&self.ifs, a.ip) => net::route_mtu(self.me.ip, a.ip),
             _ => None,
         };
         // Both ends are of our family (`reaches`): its headers.
@@ -335,14 +337,16 @@ impl UdpTransport {
             |rcvbuf: u32| ((rcvbuf as usize / 2) / (wdgram + 1024)).clamp(4, cap as usize) as u32;
         let send_window = window(a.rcvbuf);
         let d = proto::Config::default();
-        proto::Config {
+        let cfg = proto::Config {
             max_datagram: dgram,
             send_window,
             recv_window: window(self.me.rcvbuf),
             send_budget: (4 << 20).max(2 * send_window as usize * dgram),
             peer_timeout: self.core.config.udp_stall_timeout,
             ..d
-        }
+        };
+        let whole = route.map_or(true, |r| net::fits(dgram, r, self.me.ip));
+        (cfg, whole)
     }
 
     /// Create a connection per peer; returns a link per peer rank.
@@ -356,7 +360,7 @@ impl UdpTransport {
         let mut by_addr = HashMap::new();
         let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
         for (rank, a) in peers {
-            let cfg = self.proto_config(a);
+            let (cfg, whole) = self.proto_config(a);
             // A receive window of full datagrams: what the peer may have in
             // flight when we pause it.
             let stash_limit = cfg.recv_window as usize * (cfg.max_datagram + rx::STASH_OVERHEAD);
@@ -375,6 +379,7 @@ impl UdpTransport {
                 data_addr: SocketAddr::new(a.ip, a.data_port),
                 prio_addr: SocketAddr::new(a.ip, a.prio_port),
                 max_datagram,
+                gso: whole,
                 stash_limit,
                 lost: AtomicBool::new(false),
                 busy: AtomicBool::new(false),

@@ -185,15 +185,18 @@ pub(crate) fn iface_mtu(name: &str) -> Option<usize> {
     usize::try_from(mtu).ok().filter(|&m| m > 0)
 }
 
-/// The MTU of this host's route to `to` (`IP_MTU`/`IPV6_MTU` of a UDP
-/// socket connected there: the route's own MTU, or a smaller one the
-/// kernel learned for the path), if the kernel says. Nothing is sent.
-pub(crate) fn route_mtu(to: IpAddr) -> Option<usize> {
+/// The MTU of the route from `from` to `to` (`IP_MTU`/`IPV6_MTU` of a
+/// UDP socket bound to `from` and connected to `to`: the route's own MTU,
+/// or a smaller one the kernel learned for the path), if the kernel says.
+/// Nothing is sent. (Bound like the data socket, so source-based routing
+/// picks the route our datagrams take.)
+pub(crate) fn route_mtu(from: IpAddr, to: IpAddr) -> Option<usize> {
     let (domain, level, opt) = match to {
         IpAddr::V4(_) => (Domain::IPV4, libc::IPPROTO_IP, libc::IP_MTU),
         IpAddr::V6(_) => (Domain::IPV6, libc::IPPROTO_IPV6, libc::IPV6_MTU),
     };
     let sock = Socket::new(domain, Type::DGRAM, None).ok()?;
+    sock.bind(&SocketAddr::new(from, 0).into()).ok()?;
     // (Connecting a UDP socket only picks the route.)
     sock.connect(&SocketAddr::new(to, 9).into()).ok()?;
     let mut v: libc::c_int = 0;
@@ -229,6 +232,18 @@ pub(crate) fn mtu_of(ifs: &[Iface], addr: IpAddr) -> usize {
 /// Whether `addr` belongs to this host (traffic to it stays on loopback).
 pub(crate) fn is_local(ifs: &[Iface], addr: IpAddr) -> bool {
     addr.is_loopback() || ifs.iter().any(|i| i.addr == addr)
+}
+
+/// Whether datagrams of `dgram` bytes fit whole in a path of `mtu` bytes
+/// of `ip`'s family (`payload_for_mtu` never goes below 512, which a very
+/// small route MTU does not carry).
+pub(crate) fn fits(dgram: usize, mtu: usize, ip: IpAddr) -> bool {
+    let headers = if ip.is_ipv4() {
+        IP4_UDP_HEADERS
+    } else {
+        IP6_UDP_HEADERS
+    };
+    dgram + headers <= mtu
 }
 
 /// The largest UDP payload for an IP MTU on a path of `ip`'s family: the
@@ -320,7 +335,8 @@ mod tests {
         assert_eq!(iface_mtu("lo\0x"), None);
         // The route to a loopback address allows no more than loopback
         // (65535 for its 65536: an IP packet's limit).
-        let route = route_mtu(IpAddr::V4(Ipv4Addr::LOCALHOST)).expect("the route's MTU");
+        let lo4 = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let route = route_mtu(lo4, lo4).expect("the route's MTU");
         assert!(
             route <= mtu && route >= mtu.min(65_535),
             "{route} against {mtu}"

@@ -9,7 +9,7 @@ use super::header::DATA_OVERHEAD;
 const MAX_UDP_PAYLOAD: usize = 65_507;
 /// Largest window accepted, in segments; keeps windows tiny against the
 /// 2^63 range of the sequence-number comparison and bounds memory.
-const MAX_WINDOW: u32 = 1 << 20;
+pub(crate) const MAX_WINDOW: u32 = 1 << 20;
 
 /// Protocol parameters. Both sides of a connection should use the same
 /// values; a receive window smaller than the peer's send window works but

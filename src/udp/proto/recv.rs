@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::config::Config;
+use super::config::{Config, MAX_WINDOW};
 use super::conn::Event;
 use super::header::{Chunk, Flags, Header, Kind, Sack, SackBlock};
 use super::seq::Seq;
@@ -347,8 +347,12 @@ impl RecvSide {
         };
         if dist >= self.window {
             stats.out_of_window_dropped += 1;
+            // (Only as far as an honest sender can be ahead: a stray or
+            // forged datagram from far off must not keep the flag up.)
             let seq = Seq(hdr.seq);
-            if self.overrun.map_or(true, |h| h.is_before(seq)) {
+            if dist < self.window + u64::from(MAX_WINDOW)
+                && self.overrun.map_or(true, |h| h.is_before(seq))
+            {
                 self.overrun = Some(seq);
             }
             self.ack_now(now);
@@ -553,6 +557,7 @@ impl RecvSide {
             self.since_ack += 1;
             filled = true;
         }
+        self.advanced();
         filled
     }
 
