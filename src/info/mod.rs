@@ -224,9 +224,15 @@ fn host_check(name: &str) -> Check {
         "self" => Ok("always available: messages and put/get to this process".to_string()),
         "sm" => shm_writable(),
         "udp" => std::net::UdpSocket::bind("127.0.0.1:0")
-            .map(|s| match s.local_addr() {
-                Ok(a) => format!("a UDP socket binds on {a}"),
-                Err(_) => "a UDP socket binds on 127.0.0.1".to_string(),
+            .map(|s| {
+                let (ip, mtu) = crate::udp::UdpTransport::default_bind();
+                let at = match s.local_addr() {
+                    Ok(a) => a.to_string(),
+                    Err(_) => "127.0.0.1".to_string(),
+                };
+                format!(
+                    "a UDP socket binds on {at}; without BTL_UDP_ADDR udp binds {ip} (interface MTU {mtu})"
+                )
             })
             .map_err(|e| format!("cannot bind a UDP socket on 127.0.0.1: {e}")),
         "smcuda" => Err("no host check for CUDA in this version".to_string()),

@@ -427,6 +427,14 @@ impl UdpTransport {
         )
     }
 
+    /// The address udp binds without `BTL_UDP_ADDR`, and its interface's
+    /// MTU.
+    pub(crate) fn default_bind() -> (IpAddr, usize) {
+        let ifs = net::interfaces();
+        let ip = net::default_addr(&ifs);
+        (ip, net::mtu_of(&ifs, ip))
+    }
+
     /// Whether this kernel offers UDP GSO and GRO (a socket is made to ask).
     pub(crate) fn kernel_offload() -> (bool, bool) {
         match std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0)) {
