@@ -56,6 +56,7 @@ impl Counters {
             // (Kept by the udp transport; see `Fabric::stats`.)
             udp_gso_sends: 0,
             udp_gro_receives: 0,
+            udp_gso_refusals: 0,
         }
     }
 }
@@ -110,4 +111,8 @@ pub struct Stats {
     pub udp_gso_sends: u64,
     /// UDP receives that held several datagrams the kernel joined (GRO).
     pub udp_gro_receives: u64,
+    /// UDP GSO sends the kernel refused (a device without checksum
+    /// offload, a path smaller than the datagrams): the first turns GSO
+    /// off, and the datagrams go out one by one.
+    pub udp_gso_refusals: u64,
 }

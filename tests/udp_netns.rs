@@ -110,6 +110,7 @@ async fn stream(f: &Fabric) {
         println!("stats={}", f.udp_stats(1).unwrap());
         println!("resends={}", f.udp_stats(1).unwrap().resends);
         println!("gso_sends={}", f.stats().udp_gso_sends);
+        println!("gso_refusals={}", f.stats().udp_gso_refusals);
         println!("max_datagram={}", f.udp_max_datagram(1).unwrap());
     }
 }
@@ -252,6 +253,11 @@ impl Net {
     }
 
     fn run(&self, n: u64) -> Vec<std::process::Output> {
+        self.run_with(n, &[])
+    }
+
+    /// [`run`](Self::run) with more environment for both ranks.
+    fn run_with(&self, n: u64, extra: &[(&str, &str)]) -> Vec<std::process::Output> {
         let ns = self.ns.clone();
         let addrs = self.addrs;
         let wrap = move |r: u32| -> Vec<String> {
@@ -263,11 +269,12 @@ impl Net {
                 .collect()
         };
         let n = n.to_string();
-        let env = [
+        let mut env = vec![
             ("BTL_TRANSPORTS", "udp"),
             ("BTL_UDP_PEER_TIMEOUT_MS", "5000"),
             ("NETNS_N", n.as_str()),
         ];
+        env.extend_from_slice(extra);
         let outs = spawn_job_wrapped(2, "stream", &env, &wrap).wait(Duration::from_secs(100));
         assert_ok(&outs);
         outs
@@ -402,5 +409,28 @@ fn netns_route_mtu_below_the_interface_sizes_the_datagrams() {
     let limits = async_btl::info::Limits::from(&async_btl::Config::default());
     if limits.udp_gso_kernel.0 {
         assert!(gso > 0, "no GSO packet left rank 0");
+    }
+}
+
+#[test]
+fn netns_gso_packets_the_path_refuses_fall_back_to_datagrams() {
+    // BTL_UDP_MTU says 9000 on a 1500-byte veth: the kernel refuses GSO
+    // packets of 8972-byte datagrams (EINVAL), so GSO turns off (counted)
+    // and the datagrams go out one by one, as IP fragments; the stream
+    // still arrives whole and in order.
+    let Some(net) = setup("g") else { return };
+    let outs = net.run_with(5_000, &[("BTL_UDP_MTU", "9000")]);
+    assert_eq!(num(&outs[0], "max_datagram"), 8972);
+    let limits = async_btl::info::Limits::from(&async_btl::Config::default());
+    let refusals = num(&outs[0], "gso_refusals");
+    println!(
+        "rank 0: {refusals} GSO refusals, {} GSO packets",
+        num(&outs[0], "gso_sends")
+    );
+    if limits.udp_gso_kernel.0 {
+        assert!(
+            refusals >= 1,
+            "the kernel took GSO packets larger than the path"
+        );
     }
 }

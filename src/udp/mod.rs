@@ -451,6 +451,7 @@ impl UdpTransport {
         let g = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         s.udp_gso_sends = g(&self.io.off.gso_sends);
         s.udp_gro_receives = g(&self.io.off.gro_receives);
+        s.udp_gso_refusals = g(&self.io.off.refusals);
     }
 
     /// The largest datagram (UDP payload) sent to `rank`.

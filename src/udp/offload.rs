@@ -52,6 +52,8 @@ pub(crate) struct Offload {
     pub(crate) gso_sends: AtomicU64,
     /// Receives that held several datagrams joined by GRO.
     pub(crate) gro_receives: AtomicU64,
+    /// GSO sends the kernel refused (the first turned GSO off).
+    pub(crate) refusals: AtomicU64,
 }
 
 impl Offload {
@@ -79,6 +81,7 @@ impl Offload {
 
     /// The kernel refused a GSO send: stop using GSO (said once).
     pub(crate) fn refused(&self, e: &io::Error) {
+        self.refusals.fetch_add(1, Ordering::Relaxed);
         if self.gso.swap(false, Ordering::Relaxed) {
             tracing::warn!(
                 "udp: the kernel refused a segmentation-offload (GSO) send ({e}); \
