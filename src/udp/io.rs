@@ -336,19 +336,24 @@ fn recvfrom(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
         )
     };
     if n < 0 {
-        let e = io::Error::last_os_error();
-        // The usual answer of a hot poll, checked by number: a plain
-        // WouldBlock is cheaper to match than an OS error's kind.
-        return Err(if e.raw_os_error() == Some(libc::EAGAIN) {
-            io::ErrorKind::WouldBlock.into()
-        } else {
-            e
-        });
+        return Err(receive_error());
     }
     b.lens[0] = (n as usize).min(RECV_BUF);
     b.from[0] = to_addr(&name, len);
     b.seg[0] = 0;
     Ok(1)
+}
+
+/// The error of the receive call that just failed. The usual answer of a
+/// hot poll is checked by number: a plain WouldBlock is cheaper to match
+/// than an OS error's kind.
+fn receive_error() -> io::Error {
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EAGAIN) {
+        io::ErrorKind::WouldBlock.into()
+    } else {
+        e
+    }
 }
 
 /// One non-blocking `recvmsg` into `b`'s first buffer, with room for
@@ -373,12 +378,7 @@ fn recvmsg(fd: std::os::fd::RawFd, b: &mut RecvBatch) -> io::Result<usize> {
     // writes at most that.
     let n = unsafe { libc::recvmsg(fd, &mut hdr, libc::MSG_DONTWAIT) };
     if n < 0 {
-        let e = io::Error::last_os_error();
-        return Err(if e.raw_os_error() == Some(libc::EAGAIN) {
-            io::ErrorKind::WouldBlock.into()
-        } else {
-            e
-        });
+        return Err(receive_error());
     }
     let len = (n as usize).min(RECV_BUF);
     b.lens[0] = len;
@@ -495,20 +495,21 @@ pub(crate) fn send(
     let mut done = 0;
     while done < bufs.len() {
         let off = gso.filter(|o| o.gso() && bufs.len() - done > 1);
-        // Whether the first message of the call would be a GSO packet: only
-        // its failure is reported (`sendmmsg` returns the count when any
-        // went out), and only a GSO packet's says anything about GSO.
-        let first_gso = off.is_some() && {
-            let lens: Vec<usize> = bufs[done..]
+        // The datagrams' lengths, for GSO's runs.
+        let lens: Vec<usize> = match off {
+            Some(_) => bufs[done..]
                 .iter()
-                .take(offload::MAX_SEGS)
                 .map(|p| p.iter().map(|part| part.len()).sum())
-                .collect();
-            offload::group(&lens) > 1
+                .collect(),
+            None => Vec::new(),
         };
+        // Whether the first message of the call is a GSO packet: only its
+        // failure is reported (`sendmmsg` returns the count when any went
+        // out), and only a GSO packet's says anything about GSO.
+        let first_gso = off.is_some() && offload::group(&lens) > 1;
         let chunk = &bufs[done..bufs.len().min(done + BATCH)];
         let r = sock.try_io(Interest::WRITABLE, || match (off, chunk) {
-            (Some(_), _) => sendmmsg_gso(fd, &addr, &bufs[done..]),
+            (Some(_), _) => sendmmsg_gso(fd, &addr, &bufs[done..], &lens),
             (None, [one]) => sendmsg(fd, &addr, one).map(|n| (n, 0)),
             (None, _) => sendmmsg(fd, &addr, chunk).map(|n| (n, 0)),
         });
@@ -536,19 +537,17 @@ pub(crate) fn send(
     done
 }
 
-/// Datagrams from the start of `bufs` in at most [`BATCH`] messages of one
-/// `sendmmsg`: each message a GSO packet of a run of one size (see
-/// `offload::group`), or a lone datagram. Returns the datagrams the kernel
-/// took and how many of the messages it took were GSO packets.
+/// Datagrams from the start of `bufs` (whose lengths are `lens`) in at
+/// most [`BATCH`] messages of one `sendmmsg`: each message a GSO packet of
+/// a run of one size (see `offload::group`), or a lone datagram. Returns
+/// the datagrams the kernel took and how many of the messages it took
+/// were GSO packets.
 fn sendmmsg_gso(
     fd: std::os::fd::RawFd,
     addr: &SockAddr,
     bufs: &[Parts<'_>],
+    lens: &[usize],
 ) -> io::Result<(usize, usize)> {
-    let lens: Vec<usize> = bufs
-        .iter()
-        .map(|p| p.iter().map(|part| part.len()).sum())
-        .collect();
     // (start, count) of each message.
     let mut groups = [(0usize, 0usize); BATCH];
     let mut g = 0;

@@ -238,22 +238,22 @@ pub(crate) fn is_local(ifs: &[Iface], addr: IpAddr) -> bool {
 /// of `ip`'s family (`payload_for_mtu` never goes below 512, which a very
 /// small route MTU does not carry).
 pub(crate) fn fits(dgram: usize, mtu: usize, ip: IpAddr) -> bool {
-    let headers = if ip.is_ipv4() {
+    dgram + headers(ip) <= mtu
+}
+
+/// IP and UDP header bytes of a datagram of `ip`'s family.
+fn headers(ip: IpAddr) -> usize {
+    if ip.is_ipv4() {
         IP4_UDP_HEADERS
     } else {
         IP6_UDP_HEADERS
-    };
-    dgram + headers <= mtu
+    }
 }
 
 /// The largest UDP payload for an IP MTU on a path of `ip`'s family: the
 /// MTU less 28 bytes of headers over IPv4, 48 over IPv6.
 pub(crate) fn payload_for_mtu(mtu: usize, ip: IpAddr) -> usize {
-    let headers = if ip.is_ipv4() {
-        IP4_UDP_HEADERS
-    } else {
-        IP6_UDP_HEADERS
-    };
+    let headers = headers(ip);
     mtu.saturating_sub(headers).clamp(512, MAX_PAYLOAD)
 }
 
