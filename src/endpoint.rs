@@ -138,6 +138,64 @@ impl Endpoint {
         Get(self.rma(local, range, remote, offset, false))
     }
 
+    /// Start a put or get after the checks, by the fastest path: returns
+    /// the completion to wait for, or `None` when it is done already (a
+    /// copy into a mapped region) or `implicit` (`put_nbi`/`get_nbi`: the
+    /// next `flush` waits for it and reports its failure).
+    fn start_rma(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        key: &RemoteKey,
+        offset: u64,
+        put: bool,
+        implicit: bool,
+    ) -> Result<Option<Arc<Completion>>> {
+        let len = range.end.saturating_sub(range.start);
+        Self::local_range(local, &range)?;
+        self.check_key(key, offset, len)?;
+        let c = &self.0.core.counters;
+        if let Some(m) = self.0.link.map_remote(key) {
+            // (The mapping was checked live just now, by `map_remote`.)
+            let (lraw, rraw) = (local.inner.raw(), m?.data());
+            if put {
+                Counters::bump(&c.direct_puts);
+                rraw.copy_from(offset, &lraw, range.start as u64, len)?;
+            } else {
+                Counters::bump(&c.direct_gets);
+                lraw.copy_from(range.start as u64, &rraw, offset, len)?;
+            }
+            return Ok(None);
+        }
+        let (link, rma) = (&*self.0.link, &self.0.core.rma);
+        let done = (!implicit).then(Completion::new);
+        let ours = (local.inner.clone(), range.start as u64, len);
+        let cma = link.cma_pid().is_some() && len >= self.0.core.config.sm_cma_min;
+        match (cma, put) {
+            (true, true) => {
+                Counters::bump(&c.cma_puts);
+                rma.start_put_cma(link, &key.id, offset, ours, done.clone())?;
+            }
+            (true, false) => {
+                Counters::bump(&c.cma_gets);
+                rma.start_get_cma(link, &key.id, offset, ours, done.clone())?;
+            }
+            (false, true) => {
+                Counters::bump(&c.emulated_puts);
+                let src = (local.inner.raw(), range.start as u64, len);
+                match &done {
+                    Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
+                    None => rma.put_implicit(link, &key.id, offset, src)?,
+                }
+            }
+            (false, false) => {
+                Counters::bump(&c.emulated_gets);
+                rma.start_get(link, &key.id, offset, ours, done.clone())?;
+            }
+        }
+        Ok(done)
+    }
+
     fn rma(
         &self,
         local: &MemoryRegion,
@@ -146,83 +204,79 @@ impl Endpoint {
         offset: u64,
         put: bool,
     ) -> OpState {
-        let len = range.end.saturating_sub(range.start);
-        let r = Self::local_range(local, &range).and_then(|_| self.check_key(key, offset, len));
-        if let Err(e) = r {
-            return OpState::Ready(Some(Err(e)));
-        }
-        let c = &self.0.core.counters;
-        if let Some(m) = self.0.link.map_remote(key) {
-            // (The mapping was checked live just now, by `map_remote`.)
-            let r = m.and_then(|m| {
-                let (lraw, rraw) = (local.inner.raw(), m.data());
-                if put {
-                    Counters::bump(&c.direct_puts);
-                    rraw.copy_from(offset, &lraw, range.start as u64, len)?;
+        let cma = self.0.link.cma_pid().is_some()
+            && range.end.saturating_sub(range.start) >= self.0.core.config.sm_cma_min;
+        match self.start_rma(local, range, key, offset, put, false) {
+            Err(e) => OpState::Ready(Some(Err(e))),
+            Ok(None) => OpState::Ready(Some(Ok(()))),
+            Ok(Some(done)) => {
+                let gather = if !cma && self.0.link.gathers() {
+                    Gather::Unpolled(self.0.link.clone())
                 } else {
-                    Counters::bump(&c.direct_gets);
-                    lraw.copy_from(range.start as u64, &rraw, offset, len)?;
-                }
-                Ok(())
-            });
-            return OpState::Ready(Some(r));
+                    Gather::No
+                };
+                OpState::Wait(done, self.0.core.clone(), gather, OP_UNSEEN)
+            }
         }
-        let cma = self.0.link.cma_pid().is_some() && len >= self.0.core.config.sm_cma_min;
-        let done = if cma && put {
-            Counters::bump(&c.cma_puts);
-            let src = local.inner.clone();
-            self.0.core.rma.start_put_cma(
-                &*self.0.link,
-                &key.id,
-                offset,
-                src,
-                range.start as u64,
-                len,
-            )
-        } else if cma {
-            Counters::bump(&c.cma_gets);
-            let dst = local.inner.clone();
-            self.0.core.rma.start_get_cma(
-                &*self.0.link,
-                &key.id,
-                offset,
-                dst,
-                range.start as u64,
-                len,
-            )
-        } else if put {
-            Counters::bump(&c.emulated_puts);
-            let src = (local.inner.raw(), range.start as u64, len);
-            self.0
-                .core
-                .rma
-                .start_put(&*self.0.link, &key.id, offset, src)
-        } else {
-            Counters::bump(&c.emulated_gets);
-            self.0.core.rma.start_get(
-                &*self.0.link,
-                &key.id,
-                offset,
-                local.inner.clone(),
-                range.start as u64,
-                len,
-            )
-        };
-        let gather = if !cma && self.0.link.gathers() {
-            Gather::Unpolled(self.0.link.clone())
-        } else {
-            Gather::No
-        };
-        OpState::Wait(done, self.0.core.clone(), gather, OP_UNSEEN)
+    }
+
+    /// Start a put of `local[range]` into the peer's region `remote` at
+    /// `offset` with no future of its own (UCX's `ucp_put_nbi`, a bare
+    /// `MPI_Put`): the next [`flush`](Self::flush) to this peer resolves
+    /// once it is in the target's memory, and fails with [`Error::Access`]
+    /// if the target refused it (its memory untouched).
+    ///
+    /// What can be checked here fails here: a local range outside `local`,
+    /// a range outside the key's bounds, a key of another rank, a lost
+    /// peer. Into a region the peer shares on this node it is one copy, done
+    /// on return. Otherwise no answer is sent per put, so a burst of small
+    /// puts costs a fraction of as many [`put`](Self::put) futures.
+    ///
+    /// The bytes are copied out of `local` before this returns, except for
+    /// a single-copy (CMA) put of `BTL_SM_CMA_MIN` bytes or more, which the
+    /// target reads later: leave those bytes alone until the flush. The
+    /// region's memory is kept alive until then either way.
+    pub fn put_nbi(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        remote: &RemoteKey,
+        offset: u64,
+    ) -> Result<()> {
+        self.start_rma(local, range, remote, offset, true, true)
+            .map(drop)
+    }
+
+    /// Start a get of the peer's region `remote` at `offset` into
+    /// `local[range]` with no future of its own (UCX's `ucp_get_nbi`): the
+    /// data is in `local` once the next [`flush`](Self::flush) to this
+    /// peer resolves, and a refused get fails that flush. Errors that can
+    /// be found here are returned at once, as for
+    /// [`put_nbi`](Self::put_nbi); `local` is kept alive until the data
+    /// lands.
+    pub fn get_nbi(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        remote: &RemoteKey,
+        offset: u64,
+    ) -> Result<()> {
+        self.start_rma(local, range, remote, offset, false, true)
+            .map(drop)
     }
 
     /// Resolves once every send queued to this peer has been handed over and
     /// every put/get to it has completed (including those whose futures
-    /// were dropped); fails with `PeerLost` if the peer is gone.
+    /// were dropped, and the implicit ones of [`put_nbi`](Self::put_nbi)
+    /// and [`get_nbi`](Self::get_nbi) started before this call); fails
+    /// with `PeerLost` if the peer is gone, and with the error of the first
+    /// implicit operation that failed since the last flush that reported
+    /// one.
     pub fn flush(&self) -> Flush {
         Flush {
             ep: self.0.clone(),
             tick: None,
+            asked: false,
         }
     }
 }
@@ -432,12 +486,16 @@ impl Future for Get {
 ///
 /// # Cancel safety
 /// Waiting only (it may send requests held back for their burst, which
-/// would have left at the next progress call anyway); dropping it changes
-/// nothing.
+/// would have left at the next progress call anyway, and once a request
+/// that asks the peer to confirm implicit puts); dropping it changes
+/// nothing the next flush would not redo. A failure of an implicit
+/// operation it would have reported waits for the next flush.
 #[must_use = "futures do nothing unless polled"]
 pub struct Flush {
     ep: Arc<Inner>,
     tick: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether the first poll asked the peer to confirm implicit puts.
+    asked: bool,
 }
 
 impl Flush {
@@ -448,7 +506,7 @@ impl Flush {
             return Some(Err(Error::PeerLost { rank: peer, reason }));
         }
         if !self.ep.link.has_queued() && self.ep.core.rma.outstanding(peer) == 0 {
-            return Some(Ok(()));
+            return Some(self.ep.core.rma.take_failure(peer).map_or(Ok(()), Err));
         }
         if self.ep.core.is_closed() {
             return Some(Err(Error::Closed));
@@ -463,6 +521,14 @@ impl Future for Flush {
         // Requests held back to leave with their burst (puts whose futures
         // were polled once, or dropped) leave now: the burst is over.
         self.ep.link.flush_gathered();
+        if !self.asked {
+            // Behind every implicit put sent so far: the answer confirms
+            // them (the pending request keeps `over` false until then).
+            self.asked = true;
+            if self.ep.core.rma.flush_request(&*self.ep.link) {
+                self.ep.link.flush_gathered();
+            }
+        }
         if let Some(r) = self.over() {
             return Poll::Ready(r);
         }

@@ -97,7 +97,9 @@ impl Core {
             | Kind::GetReq
             | Kind::GetResp
             | Kind::PutCma
-            | Kind::GetCma => self.rma.handle(link, src, kind, tag, data),
+            | Kind::GetCma
+            | Kind::FlushReq
+            | Kind::FlushAck => self.rma.handle(link, src, kind, tag, data),
             Kind::Barrier => {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();
@@ -276,7 +278,7 @@ impl Fabric {
                 b.config.progress,
                 b.config.spin,
             ),
-            rma: Rma::new(regions, counters.clone(), buffers.clone()),
+            rma: Rma::new(regions, counters.clone(), buffers.clone(), b.size),
             counters,
             buffers,
             closed,

@@ -13,7 +13,7 @@
 //! dropping the future cannot free memory the engine will still write.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -48,6 +48,9 @@ enum Pending {
         /// The target writes `dst` itself (CMA): the answer carries no data.
         cma: Option<Remote>,
     },
+    /// A flush request: once answered, every implicit put to the peer
+    /// numbered up to `upto` is done (or its refusal is in the answer).
+    Flush { upto: u64 },
 }
 
 impl Pending {
@@ -67,8 +70,19 @@ impl Pending {
 
 struct Op {
     peer: Rank,
-    done: Arc<Completion>,
+    /// `None` for an implicit operation (`put_nbi`/`get_nbi`): its outcome
+    /// goes to the peer's next `flush`.
+    done: Option<Arc<Completion>>,
     what: Pending,
+}
+
+/// Implicit puts to one peer (see [`Rma::put_implicit`]).
+#[derive(Default)]
+struct Implicit {
+    /// Implicit puts submitted so far (counted after the submission).
+    issued: AtomicU64,
+    /// The most of them an answered flush request has covered.
+    covered: AtomicU64,
 }
 
 /// Outstanding emulated operations of one fabric.
@@ -83,6 +97,14 @@ pub(crate) struct Rma {
     /// Regions a peer that is gone from our view (cut off, or closed) may
     /// still write by CMA: never freed while this process runs.
     quarantine: Mutex<Vec<Arc<RegionInner>>>,
+    /// Per peer rank: implicit puts sent and covered by a flush.
+    implicit: Vec<Implicit>,
+    /// Initiator side: the first failure of an implicit operation to each
+    /// peer, until a `flush` reports it.
+    failed: Mutex<HashMap<Rank, Error>>,
+    /// Target side: the first implicit put each peer had refused here
+    /// since its last flush request (the answer to that request says so).
+    refused: Mutex<HashMap<Rank, AccessError>>,
 }
 
 impl Drop for Rma {
@@ -151,31 +173,56 @@ impl Rma {
         regions: Arc<RegionTable>,
         counters: Arc<Counters>,
         buffers: Arc<BufPool>,
+        size: u32,
     ) -> Self {
         Rma {
+            // Id 0 is never registered: it marks an implicit put, which
+            // gets no answer.
             next: AtomicU64::new(1),
             ops: Mutex::new(HashMap::new()),
             regions,
             counters,
             buffers,
             quarantine: Mutex::new(Vec::new()),
+            implicit: (0..size).map(|_| Implicit::default()).collect(),
+            failed: Mutex::new(HashMap::new()),
+            refused: Mutex::new(HashMap::new()),
         }
     }
 
-    fn register(&self, peer: Rank, what: Pending, done: Arc<Completion>) -> u64 {
-        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    fn register(&self, peer: Rank, what: Pending, done: Option<Arc<Completion>>) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
         lock(&self.ops).insert(id, Op { peer, done, what });
         id
     }
 
-    /// Send a request (gathered with the rest of a burst where the
-    /// transport does that: see [`Link::submit_gathered`]).
-    fn send(&self, link: &dyn Link, kind: Kind, id: u64, body: Result<Bytes>) {
-        if let Err(e) = body.and_then(|b| link.submit_gathered(kind, id, b)) {
-            if let Some(op) = lock(&self.ops).remove(&id) {
-                op.done.complete(Err(e));
-                // Nothing reached the peer: nothing of ours is exposed.
+    /// Hand an operation's outcome over: to its future, or (implicit) to
+    /// the peer's next `flush` when it failed.
+    fn settle(&self, peer: Rank, done: Option<Arc<Completion>>, r: Result<()>) {
+        match (done, r) {
+            (Some(c), r) => c.complete(r),
+            (None, Ok(())) => {}
+            (None, Err(e)) => {
+                lock(&self.failed).entry(peer).or_insert(e);
             }
+        }
+    }
+
+    /// Send a request (gathered with the rest of a burst where the
+    /// transport does that: see [`Link::submit_gathered`]). A request that
+    /// could not be sent fails its operation: through its future, or
+    /// (implicit) as the error returned here.
+    fn send(&self, link: &dyn Link, kind: Kind, id: u64, body: Result<Bytes>) -> Result<()> {
+        let Err(e) = body.and_then(|b| link.submit_gathered(kind, id, b).map(drop)) else {
+            return Ok(());
+        };
+        // Nothing reached the peer: nothing of ours is exposed.
+        match lock(&self.ops).remove(&id).and_then(|op| op.done) {
+            Some(c) => {
+                c.complete(Err(e));
+                Ok(())
+            }
+            None => Err(e),
         }
     }
 
@@ -186,31 +233,79 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        (src, src_off, len): (RawBuf, u64, usize),
-    ) -> Arc<Completion> {
-        let done = Completion::new();
-        self.put_with(link, key, offset, (src, src_off, len), done.clone());
-        done
+        src: (RawBuf, u64, usize),
+        done: Arc<Completion>,
+    ) {
+        // A failure to send completes `done` (see `send`).
+        let _ = self.put_with(link, key, offset, src, Some(done));
     }
 
     /// Send a put request: the key and offset, then the data, copied once
-    /// from `src` into a pooled buffer.
+    /// from `src` into a pooled buffer. The target answers it.
     fn put_with(
         &self,
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        (src, src_off, len): (RawBuf, u64, usize),
-        done: Arc<Completion>,
-    ) {
+        src: (RawBuf, u64, usize),
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
         let id = self.register(link.peer(), Pending::Put { cma: None }, done);
+        let body = self.put_request(key, offset, src);
+        self.send(link, Kind::PutReq, id, body)
+    }
+
+    fn put_request(&self, key: &KeyId, offset: u64, src: (RawBuf, u64, usize)) -> Result<Bytes> {
+        let (src, src_off, len) = src;
         let mut req = self.buffers.take(REQ_HEADER + len);
         req.extend_from_slice(&req_header(key, offset));
-        let body = src
-            .read_into(src_off, len, &mut req)
+        src.read_into(src_off, len, &mut req)
             .map(|()| self.buffers.freeze(req))
-            .map_err(Error::from);
-        self.send(link, Kind::PutReq, id, body);
+            .map_err(Error::from)
+    }
+
+    /// An implicit put (`put_nbi`): the request carries id 0 and gets no
+    /// answer; the peer's next flush request covers it (the target then
+    /// reports the first implicit put it refused). Nothing is registered,
+    /// so nothing waits per put.
+    pub(crate) fn put_implicit(
+        &self,
+        link: &dyn Link,
+        key: &KeyId,
+        offset: u64,
+        src: (RawBuf, u64, usize),
+    ) -> Result<()> {
+        let body = self.put_request(key, offset, src)?;
+        link.submit_gathered(Kind::PutReq, 0, body)?;
+        // Counted after the submission: a flush that reads the count sends
+        // its request after this put's (one ordered stream per peer).
+        if let Some(i) = self.implicit.get(link.peer() as usize) {
+            i.issued.fetch_add(1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Ask the peer to confirm the implicit puts sent to it so far, unless
+    /// an answered request covers them already. Returns whether one was
+    /// sent; its pending entry keeps `flush` waiting until the answer.
+    pub(crate) fn flush_request(&self, link: &dyn Link) -> bool {
+        let Some(i) = self.implicit.get(link.peer() as usize) else {
+            return false;
+        };
+        let upto = i.issued.load(Ordering::Acquire);
+        if upto <= i.covered.load(Ordering::Acquire) {
+            return false;
+        }
+        let id = self.register(link.peer(), Pending::Flush { upto }, None);
+        // A peer that cannot be reached fails the flush by its loss.
+        self.send(link, Kind::FlushReq, id, Ok(Bytes::new()))
+            .is_ok()
+    }
+
+    /// The first failure of an implicit operation to `peer` not yet
+    /// reported (taken: one flush reports it).
+    pub(crate) fn take_failure(&self, peer: Rank) -> Option<Error> {
+        lock(&self.failed).remove(&peer)
     }
 
     /// Start an emulated get of `len` bytes from the peer's region into `dst`.
@@ -219,20 +314,17 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        dst: Arc<RegionInner>,
-        dst_offset: u64,
-        len: usize,
-    ) -> Arc<Completion> {
-        let done = Completion::new();
+        (dst, dst_offset, len): (Arc<RegionInner>, u64, usize),
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
         self.get_with(
             link,
             Remote { key: *key, offset },
             dst,
             dst_offset,
             len,
-            done.clone(),
-        );
-        done
+            done,
+        )
     }
 
     fn get_with(
@@ -242,8 +334,8 @@ impl Rma {
         dst: Arc<RegionInner>,
         dst_offset: u64,
         len: usize,
-        done: Arc<Completion>,
-    ) {
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
         let pending = Pending::Get {
             dst,
             offset: dst_offset,
@@ -253,7 +345,7 @@ impl Rma {
         let id = self.register(link.peer(), pending, done);
         let mut req = encode_req(&r.key, r.offset, 8);
         req.put_u64_le(len as u64);
-        self.send(link, Kind::GetReq, id, Ok(req.freeze()));
+        self.send(link, Kind::GetReq, id, Ok(req.freeze()))
     }
 
     /// Start a single-copy put: the target reads `src[src_off..+len]` out of
@@ -263,16 +355,15 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        src: Arc<RegionInner>,
-        src_off: u64,
-        len: usize,
-    ) -> Arc<Completion> {
+        (src, src_off, len): (Arc<RegionInner>, u64, usize),
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
         let ours = src.raw().slice(src_off, len);
         let remote = Remote { key: *key, offset };
         let pending = Pending::Put {
             cma: Some((src, src_off, len, remote)),
         };
-        self.start_cma(link, Kind::PutCma, remote, ours, pending)
+        self.start_cma(link, Kind::PutCma, remote, ours, pending, done)
     }
 
     /// Start a single-copy get: the target writes into `dst[dst_off..+len]`
@@ -282,10 +373,9 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        dst: Arc<RegionInner>,
-        dst_off: u64,
-        len: usize,
-    ) -> Arc<Completion> {
+        (dst, dst_off, len): (Arc<RegionInner>, u64, usize),
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
         let ours = dst.raw().slice(dst_off, len);
         let remote = Remote { key: *key, offset };
         let pending = Pending::Get {
@@ -294,7 +384,7 @@ impl Rma {
             len,
             cma: Some(remote),
         };
-        self.start_cma(link, Kind::GetCma, remote, ours, pending)
+        self.start_cma(link, Kind::GetCma, remote, ours, pending, done)
     }
 
     /// Register `pending` and ask the target to copy between its region and
@@ -306,17 +396,16 @@ impl Rma {
         r: Remote,
         ours: Result<RawBuf, AccessError>,
         pending: Pending,
-    ) -> Arc<Completion> {
-        let done = Completion::new();
-        let id = self.register(link.peer(), pending, done.clone());
+        done: Option<Arc<Completion>>,
+    ) -> Result<()> {
+        let id = self.register(link.peer(), pending, done);
         let body = ours.map_err(Error::from).map(|ours| {
             let mut req = encode_req(&r.key, r.offset, 16);
             req.put_u64_le(ours.addr() as u64);
             req.put_u64_le(ours.len() as u64);
             req.freeze()
         });
-        self.send(link, kind, id, body);
-        done
+        self.send(link, kind, id, body)
     }
 
     /// Number of operations still waiting on `peer`.
@@ -338,7 +427,10 @@ impl Rma {
     /// to quarantine unless its process is known to be gone.
     fn fail(&self, ops: Vec<Op>, err: impl Fn() -> Error, exited: bool) {
         for op in ops {
-            op.done.complete(Err(err()));
+            // Implicit operations: `flush` reports the loss or the close.
+            if let Some(c) = op.done {
+                c.complete(Err(err()));
+            }
             if let (false, Some(r)) = (exited, op.what.exposed()) {
                 lock(&self.quarantine).push(r);
             }
@@ -372,7 +464,21 @@ impl Rma {
                         .target(&key, off, payload.len())
                         .and_then(|reg| reg.raw().write(off, payload)),
                 };
-                self.answer(link, Kind::PutAck, id, encode_status(&r, 0));
+                match (id, r) {
+                    // Implicit: no answer; the next flush request hears of
+                    // the first refusal.
+                    (0, Ok(())) => {}
+                    (0, Err(e)) => {
+                        lock(&self.refused).entry(src).or_insert(e);
+                    }
+                    (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
+                }
+            }
+            Kind::FlushReq => {
+                // Every implicit put the peer sent before this request was
+                // handled above (one ordered stream per peer).
+                let r = lock(&self.refused).remove(&src).map_or(Ok(()), Err);
+                self.answer(link, Kind::FlushAck, id, encode_status(&r, 0));
             }
             Kind::GetReq => {
                 let (key, off, rest) = match decode_req(&data) {
@@ -442,7 +548,9 @@ impl Rma {
                 };
                 self.answer(link, answer, id, encode_status(&r, 0));
             }
-            Kind::PutAck | Kind::GetResp => self.finish(link, src, kind, id, &data),
+            Kind::PutAck | Kind::GetResp | Kind::FlushAck => {
+                self.finish(link, src, kind, id, &data)
+            }
             _ => {}
         }
     }
@@ -495,10 +603,11 @@ impl Rma {
             return self.bad(src, "answer to an unknown operation");
         };
         let Some((status, payload)) = decode_status(data) else {
-            op.done.complete(Err(Error::PeerMisbehaved {
+            let e = Error::PeerMisbehaved {
                 rank: src,
                 what: "malformed RMA answer".into(),
-            }));
+            };
+            self.settle(src, op.done, Err(e));
             return self.bad(src, "malformed RMA answer");
         };
         let r = match (status, op.what, kind) {
@@ -512,8 +621,10 @@ impl Rma {
                 _,
             ) if why.starts_with(CMA_REFUSED) => {
                 link.disable_cma();
-                let src = (src_r.raw(), off, len);
-                return self.put_with(link, &remote.key, remote.offset, src, op.done);
+                let raw = (src_r.raw(), off, len);
+                // A failure to send it fails the operation (see `send`).
+                let r = self.put_with(link, &remote.key, remote.offset, raw, op.done);
+                return self.settle(src, None, r);
             }
             (
                 Err(AccessError::NotPermitted(why)),
@@ -526,7 +637,14 @@ impl Rma {
                 _,
             ) if why.starts_with(CMA_REFUSED) => {
                 link.disable_cma();
-                return self.get_with(link, remote, dst, offset, len, op.done);
+                let r = self.get_with(link, remote, dst, offset, len, op.done);
+                return self.settle(src, None, r);
+            }
+            (r, Pending::Flush { upto }, Kind::FlushAck) if payload.is_empty() => {
+                if let Some(i) = self.implicit.get(src as usize) {
+                    i.covered.fetch_max(upto, Ordering::AcqRel);
+                }
+                r.map_err(Error::Access)
             }
             (Err(e), _, _) => Err(Error::Access(e)),
             (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
@@ -548,6 +666,6 @@ impl Rma {
                 what: "RMA answer does not match the request".into(),
             }),
         };
-        op.done.complete(r);
+        self.settle(src, op.done, r);
     }
 }

@@ -67,6 +67,12 @@ pub(crate) enum Kind {
     /// message's tail into its buffer while it reads the head (`sm`'s split
     /// copy): handle, destination address, offset and length.
     CmaSplit = 12,
+    /// The initiator asks the target to confirm the implicit puts it sent
+    /// before (those with id 0, which get no answer of their own).
+    FlushReq = 13,
+    /// The target's answer to [`Kind::FlushReq`]: the status of the first
+    /// implicit put it refused since the last one, else success.
+    FlushAck = 14,
 }
 
 impl Kind {
@@ -86,6 +92,8 @@ impl Kind {
             10 => Kind::CmaDone,
             11 => Kind::CmaData,
             12 => Kind::CmaSplit,
+            13 => Kind::FlushReq,
+            14 => Kind::FlushAck,
             _ => return None,
         })
     }

@@ -130,6 +130,10 @@ async fn putget(f: Fabric) {
             assert!(matches!(e, Error::Access(_)), "{e}");
         }
         assert_forged_keys_refused(&ep, &src, &back, &heap, 1 << 16).await;
+        // Implicit puts and gets: into the shared region by direct copy,
+        // into the registered one by messages (or single copy).
+        assert_implicit_ops(&f, &ep, &shared, 100_000).await;
+        assert_implicit_ops(&f, &ep, &heap, 30_000).await;
         let s = f.stats();
         println!(
             "\ndirect_puts={}\nemulated_puts={}",
@@ -557,7 +561,8 @@ fn put_get_with_bounds_and_forged_keys() {
     assert_ok(&outs);
     let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
     assert!(refused >= 2, "target counted {refused} refusals");
-    assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("1"));
+    let direct = (1 + IMPLICIT_PUTS).to_string();
+    assert_eq!(value(&outs[0], "direct_puts"), Some(direct));
 }
 
 #[test]

@@ -182,6 +182,7 @@ async fn putget(f: Fabric) {
             .unwrap_err();
         assert!(matches!(e, Error::Access(_)), "{e}");
         assert_forged_keys_refused(&ep, &src, &back, &heap, 1 << 20).await;
+        assert_implicit_ops(&f, &ep, &heap, 500_000).await;
         let s = f.stats();
         println!(
             "direct_puts={}\nemulated_puts={}",

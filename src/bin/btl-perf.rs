@@ -92,6 +92,12 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     window: u64,
 
+    /// In put_bw and get_bw, start one put/get future per operation (each
+    /// answered by the target) instead of put_nbi/get_nbi, whose window
+    /// completes with one flush (MPI_Put and MPI_Win_flush, as OSU does)
+    #[arg(long)]
+    rma_futures: bool,
+
     /// Core placement: auto (rank i on core i), none, or a list like 0,1.
     #[arg(long, value_name = "CORES", default_value = "auto")]
     pin: Pinning,
@@ -246,6 +252,7 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
         baselines: args.baseline.clone(),
         watchdog: Duration::from_secs(args.watchdog.max(1)),
         command: command_line(),
+        rma_futures: args.rma_futures,
     };
     let rank = job.rank;
     let bar = (rank == 0)

@@ -143,24 +143,53 @@ pub struct RmaSide<'a> {
     pub local: &'a MemoryRegion,
     /// Rank 1's region.
     pub key: &'a RemoteKey,
+    /// In `put_bw`/`get_bw`: one `put`/`get` future per operation (each
+    /// answered by the target) instead of `put_nbi`/`get_nbi`.
+    pub futures: bool,
 }
 
 /// Time a one-sided test (`put_lat`, `put_bw`, `get_lat`, `get_bw`) over
-/// async-btl from rank 0. Each put or get resolves at remote completion;
-/// a window is followed by `flush`.
+/// async-btl from rank 0. Latency: one `put`/`get` future at a time (it
+/// resolves at remote completion). Bandwidth: a window of `put_nbi`/
+/// `get_nbi` (or, with `futures`, of futures polled once each) and the
+/// `flush` that completes them.
 pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan) -> Result<f64> {
-    let RmaSide { ep, local, key } = side;
+    let RmaSide {
+        ep,
+        local,
+        key,
+        futures,
+    } = side;
     let put = matches!(test, Test::PutLat | Test::PutBw);
     let mut clock = Clock::new(plan);
     for i in 0..plan.warmup + plan.iters {
         clock.tick(i);
-        let n = if test.windowed() { plan.window } else { 1 };
-        if put {
-            window(n, || ep.put(local, 0..size, key, 0)).await?;
+        if !test.windowed() {
+            // One operation and its future: the whole round trip.
+            if put {
+                ep.put(local, 0..size, key, 0).await?;
+            } else {
+                ep.get(local, 0..size, key, 0).await?;
+            }
+        } else if *futures {
+            let n = plan.window;
+            if put {
+                window(n, || ep.put(local, 0..size, key, 0)).await?;
+            } else {
+                window(n, || ep.get(local, 0..size, key, 0)).await?;
+            }
+            ep.flush().await?;
         } else {
-            window(n, || ep.get(local, 0..size, key, 0)).await?;
-        }
-        if test.windowed() {
+            // A window of implicit operations, then the flush that
+            // completes them: MPI_Put/MPI_Get in a loop, then
+            // MPI_Win_flush, as OSU's one-sided bandwidth tests do.
+            for _ in 0..plan.window {
+                if put {
+                    ep.put_nbi(local, 0..size, key, 0)?;
+                } else {
+                    ep.get_nbi(local, 0..size, key, 0)?;
+                }
+            }
             ep.flush().await?;
         }
     }

@@ -54,6 +54,8 @@ pub struct Settings {
     pub watchdog: Duration,
     /// The command line, for the report.
     pub command: String,
+    /// `put_bw`/`get_bw` with one future per operation (see `RmaSide`).
+    pub rma_futures: bool,
 }
 
 impl Settings {
@@ -339,6 +341,16 @@ fn header(
         "socket put/get: send data + wait for a 4 B ack / send an 8 B request + wait for the data"
             .into(),
     ];
+    if s.tests
+        .iter()
+        .any(|t| matches!(t, Test::PutBw | Test::GetBw))
+    {
+        notes.push(if s.rma_futures {
+            "async-btl put_bw/get_bw: a window of put/get futures, each answered, then flush (--rma-futures)".into()
+        } else {
+            "async-btl put_bw/get_bw: a window of put_nbi/get_nbi, then one flush (as MPI_Put/MPI_Get then MPI_Win_flush)".into()
+        });
+    }
     if s.baselines.contains(&Baseline::Udp) {
         notes.push(format!(
             "udp: messages above {UDP_CHUNK} B are cut into {UDP_CHUNK} B datagrams under a credit window; no bibw on udp"
@@ -401,6 +413,7 @@ async fn measure(
                             ep: &ep,
                             local,
                             key,
+                            futures: s.rma_futures,
                         };
                         let f = rma_timed(&side, test, size, &plan);
                         let v = tokio::time::timeout(s.watchdog, f)

@@ -409,8 +409,8 @@ mod tests {
         let mut d = Decoder::default();
         assert_eq!(d.push(Bytes::from_static(&[0; 8])), Err(FrameError::Short));
         assert_eq!(
-            d.push(Bytes::from_static(&[13; 9])),
-            Err(FrameError::Kind(13))
+            d.push(Bytes::from_static(&[15; 9])),
+            Err(FrameError::Kind(15))
         );
         // A head of the wrong length.
         assert_eq!(

@@ -398,3 +398,61 @@ pub async fn assert_forged_keys_refused(
     let e = ep.get(back, 0..64, &forged, 0).await.unwrap_err();
     assert!(matches!(e, Error::Access(_)), "forged id: {e}");
 }
+
+/// How many puts [`assert_implicit_ops`] starts in its burst.
+pub const IMPLICIT_PUTS: usize = 200;
+
+/// `put_nbi`/`get_nbi` against the peer's region `key`, from `base` on (at
+/// most 22 KiB of it): a burst of puts of 1–200 bytes at consecutive
+/// offsets and one `flush`, then the same bytes read back by a burst of
+/// gets and a `flush`, content-checked. A key with a forged id is refused
+/// at once or by the next flush (the target's memory untouched: the caller
+/// checks), and only that flush reports it. A local range outside the
+/// region fails at once.
+pub async fn assert_implicit_ops(
+    f: &async_btl::Fabric,
+    ep: &async_btl::Endpoint,
+    key: &async_btl::RemoteKey,
+    base: u64,
+) {
+    use async_btl::{Error, RemoteKey};
+    let lens: Vec<usize> = (0..IMPLICIT_PUTS).map(|i| 1 + (i * 37) % 200).collect();
+    let total: usize = lens.iter().sum();
+    let data = pattern(total, 42);
+    let src = f.register(data.to_vec());
+    let mut off = 0;
+    for n in &lens {
+        ep.put_nbi(&src, off..off + n, key, base + off as u64)
+            .expect("put_nbi");
+        off += n;
+    }
+    ep.flush().await.expect("flush after implicit puts");
+    let back = f.register(vec![0u8; total]);
+    for (i, chunk) in (0..total).step_by(1000).enumerate() {
+        let end = (chunk + 1000).min(total);
+        ep.get_nbi(&back, chunk..end, key, base + chunk as u64)
+            .unwrap_or_else(|e| panic!("get_nbi {i}: {e}"));
+    }
+    ep.flush().await.expect("flush after implicit gets");
+    assert!(back.to_vec() == data.to_vec(), "implicit puts and gets");
+    // Forged id: refused now (a mapped region cannot be opened) or by the
+    // flush; reported once.
+    let mut bad = key.to_bytes();
+    bad[5] ^= 0x55;
+    let forged = RemoteKey::from_bytes(&bad).unwrap();
+    for put in [true, false] {
+        let r = if put {
+            ep.put_nbi(&src, 0..64, &forged, 0)
+        } else {
+            ep.get_nbi(&back, 0..64, &forged, 0)
+        };
+        let e = match r {
+            Err(e) => e,
+            Ok(()) => ep.flush().await.expect_err("flush reports the refusal"),
+        };
+        assert!(matches!(e, Error::Access(_)), "forged implicit op: {e}");
+        ep.flush().await.expect("a refusal is reported once");
+    }
+    let e = ep.put_nbi(&src, 0..total + 1, key, base).unwrap_err();
+    assert!(matches!(e, Error::Misuse(_)), "local range: {e}");
+}
