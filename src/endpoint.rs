@@ -518,17 +518,19 @@ impl Flush {
 impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.asked {
+            // Behind every implicit put sent so far (in the bundle that
+            // holds the last of them, if it is still open): the answer
+            // confirms them (the pending request keeps `over` false until
+            // then).
+            self.asked = true;
+            if let Err(e) = self.ep.core.rma.flush_request(&*self.ep.link) {
+                return Poll::Ready(Err(e));
+            }
+        }
         // Requests held back to leave with their burst (puts whose futures
         // were polled once, or dropped) leave now: the burst is over.
         self.ep.link.flush_gathered();
-        if !self.asked {
-            // Behind every implicit put sent so far: the answer confirms
-            // them (the pending request keeps `over` false until then).
-            self.asked = true;
-            if self.ep.core.rma.flush_request(&*self.ep.link) {
-                self.ep.link.flush_gathered();
-            }
-        }
         if let Some(r) = self.over() {
             return Poll::Ready(r);
         }

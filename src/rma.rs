@@ -105,6 +105,22 @@ pub(crate) struct Rma {
     /// Target side: the first implicit put each peer had refused here
     /// since its last flush request (the answer to that request says so).
     refused: Mutex<HashMap<Rank, AccessError>>,
+    /// Operations taken out of `ops` whose outcome is not applied yet (an
+    /// answer's data being written, an error being recorded, a retry being
+    /// registered): counted by `outstanding`, so a `flush` cannot see the
+    /// table drained before they are done.
+    settling: AtomicU64,
+}
+
+/// Holds one count of [`Rma::settling`] while an operation is settled.
+struct Settling<'a>(&'a AtomicU64);
+
+impl Drop for Settling<'_> {
+    fn drop(&mut self) {
+        // Release: what the settling wrote is seen by a flush that reads
+        // the count at zero.
+        self.0.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl Drop for Rma {
@@ -121,6 +137,10 @@ impl Drop for Rma {
 }
 
 const REQ_HEADER: usize = 16 + 8;
+
+/// Implicit puts up to this many bytes are written into the request by
+/// the transport ([`Link::submit_gathered_with`]), where it bundles them.
+const IMPLICIT_INLINE_MAX: usize = 1024;
 
 /// Start of the refusal text that makes the initiator fall back to messages.
 const CMA_REFUSED: &str = "single-copy transfers are refused";
@@ -187,6 +207,7 @@ impl Rma {
             implicit: (0..size).map(|_| Implicit::default()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            settling: AtomicU64::new(0),
         }
     }
 
@@ -275,8 +296,18 @@ impl Rma {
         offset: u64,
         src: (RawBuf, u64, usize),
     ) -> Result<()> {
-        let body = self.put_request(key, offset, src)?;
-        link.submit_gathered(Kind::PutReq, 0, body)?;
+        let (raw, src_off, len) = src;
+        if len <= IMPLICIT_INLINE_MAX {
+            // Written straight into the transport's open bundle, if any.
+            let head = req_header(key, offset);
+            link.submit_gathered_with(Kind::PutReq, 0, REQ_HEADER + len, &mut |buf| {
+                buf.extend_from_slice(&head);
+                raw.read_into(src_off, len, buf).map_err(Error::from)
+            })?;
+        } else {
+            let body = self.put_request(key, offset, src)?;
+            link.submit_gathered(Kind::PutReq, 0, body)?;
+        }
         // Counted after the submission: a flush that reads the count sends
         // its request after this put's (one ordered stream per peer).
         if let Some(i) = self.implicit.get(link.peer() as usize) {
@@ -286,20 +317,20 @@ impl Rma {
     }
 
     /// Ask the peer to confirm the implicit puts sent to it so far, unless
-    /// an answered request covers them already. Returns whether one was
-    /// sent; its pending entry keeps `flush` waiting until the answer.
-    pub(crate) fn flush_request(&self, link: &dyn Link) -> bool {
+    /// an answered request covers them already. The request is registered:
+    /// `flush` waits for its answer like for any pending operation. A
+    /// request that cannot be sent (peer lost, fabric closed) is the
+    /// flush's error: those puts are unconfirmed.
+    pub(crate) fn flush_request(&self, link: &dyn Link) -> Result<()> {
         let Some(i) = self.implicit.get(link.peer() as usize) else {
-            return false;
+            return Ok(());
         };
         let upto = i.issued.load(Ordering::Acquire);
         if upto <= i.covered.load(Ordering::Acquire) {
-            return false;
+            return Ok(());
         }
         let id = self.register(link.peer(), Pending::Flush { upto }, None);
-        // A peer that cannot be reached fails the flush by its loss.
         self.send(link, Kind::FlushReq, id, Ok(Bytes::new()))
-            .is_ok()
     }
 
     /// The first failure of an implicit operation to `peer` not yet
@@ -408,29 +439,47 @@ impl Rma {
         self.send(link, kind, id, body)
     }
 
-    /// Number of operations still waiting on `peer`.
+    /// Number of operations still waiting on `peer` (and of any peer's
+    /// being settled right now).
     pub(crate) fn outstanding(&self, peer: Rank) -> usize {
-        lock(&self.ops).values().filter(|o| o.peer == peer).count()
+        let ops = lock(&self.ops);
+        // Acquire: pairs with `Settling`'s release.
+        let settling = self.settling.load(Ordering::Acquire) as usize;
+        ops.values().filter(|o| o.peer == peer).count() + settling
     }
 
-    fn take_ops(&self, pred: impl Fn(&Op) -> bool) -> Vec<Op> {
+    /// Count one operation as settling (call under the `ops` lock, as it
+    /// is taken out of the table).
+    fn settling(&self) -> Settling<'_> {
+        self.settling.fetch_add(1, Ordering::Relaxed);
+        Settling(&self.settling)
+    }
+
+    fn take_ops(&self, pred: impl Fn(&Op) -> bool) -> (Vec<Op>, Settling<'_>) {
         let mut ops = lock(&self.ops);
         let ids: Vec<u64> = ops
             .iter()
             .filter(|(_, o)| pred(o))
             .map(|(k, _)| *k)
             .collect();
-        ids.into_iter().filter_map(|k| ops.remove(&k)).collect()
+        let settling = self.settling();
+        (
+            ids.into_iter().filter_map(|k| ops.remove(&k)).collect(),
+            settling,
+        )
     }
 
     /// Fail `ops` with `err`; regions a live peer may still write by CMA go
     /// to quarantine unless its process is known to be gone.
-    fn fail(&self, ops: Vec<Op>, err: impl Fn() -> Error, exited: bool) {
+    fn fail(
+        &self,
+        (ops, _settling): (Vec<Op>, Settling<'_>),
+        err: impl Fn() -> Error,
+        exited: bool,
+    ) {
         for op in ops {
-            // Implicit operations: `flush` reports the loss or the close.
-            if let Some(c) = op.done {
-                c.complete(Err(err()));
-            }
+            // Implicit operations: the peer's next `flush` reports it.
+            self.settle(op.peer, op.done, Err(err()));
             if let (false, Some(r)) = (exited, op.what.exposed()) {
                 lock(&self.quarantine).push(r);
             }
@@ -439,6 +488,7 @@ impl Rma {
 
     /// Fail everything pending on a lost peer.
     pub(crate) fn peer_lost(&self, peer: Rank, reason: &str, how: Loss) {
+        lock(&self.refused).remove(&peer);
         let ops = self.take_ops(|o| o.peer == peer);
         let err = || Error::PeerLost {
             rank: peer,
@@ -459,6 +509,13 @@ impl Rma {
         match kind {
             Kind::PutReq => {
                 let r = match decode_req(&data) {
+                    None if id == 0 => {
+                        // Implicit: the flush must not report it done.
+                        let e =
+                            AccessError::NotPermitted("a put request it could not decode".into());
+                        lock(&self.refused).entry(src).or_insert(e);
+                        return self.bad(src, "short put request");
+                    }
                     None => return self.bad(src, "short put request"),
                     Some((key, off, payload)) => self
                         .target(&key, off, payload.len())
@@ -592,11 +649,11 @@ impl Rma {
     }
 
     fn finish(&self, link: &dyn Link, src: Rank, kind: Kind, id: u64, data: &[u8]) {
-        let op = {
+        let (op, _settling) = {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
-                Some(op) if op.peer == src => ops.remove(&id),
-                _ => None,
+                Some(op) if op.peer == src => (ops.remove(&id), self.settling()),
+                _ => return self.bad(src, "answer to an unknown operation"),
             }
         };
         let Some(op) = op else {
@@ -646,6 +703,10 @@ impl Rma {
                 }
                 r.map_err(Error::Access)
             }
+            (_, Pending::Flush { .. }, _) | (_, _, Kind::FlushAck) => Err(Error::PeerMisbehaved {
+                rank: src,
+                what: "RMA answer does not match the request".into(),
+            }),
             (Err(e), _, _) => Err(Error::Access(e)),
             (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
             (Ok(()), Pending::Get { cma: Some(_), .. }, Kind::GetResp) if payload.is_empty() => {
@@ -667,5 +728,160 @@ impl Rma {
             }),
         };
         self.settle(src, op.done, r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::HeapBuf;
+    use std::sync::atomic::AtomicBool;
+
+    /// A link that records what is submitted (a mock of a transport: the
+    /// test carries the messages across by hand, in order).
+    struct Wire {
+        peer: Rank,
+        sent: Mutex<Vec<(Kind, u64, Bytes)>>,
+        down: AtomicBool,
+    }
+
+    impl Wire {
+        fn new(peer: Rank) -> Wire {
+            Wire {
+                peer,
+                sent: Mutex::new(Vec::new()),
+                down: AtomicBool::new(false),
+            }
+        }
+        fn take(&self) -> Vec<(Kind, u64, Bytes)> {
+            std::mem::take(&mut *lock(&self.sent))
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Link for Wire {
+        fn peer(&self) -> Rank {
+            self.peer
+        }
+        fn transport(&self) -> &'static str {
+            "wire"
+        }
+        fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
+            self.submit(kind, tag, Bytes::copy_from_slice(data))
+                .map(|_| true)
+        }
+        fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
+            if self.down.load(Ordering::Relaxed) {
+                return Err(Error::PeerLost {
+                    rank: self.peer,
+                    reason: "test".into(),
+                });
+            }
+            lock(&self.sent).push((kind, tag, data));
+            Ok(None)
+        }
+        fn has_queued(&self) -> bool {
+            false
+        }
+    }
+
+    fn rma(size: u32) -> (Rma, Arc<RegionTable>) {
+        let regions = Arc::new(RegionTable::default());
+        let r = Rma::new(regions.clone(), Arc::default(), Arc::default(), size);
+        (r, regions)
+    }
+
+    #[test]
+    fn implicit_puts_are_confirmed_by_one_flush_request_and_report_a_refusal_once() {
+        let (ini, _) = rma(2);
+        let (tgt, regions) = rma(2);
+        let region = regions.register(1, vec![0u8; 256]);
+        let key = region.remote_key().id;
+        let to_tgt = Wire::new(1);
+        let to_ini = Wire::new(0);
+        let src = HeapBuf::from_vec((1..=64).collect());
+        let raw = src.raw();
+        // Two good puts (one inline-sized, one through a request buffer)
+        // and one to a key the target does not have.
+        ini.put_implicit(&to_tgt, &key, 10, (raw, 0, 8)).unwrap();
+        ini.put_implicit(&to_tgt, &[7; 16], 0, (raw, 0, 8)).unwrap();
+        ini.put_implicit(&to_tgt, &key, 100, (raw, 8, 56)).unwrap();
+        assert_eq!(ini.outstanding(1), 0, "implicit puts are not registered");
+        ini.flush_request(&to_tgt).unwrap();
+        assert_eq!(ini.outstanding(1), 1, "the flush request is");
+        let msgs = to_tgt.take();
+        let kinds: Vec<(Kind, u64)> = msgs.iter().map(|m| (m.0, m.1)).collect();
+        assert_eq!(kinds[..3], [(Kind::PutReq, 0); 3], "no ids, no answers");
+        assert_eq!(kinds[3].0, Kind::FlushReq, "behind the puts");
+        for (kind, id, data) in msgs {
+            tgt.handle(&to_ini, 0, kind, id, data);
+        }
+        let answers = to_ini.take();
+        assert_eq!(answers.len(), 1, "one answer for the lot: {answers:?}");
+        assert_eq!(answers[0].0, Kind::FlushAck);
+        let v = region.to_vec();
+        assert_eq!(&v[10..18], &(1..=8).collect::<Vec<u8>>()[..]);
+        assert_eq!(&v[100..156], &(9..=64).collect::<Vec<u8>>()[..]);
+        assert!(v[..10]
+            .iter()
+            .chain(&v[18..100])
+            .chain(&v[156..])
+            .all(|b| *b == 0));
+        // Until the answer is in, a flush waits.
+        assert_eq!(ini.outstanding(1), 1);
+        assert!(ini.take_failure(1).is_none());
+        for (kind, id, data) in answers {
+            ini.handle(&to_tgt, 1, kind, id, data);
+        }
+        assert_eq!(ini.outstanding(1), 0);
+        let e = ini.take_failure(1).expect("the refusal");
+        assert!(matches!(e, Error::Access(AccessError::UnknownKey)), "{e}");
+        assert!(ini.take_failure(1).is_none(), "reported once");
+        // Covered: the next flush asks nothing.
+        ini.flush_request(&to_tgt).unwrap();
+        assert!(to_tgt.take().is_empty());
+        // A peer that cannot be reached: the put and the flush fail now.
+        ini.put_implicit(&to_tgt, &key, 0, (raw, 0, 8)).unwrap();
+        to_tgt.down.store(true, Ordering::Relaxed);
+        assert!(ini.put_implicit(&to_tgt, &key, 0, (raw, 0, 8)).is_err());
+        let e = ini.flush_request(&to_tgt).unwrap_err();
+        assert!(e.is_peer_lost(), "{e}");
+        assert_eq!(
+            ini.outstanding(1),
+            0,
+            "the failed request is not left behind"
+        );
+    }
+
+    #[test]
+    fn implicit_gets_wait_in_the_table_and_fail_into_the_next_flush() {
+        let (ini, ini_regions) = rma(2);
+        let (tgt, regions) = rma(2);
+        let region = regions.register(1, (0..=255).collect());
+        let key = region.remote_key().id;
+        let dst = ini_regions.register(0, vec![0u8; 32]);
+        let (to_tgt, to_ini) = (Wire::new(1), Wire::new(0));
+        ini.start_get(&to_tgt, &key, 40, (dst.inner.clone(), 0, 16), None)
+            .unwrap();
+        ini.start_get(&to_tgt, &[9; 16], 0, (dst.inner.clone(), 16, 16), None)
+            .unwrap();
+        assert_eq!(ini.outstanding(1), 2);
+        for (kind, id, data) in to_tgt.take() {
+            tgt.handle(&to_ini, 0, kind, id, data);
+        }
+        for (kind, id, data) in to_ini.take() {
+            ini.handle(&to_tgt, 1, kind, id, data);
+        }
+        assert_eq!(ini.outstanding(1), 0);
+        assert_eq!(&dst.to_vec()[..16], &(40..56).collect::<Vec<u8>>()[..]);
+        assert!(dst.to_vec()[16..].iter().all(|b| *b == 0), "refused get");
+        let e = ini.take_failure(1).expect("the refused get");
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        // Closing fails what is pending; the flush hears of it.
+        ini.start_get(&to_tgt, &key, 0, (dst.inner.clone(), 0, 8), None)
+            .unwrap();
+        ini.close();
+        assert_eq!(ini.outstanding(1), 0);
+        assert!(matches!(ini.take_failure(1), Some(Error::Closed)));
     }
 }

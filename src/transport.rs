@@ -143,6 +143,23 @@ pub(crate) trait Link: Send + Sync {
         self.submit(kind, tag, data)
     }
 
+    /// [`submit_gathered`](Self::submit_gathered) of a small message whose
+    /// `len` bytes `fill` appends to a buffer, for a sender that does not
+    /// wait on it (an implicit put): a transport holding a bundle open for
+    /// the peer may write it straight in, with no buffer of its own. An
+    /// error (also from `fill`) is returned, and then nothing was sent.
+    fn submit_gathered_with(
+        &self,
+        kind: Kind,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        let mut v = Vec::with_capacity(len);
+        fill(&mut v)?;
+        self.submit_gathered(kind, tag, Bytes::from(v)).map(drop)
+    }
+
     /// Send what [`submit_gathered`](Self::submit_gathered) held back for
     /// this peer, now (the caller's burst is complete).
     fn flush_gathered(&self) {}

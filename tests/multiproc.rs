@@ -131,9 +131,20 @@ async fn putget(f: Fabric) {
         }
         assert_forged_keys_refused(&ep, &src, &back, &heap, 1 << 16).await;
         // Implicit puts and gets: into the shared region by direct copy,
-        // into the registered one by messages (or single copy).
+        // into the registered one by messages, and from BTL_SM_CMA_MIN on
+        // by single copy (messages where ptrace rules refuse it).
         assert_implicit_ops(&f, &ep, &shared, 100_000).await;
         assert_implicit_ops(&f, &ep, &heap, 30_000).await;
+        let big = f.register(pattern(20_000, 5).to_vec());
+        ep.put_nbi(&big, 0..20_000, &heap, 4_000).unwrap();
+        let big_back = f.register(vec![0u8; 20_000]);
+        ep.flush().await.unwrap();
+        ep.get_nbi(&big_back, 0..20_000, &heap, 4_000).unwrap();
+        ep.flush().await.unwrap();
+        assert!(
+            big_back.to_vec() == pattern(20_000, 5).to_vec(),
+            "large implicit ops"
+        );
         let s = f.stats();
         println!(
             "\ndirect_puts={}\nemulated_puts={}",

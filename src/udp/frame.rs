@@ -128,6 +128,50 @@ impl Bundle {
         Ok(())
     }
 
+    /// Add a one-part message of `kind` and `tag` whose `len` data bytes
+    /// `fill` appends, if the bundle stays within `cap` bytes (`None`:
+    /// no room, `fill` not called). A `fill` that fails, or appends
+    /// another length, leaves the bundle as it was.
+    pub(crate) fn push_with(
+        &mut self,
+        kind: Kind,
+        tag: u64,
+        len: usize,
+        cap: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> crate::Result<()>,
+    ) -> Option<crate::Result<()>> {
+        let n = PREFIX + len;
+        if self.len() + BUNDLE_ENTRY + n > cap || n > u32::MAX as usize {
+            return None;
+        }
+        if self.count == 1 {
+            let mut buf = Vec::with_capacity(2 * (self.len() + BUNDLE_ENTRY + n));
+            buf.push(BUNDLE);
+            Self::append(&mut buf, &self.first);
+            self.buf = buf;
+        }
+        let start = self.buf.len();
+        self.buf.extend_from_slice(&(n as u32).to_le_bytes());
+        self.buf.push(kind as u8);
+        self.buf.extend_from_slice(&tag.to_le_bytes());
+        let r = fill(&mut self.buf).and_then(|()| {
+            if self.buf.len() == start + BUNDLE_ENTRY + n {
+                Ok(())
+            } else {
+                Err(crate::Error::Misuse(format!(
+                    "a message announced as {len} bytes was filled with {}",
+                    self.buf.len().saturating_sub(start + BUNDLE_ENTRY + PREFIX)
+                )))
+            }
+        });
+        match r {
+            Ok(()) => self.count += 1,
+            // (A bundle of one keeps `first`; its buffer is rebuilt next time.)
+            Err(_) => self.buf.truncate(if self.count == 1 { 0 } else { start }),
+        }
+        Some(r)
+    }
+
     /// Messages in the bundle.
     #[cfg(test)]
     pub(crate) fn count(&self) -> usize {
@@ -295,7 +339,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn kinds() -> impl Strategy<Value = Kind> {
-        (0u8..7).prop_map(|k| Kind::from_u8(k).unwrap())
+        (0u8..15).prop_map(|k| Kind::from_u8(k).unwrap())
     }
 
     proptest! {
@@ -402,6 +446,42 @@ mod tests {
         assert!(b.buf.capacity() <= 2 * cap);
         let one = Bundle::new(m.clone());
         assert_eq!(one.finish(), m);
+    }
+
+    #[test]
+    fn messages_filled_in_place_join_a_bundle_and_decode() {
+        let pool = Arc::new(BufPool::default());
+        let mut b = Bundle::new(one_part(&pool, Kind::PutReq, 0, b"first"));
+        // A fill that fails, or writes another length, changes nothing
+        // (also while the bundle still holds only its first message).
+        let r = b.push_with(Kind::PutReq, 0, 3, 1000, &mut |_| Err(crate::Error::Closed));
+        assert!(matches!(r, Some(Err(crate::Error::Closed))));
+        let r = b.push_with(Kind::PutReq, 0, 3, 1000, &mut |v| {
+            v.push(1);
+            Ok(())
+        });
+        assert!(matches!(r, Some(Err(crate::Error::Misuse(_)))));
+        let r = b.push_with(Kind::PutReq, 0, 3, 1000, &mut |v| {
+            v.extend_from_slice(b"abc");
+            Ok(())
+        });
+        assert!(matches!(r, Some(Ok(()))));
+        // No room: not filled.
+        let r = b.push_with(Kind::PutReq, 0, 1000, 1000, &mut |_| unreachable!());
+        assert!(r.is_none());
+        let r = b.push_with(Kind::FlushReq, 5, 0, 1000, &mut |_| Ok(()));
+        assert!(matches!(r, Some(Ok(()))));
+        let mut d = Decoder::default();
+        let Ok(Frames::Many(msgs)) = d.push(b.finish()) else {
+            panic!("not a bundle");
+        };
+        let got: Vec<_> = msgs.collect();
+        let want = [
+            (Kind::PutReq, 0, Bytes::from_static(b"first")),
+            (Kind::PutReq, 0, Bytes::from_static(b"abc")),
+            (Kind::FlushReq, 5, Bytes::new()),
+        ];
+        assert_eq!(got, want);
     }
 
     #[test]

@@ -121,6 +121,30 @@ impl Link for UdpLink {
         self.submit_as(kind, tag, data, true)
     }
 
+    fn submit_gathered_with(
+        &self,
+        kind: Kind,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> Result<()>,
+    ) -> Result<()> {
+        {
+            // Into the bundle already open for this burst: no buffer of its
+            // own, no clock read, no timer to move.
+            let mut st = lock(&self.peer.st);
+            self.check_alive()?;
+            if let Some(r) = st.append_held(kind, tag, len, fill) {
+                drop(st);
+                self.t.hold_bundle();
+                return r;
+            }
+        }
+        let mut b = self.t.core.buffers.take(len);
+        fill(&mut b)?;
+        let data = self.t.core.buffers.freeze(b);
+        self.submit_as(kind, tag, data, true).map(drop)
+    }
+
     fn flush_gathered(&self) {
         let now = Instant::now();
         let mut st = lock(&self.peer.st);

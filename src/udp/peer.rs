@@ -256,6 +256,28 @@ impl PeerState {
         Ok(Some(msg))
     }
 
+    /// Write a small one-part message straight into the open bundle (held
+    /// now) when it may join it: `None` when there is no open bundle, no
+    /// room, or it may not (then `fill` was not called).
+    pub(crate) fn append_held(
+        &mut self,
+        kind: crate::transport::Kind,
+        tag: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut Vec<u8>) -> Result<()>,
+    ) -> Option<Result<()>> {
+        if !self.bundling || !self.queue.is_empty() || !self.bundleable(frame::PREFIX + len) {
+            return None;
+        }
+        let cap = self.bundle_cap();
+        let g = self.bundle.as_mut()?;
+        let r = g.bundle.push_with(kind, tag, len, cap, fill)?;
+        if r.is_ok() {
+            g.held = true;
+        }
+        Some(r)
+    }
+
     /// Queue a message like [`submit`](Self::submit), but gather a small
     /// one into a bundle that leaves at the next flush, busy path or not
     /// (the caller does not flush now: the rest of a burst may follow).

@@ -526,8 +526,17 @@ impl UdpTransport {
                         self.take_message(prx, cx.delivered, rank, (kind, tag, data));
                     }
                     Ok(Frames::Many(msgs)) => {
+                        // A bundle of put/get requests or answers: one link
+                        // lookup (a lock and a reference count) for all.
+                        let mut link = None;
                         for m in msgs {
-                            self.take_message(prx, cx.delivered, rank, m);
+                            if m.0 == Kind::User {
+                                self.take_message(prx, cx.delivered, rank, m);
+                            } else if let Some(l) = link.get_or_insert_with(|| self.core.link(rank))
+                            {
+                                self.core.on_message(&**l, rank, m.0, m.1, m.2);
+                                *cx.delivered += 1;
+                            }
                         }
                     }
                     Ok(Frames::Head) => {}

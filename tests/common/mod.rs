@@ -348,6 +348,10 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
     } else {
         Some(tokio::spawn(ep.get(&local, 0..64, &key, 0)))
     };
+    // An implicit put and the flush that waits for it: it fails with the
+    // rest (or, where control traffic is still answered, may be done).
+    ep.put_nbi(&local, 0..64, &key, 0).unwrap();
+    let flush = tokio::spawn(ep.flush());
     println!("blocked={}", pending.len());
     println!("armed_ms={}", now_ms());
     // The parent kills rank 1 now. Every pending future must fail.
@@ -361,6 +365,10 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
     }
     let e = rx.recv().await.unwrap_err();
     assert!(e.is_peer_lost(), "receiver: {e}");
+    match flush.await.unwrap() {
+        Ok(()) => assert!(control_free, "a flush over a stuck put succeeded"),
+        Err(e) => assert!(e.is_peer_lost(), "flush: {e}"),
+    }
     println!("failed_ms={}", now_ms());
     assert!(ep
         .send(1, bytes::Bytes::new())
@@ -368,6 +376,10 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
         .unwrap_err()
         .is_peer_lost());
     assert!(ep.flush().await.unwrap_err().is_peer_lost());
+    assert!(ep
+        .put_nbi(&local, 0..64, &key, 0)
+        .unwrap_err()
+        .is_peer_lost());
     assert!(f.barrier().await.unwrap_err().is_peer_lost());
     let e = ep.get(&local, 0..64, &key, 0).await.unwrap_err();
     assert!(e.is_peer_lost(), "get after the loss: {e}");
@@ -405,10 +417,10 @@ pub const IMPLICIT_PUTS: usize = 200;
 /// `put_nbi`/`get_nbi` against the peer's region `key`, from `base` on (at
 /// most 22 KiB of it): a burst of puts of 1–200 bytes at consecutive
 /// offsets and one `flush`, then the same bytes read back by a burst of
-/// gets and a `flush`, content-checked. A key with a forged id is refused
-/// at once or by the next flush (the target's memory untouched: the caller
-/// checks), and only that flush reports it. A local range outside the
-/// region fails at once.
+/// gets and a `flush`, content-checked. A key with a forged id (which
+/// names no region of the target) is refused at once or by the next flush,
+/// and only that flush reports it. A local range outside the region fails
+/// at once.
 pub async fn assert_implicit_ops(
     f: &async_btl::Fabric,
     ep: &async_btl::Endpoint,
