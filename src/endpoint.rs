@@ -12,7 +12,7 @@ use crate::completion::Completion;
 use crate::dispatch::OP_UNSEEN;
 use crate::fabric::Core;
 use crate::region::{MemoryRegion, RemoteKey};
-use crate::stats::Counters;
+use crate::stats::Hot;
 use crate::transport::{Kind, Link};
 use crate::{AccessError, Error, Rank, Result, Tag};
 
@@ -61,7 +61,7 @@ impl Endpoint {
     /// future resolves once it has. `data` is kept alive until then even if
     /// the future is dropped (`Stats::rendezvous_sends` counts these).
     pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> Send {
-        Counters::bump(&self.0.core.counters.sends);
+        self.0.core.counters.add(Hot::Sends);
         Send {
             state: SendState::Start {
                 tag,
@@ -81,7 +81,7 @@ impl Endpoint {
     /// The future borrows the endpoint as it borrows `data` (no reference
     /// count to take and drop per message).
     pub fn send_inline<'a>(&'a self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
-        Counters::bump(&self.0.core.counters.sends);
+        self.0.core.counters.add(Hot::Sends);
         SendInline {
             ep: &self.0,
             tag,
@@ -159,10 +159,10 @@ impl Endpoint {
             // (The mapping was checked live just now, by `map_remote`.)
             let (lraw, rraw) = (local.inner.raw(), m?.data());
             if put {
-                Counters::bump(&c.direct_puts);
+                c.add(Hot::DirectPuts);
                 rraw.copy_from(offset, &lraw, range.start as u64, len)?;
             } else {
-                Counters::bump(&c.direct_gets);
+                c.add(Hot::DirectGets);
                 lraw.copy_from(range.start as u64, &rraw, offset, len)?;
             }
             return Ok(None);
@@ -173,15 +173,15 @@ impl Endpoint {
         let cma = link.cma_pid().is_some() && len >= self.0.core.config.sm_cma_min;
         match (cma, put) {
             (true, true) => {
-                Counters::bump(&c.cma_puts);
+                c.add(Hot::CmaPuts);
                 rma.start_put_cma(link, &key.id, offset, ours, done.clone())?;
             }
             (true, false) => {
-                Counters::bump(&c.cma_gets);
+                c.add(Hot::CmaGets);
                 rma.start_get_cma(link, &key.id, offset, ours, done.clone())?;
             }
             (false, true) => {
-                Counters::bump(&c.emulated_puts);
+                c.add(Hot::EmulatedPuts);
                 let src = (local.inner.raw(), range.start as u64, len);
                 match &done {
                     Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
@@ -189,7 +189,7 @@ impl Endpoint {
                 }
             }
             (false, false) => {
-                Counters::bump(&c.emulated_gets);
+                c.add(Hot::EmulatedGets);
                 rma.start_get(link, &key.id, offset, ours, done.clone())?;
             }
         }

@@ -84,7 +84,7 @@ impl Core {
 
     /// A complete user message arrived from `src` (no link needed).
     pub(crate) fn deliver(&self, src: Rank, tag: u64, data: Bytes) {
-        Counters::bump(&self.counters.recvs);
+        self.counters.add(crate::stats::Hot::Recvs);
         self.dispatcher.deliver(Message { src, tag, data });
     }
 
