@@ -210,12 +210,8 @@ impl Endpoint {
             Err(e) => OpState::Ready(Some(Err(e))),
             Ok(None) => OpState::Ready(Some(Ok(()))),
             Ok(Some(done)) => {
-                let gather = if !cma && self.0.link.gathers() {
-                    Gather::Unpolled(self.0.link.clone())
-                } else {
-                    Gather::No
-                };
-                OpState::Wait(done, self.0.core.clone(), gather, OP_UNSEEN)
+                let gathered = (!cma && self.0.link.gathers()).then(|| self.0.link.clone());
+                OpState::Wait(done, self.0.core.clone(), gathered, OP_UNSEEN)
             }
         }
     }
@@ -393,20 +389,10 @@ fn wait(c: &Completion, core: &Core, seen: &mut u64, cx: &mut Context<'_>) -> Po
 
 enum OpState {
     Ready(Option<Result<()>>),
-    /// The completion, the core, where a gathered request is, and what
+    /// The completion, the core, the link whose held bundle the request
+    /// may be in (until the first poll: see [`Link::gathers`]), and what
     /// the future has seen of inline progress (see `wait`).
-    Wait(Arc<Completion>, Arc<Core>, Gather, u64),
-}
-
-/// Where a request that may wait in a bundle (see [`Link::gathers`]) is,
-/// seen from its future.
-enum Gather {
-    /// Not gathered, or sent.
-    No,
-    /// Not polled yet.
-    Unpolled(Arc<dyn Link>),
-    /// Polled once: the task has started the rest of its burst.
-    Polled(Arc<dyn Link>),
+    Wait(Arc<Completion>, Arc<Core>, Option<Arc<dyn Link>>, u64),
 }
 
 impl OpState {
@@ -417,26 +403,18 @@ impl OpState {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
             }
-            OpState::Wait(c, core, gather, seen) => match std::mem::replace(gather, Gather::No) {
-                Gather::Unpolled(link) => {
-                    // The request may wait to leave with the rest of a burst
-                    // that this task is starting (a window of puts, each
-                    // polled once): no progress call yet, which would send
-                    // it alone. The task is polled again at once.
-                    *gather = Gather::Polled(link);
-                    if let Poll::Ready(r) = c.poll(cx) {
-                        return Poll::Ready(r);
-                    }
-                    cx.waker().wake_by_ref();
-                    Poll::Pending
-                }
-                Gather::Polled(link) => {
-                    // The burst is complete: send it (with this request).
+            OpState::Wait(c, core, gathered, seen) => {
+                if let Some(link) = gathered.take() {
+                    // Every request started before this first poll is in
+                    // the bundle (an operation is started when its future
+                    // is made): the burst leaves together, now. (Returning
+                    // to the runtime first, for a burst still to come,
+                    // cost a lone `put(..).await` 25 µs here: the progress
+                    // task took the core in between.)
                     link.flush_gathered();
-                    wait(c, core, seen, cx)
                 }
-                Gather::No => wait(c, core, seen, cx),
-            },
+                wait(c, core, seen, cx)
+            }
         }
     }
 }

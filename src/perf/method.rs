@@ -196,22 +196,15 @@ pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan)
     Ok(value(test, size, plan, clock.elapsed()))
 }
 
-/// Start `n` operations in order, polling each once (a put into a mapped
-/// region is done on that poll), and wait for the rest together: the
-/// async form of MPI_Put in a loop before the flush.
+/// Start `n` operations in order (each starts when its future is made;
+/// a put into a mapped region is done then), then wait for them together:
+/// the async form of MPI_Put in a loop before the flush.
 async fn window<F>(n: u64, mut op: impl FnMut() -> F) -> Result<()>
 where
     F: std::future::Future<Output = Result<()>> + Unpin,
 {
-    let mut pending = Vec::new();
-    for _ in 0..n {
-        let mut f = op();
-        match futures::poll!(&mut f) {
-            std::task::Poll::Ready(r) => r?,
-            std::task::Poll::Pending => pending.push(f),
-        }
-    }
-    // Wait for the rest by polling them in place, all with the task's
+    let mut pending: Vec<F> = (0..n).map(|_| op()).collect();
+    // Wait for them by polling them in place, all with the task's
     // waker (`try_join_all` of more than 30 futures builds a
     // `FuturesOrdered`: an allocation and a waker per future, which cost
     // as much as an emulated put itself).

@@ -17,7 +17,7 @@ use socket2::SockAddr;
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 
-use super::offload::{self, Ctl, Offload};
+use super::offload::{self, Ctl, Gso};
 use super::proto;
 
 /// Datagrams moved per system call.
@@ -481,20 +481,21 @@ fn to_addr(s: &libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAdd
 /// the kernel refuses for another reason is skipped (counted as sent): the
 /// protocol retransmits what matters.
 ///
-/// With `gso` (the data socket's offload state) and GSO on, runs of
-/// datagrams of one size leave as GSO packets, several per `sendmmsg`; a
-/// refused GSO send turns GSO off and is sent again without it.
+/// With `gso` (the data socket's offload state and the peer's switch) and
+/// GSO on, runs of datagrams of one size leave as GSO packets, several per
+/// `sendmmsg`; a refused GSO send turns GSO off towards the peer and is
+/// sent again without it.
 pub(crate) fn send(
     sock: &UdpSocket,
     dst: SocketAddr,
     bufs: &[Parts<'_>],
-    gso: Option<&Offload>,
+    gso: Option<Gso<'_>>,
 ) -> usize {
     let addr = SockAddr::from(dst);
     let fd = sock.as_raw_fd();
     let mut done = 0;
     while done < bufs.len() {
-        let off = gso.filter(|o| o.gso() && bufs.len() - done > 1);
+        let off = gso.filter(|g| g.on() && bufs.len() - done > 1);
         // The datagrams' lengths, for GSO's runs.
         let lens: Vec<usize> = match off {
             Some(_) => bufs[done..]
@@ -516,17 +517,18 @@ pub(crate) fn send(
         match r {
             Ok((n, packets)) => {
                 done += n.max(1).min(bufs.len() - done);
-                if let Some(o) = off {
-                    o.gso_sends
+                if let Some(g) = off {
+                    g.off
+                        .gso_sends
                         .fetch_add(packets as u64, std::sync::atomic::Ordering::Relaxed);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
-                if let Some(o) = off.filter(|_| first_gso && offload::refusal(&e)) {
+                if let Some(g) = off.filter(|_| first_gso && offload::refusal(&e)) {
                     // Sent again, datagram by datagram, on the next turn.
-                    o.refused(&e);
+                    g.refused(&e, dst);
                     continue;
                 }
                 tracing::debug!("udp: datagram to {dst} refused by the kernel: {e}");
@@ -668,6 +670,8 @@ fn sendmmsg(fd: std::os::fd::RawFd, addr: &SockAddr, chunk: &[Parts<'_>]) -> io:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::udp::offload::Offload;
+    use std::sync::atomic::AtomicBool;
 
     /// A datagram of the in-place shape: `HEAD` header bytes, `payload`
     /// bytes, a 4-byte trailer, each filled with its own pattern.
@@ -858,6 +862,10 @@ mod tests {
         (0..len).map(|k| (i * 7 + k) as u8).collect()
     }
 
+    fn gso<'a>(off: &'a Offload, allowed: &'a AtomicBool) -> Gso<'a> {
+        Gso { off, allowed }
+    }
+
     /// Run `f` on a sender with GSO on and a receiver with GRO on, in a
     /// one-thread runtime, if the kernel has them (said why, if not).
     fn with_offload_pair<F: std::future::Future<Output = ()>>(
@@ -898,6 +906,7 @@ mod tests {
                 .map(|d| [&d[..32], &d[32..d.len() - 4], &d[d.len() - 4..]])
                 .collect();
             let mut batch = RecvBatch::new();
+            let allowed = AtomicBool::new(true);
             let (mut sent, mut got, mut joined, mut turn) = (0, Vec::new(), 0, 0usize);
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while got.len() < dgrams.len() && std::time::Instant::now() < deadline {
@@ -907,7 +916,7 @@ mod tests {
                 if sent == got.len() {
                     tx.writable().await.unwrap();
                     let most = (sent + 100).min(parts.len());
-                    sent += send(&tx, to, &parts[sent..most], Some(&off));
+                    sent += send(&tx, to, &parts[sent..most], Some(gso(&off, &allowed)));
                 }
                 // Both receive paths: one buffer at a time, and batches.
                 turn += 1;
@@ -942,7 +951,8 @@ mod tests {
                 .map(|d| [&d[..HEAD], &d[HEAD..d.len() - 4], &d[d.len() - 4..]])
                 .collect();
             tx.writable().await.unwrap();
-            assert_eq!(send(&tx, to, &parts, Some(&off)), 5);
+            let allowed = AtomicBool::new(true);
+            assert_eq!(send(&tx, to, &parts, Some(gso(&off, &allowed))), 5);
             let mut batch = RecvBatch::new();
             let mut buf = Vec::with_capacity(10 * chunk);
             buf.extend_from_slice(&[9u8; 10]);

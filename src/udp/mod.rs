@@ -379,7 +379,7 @@ impl UdpTransport {
                 data_addr: SocketAddr::new(a.ip, a.data_port),
                 prio_addr: SocketAddr::new(a.ip, a.prio_port),
                 max_datagram,
-                gso: whole,
+                gso: AtomicBool::new(whole),
                 stash_limit,
                 lost: AtomicBool::new(false),
                 busy: AtomicBool::new(false),

@@ -44,7 +44,7 @@ pub(crate) const MAX_BYTES: usize = 65_000;
 /// Offload state of the data socket.
 #[derive(Debug, Default)]
 pub(crate) struct Offload {
-    /// GSO sends allowed (probed; cleared when the kernel refuses one).
+    /// The kernel takes GSO sends on this socket (probed).
     gso: AtomicBool,
     /// `UDP_GRO` is set: a receive may hold several datagrams.
     gro: bool,
@@ -52,7 +52,8 @@ pub(crate) struct Offload {
     pub(crate) gso_sends: AtomicU64,
     /// Receives that held several datagrams joined by GRO.
     pub(crate) gro_receives: AtomicU64,
-    /// GSO sends the kernel refused (the first turned GSO off).
+    /// GSO sends the kernel refused (each turned GSO off towards its
+    /// peer).
     pub(crate) refusals: AtomicU64,
 }
 
@@ -69,7 +70,8 @@ impl Offload {
         }
     }
 
-    /// Whether sends may use GSO now.
+    /// Whether the socket may send GSO packets (each peer has its own say
+    /// too: see [`Gso`]).
     pub(crate) fn gso(&self) -> bool {
         self.gso.load(Ordering::Relaxed)
     }
@@ -78,14 +80,31 @@ impl Offload {
     pub(crate) fn gro(&self) -> bool {
         self.gro
     }
+}
 
-    /// The kernel refused a GSO send: stop using GSO (said once).
-    pub(crate) fn refused(&self, e: &io::Error) {
-        self.refusals.fetch_add(1, Ordering::Relaxed);
-        if self.gso.swap(false, Ordering::Relaxed) {
+/// GSO towards one peer: the socket's offload state and the peer's own
+/// switch, which a refused GSO send to that peer turns off (the path to
+/// another peer may take them: another device, another route).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Gso<'a> {
+    pub(crate) off: &'a Offload,
+    pub(crate) allowed: &'a AtomicBool,
+}
+
+impl Gso<'_> {
+    /// Whether sends to the peer may use GSO now.
+    pub(crate) fn on(&self) -> bool {
+        self.off.gso() && self.allowed.load(Ordering::Relaxed)
+    }
+
+    /// The kernel refused a GSO send to `dst`: stop using GSO towards that
+    /// peer (said once per peer).
+    pub(crate) fn refused(&self, e: &io::Error, dst: std::net::SocketAddr) {
+        self.off.refusals.fetch_add(1, Ordering::Relaxed);
+        if self.allowed.swap(false, Ordering::Relaxed) {
             tracing::warn!(
-                "udp: the kernel refused a segmentation-offload (GSO) send ({e}); \
-                 sending datagram by datagram from now on"
+                "udp: the kernel refused a segmentation-offload (GSO) send to {dst} ({e}); \
+                 sending to it datagram by datagram from now on"
             );
         }
     }
@@ -231,6 +250,43 @@ fn put_cmsg(ctl: &mut Ctl, ty: libc::c_int, data: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_turns_gso_off_towards_that_peer_only() {
+        let off = Offload {
+            gso: AtomicBool::new(true),
+            ..Offload::default()
+        };
+        let (a, b) = (AtomicBool::new(true), AtomicBool::new(true));
+        let (ga, gb) = (
+            Gso {
+                off: &off,
+                allowed: &a,
+            },
+            Gso {
+                off: &off,
+                allowed: &b,
+            },
+        );
+        assert!(ga.on() && gb.on());
+        let e = io::Error::from_raw_os_error(libc::EINVAL);
+        assert!(refusal(&e));
+        ga.refused(&e, "192.0.2.1:9".parse().unwrap());
+        assert!(!ga.on() && gb.on(), "only the refused peer loses GSO");
+        ga.refused(&e, "192.0.2.1:9".parse().unwrap());
+        assert_eq!(
+            off.refusals.load(Ordering::Relaxed),
+            2,
+            "every refusal counted"
+        );
+        // A socket without GSO sends none to anyone.
+        let none = Offload::default();
+        assert!(!Gso {
+            off: &none,
+            allowed: &b
+        }
+        .on());
+    }
 
     #[test]
     fn groups_are_runs_of_one_size_that_a_shorter_one_may_end() {

@@ -106,8 +106,9 @@ pub(crate) struct Peer {
     /// Largest datagram (UDP payload) we send it: the path MTU less the
     /// IP and UDP headers of its family.
     pub(crate) max_datagram: usize,
-    /// GSO may be used towards it (our datagrams fit the route whole).
-    pub(crate) gso: bool,
+    /// GSO may be used towards it: our datagrams fit the route whole, and
+    /// the kernel has not refused a GSO send to it.
+    pub(crate) gso: AtomicBool,
     /// Most bytes of raw datagrams kept while the peer is paused (receive
     /// backpressure).
     pub(crate) stash_limit: usize,
@@ -587,9 +588,12 @@ impl PeerState {
 /// The data socket's offload state, when GSO is on and `peer`'s datagrams
 /// are small enough for two to share a GSO packet (not on loopback, whose
 /// datagrams are 64 KiB: there batches stay as they were, 16 datagrams).
-fn gso_for<'a>(io: &'a Sockets, peer: &Peer) -> Option<&'a super::offload::Offload> {
-    (io.off.gso() && peer.gso && peer.max_datagram * 2 <= super::offload::MAX_BYTES)
-        .then_some(&io.off)
+fn gso_for<'a>(io: &'a Sockets, peer: &'a Peer) -> Option<super::offload::Gso<'a>> {
+    let g = super::offload::Gso {
+        off: &io.off,
+        allowed: &peer.gso,
+    };
+    (g.on() && peer.max_datagram * 2 <= super::offload::MAX_BYTES).then_some(g)
 }
 
 fn to_error(e: SendError, rank: Rank) -> Error {
