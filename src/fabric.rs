@@ -99,7 +99,8 @@ impl Core {
             | Kind::PutCma
             | Kind::GetCma
             | Kind::FlushReq
-            | Kind::FlushAck => self.rma.handle(link, src, kind, tag, data),
+            | Kind::FlushAck
+            | Kind::PutPart => self.rma.handle(link, src, kind, tag, data),
             Kind::Barrier => {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();

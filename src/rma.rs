@@ -138,6 +138,16 @@ impl Drop for Rma {
 
 const REQ_HEADER: usize = 16 + 8;
 
+/// Puts larger than this go as parts of this many bytes, each copied
+/// into its request just before it is sent, and written at the target as
+/// soon as it arrives: the copies at both ends overlap the transfer
+/// instead of adding to it.
+const PUT_PART: usize = 256 * 1024;
+
+/// A put part's header after `REQ_HEADER` (key, extent start): the
+/// extent's length and the part's offset in it.
+const PART_HEADER: usize = REQ_HEADER + 16;
+
 /// Implicit puts up to this many bytes are written into the request by
 /// the transport ([`Link::submit_gathered_with`]), where it bundles them.
 const IMPLICIT_INLINE_MAX: usize = 1024;
@@ -237,7 +247,15 @@ impl Rma {
         let Err(e) = body.and_then(|b| link.submit_gathered(kind, id, b).map(drop)) else {
             return Ok(());
         };
-        // Nothing reached the peer: nothing of ours is exposed.
+        self.unsend(id, e)
+    }
+
+    /// Operation `id` could not be (wholly) sent: fail it with `e`, through
+    /// its future, or (implicit, or unregistered) as the error returned.
+    fn unsend(&self, id: u64, e: Error) -> Result<()> {
+        // Nothing (of a CMA operation) reached the peer: nothing of ours
+        // is exposed. (Parts of a put that did are written or refused
+        // there; the put has failed either way.)
         match lock(&self.ops).remove(&id).and_then(|op| op.done) {
             Some(c) => {
                 c.complete(Err(e));
@@ -272,8 +290,42 @@ impl Rma {
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
         let id = self.register(link.peer(), Pending::Put { cma: None }, done);
-        let body = self.put_request(key, offset, src);
-        self.send(link, Kind::PutReq, id, body)
+        self.send_put(link, key, offset, src, id)
+    }
+
+    /// Send the request(s) of a put with `id` (0: implicit): one request,
+    /// or from [`PUT_PART`] bytes a part at a time. A part that cannot be
+    /// sent fails the put (see `send`) and no more parts go.
+    fn send_put(
+        &self,
+        link: &dyn Link,
+        key: &KeyId,
+        offset: u64,
+        src: (RawBuf, u64, usize),
+        id: u64,
+    ) -> Result<()> {
+        let (raw, src_off, len) = src;
+        if len <= PUT_PART {
+            let body = self.put_request(key, offset, src);
+            return self.send(link, Kind::PutReq, id, body);
+        }
+        let mut at = 0;
+        while at < len {
+            let n = PUT_PART.min(len - at);
+            let mut req = self.buffers.take(PART_HEADER + n);
+            req.extend_from_slice(&req_header(key, offset));
+            req.extend_from_slice(&(len as u64).to_le_bytes());
+            req.extend_from_slice(&(at as u64).to_le_bytes());
+            let r = raw
+                .read_into(src_off + at as u64, n, &mut req)
+                .map_err(Error::from)
+                .and_then(|()| link.submit_gathered(Kind::PutPart, id, self.buffers.freeze(req)));
+            if let Err(e) = r {
+                return self.unsend(id, e);
+            }
+            at += n;
+        }
+        Ok(())
     }
 
     fn put_request(&self, key: &KeyId, offset: u64, src: (RawBuf, u64, usize)) -> Result<Bytes> {
@@ -305,8 +357,7 @@ impl Rma {
                 raw.read_into(src_off, len, buf).map_err(Error::from)
             })?;
         } else {
-            let body = self.put_request(key, offset, src)?;
-            link.submit_gathered(Kind::PutReq, 0, body)?;
+            self.send_put(link, key, offset, src, 0)?;
         }
         // Counted after the submission: a flush that reads the count sends
         // its request after this put's (one ordered stream per peer).
@@ -531,6 +582,31 @@ impl Rma {
                     (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
                 }
             }
+            Kind::PutPart => {
+                let Some((r, last)) = self.put_part(&data) else {
+                    if id == 0 {
+                        let e =
+                            AccessError::NotPermitted("a put request it could not decode".into());
+                        lock(&self.refused).entry(src).or_insert(e);
+                    }
+                    return self.bad(src, "malformed put part");
+                };
+                // The whole put is checked for every part: a refused put
+                // writes nothing, and is counted and answered once.
+                if !last {
+                    return;
+                }
+                if r.is_err() {
+                    Counters::bump(&self.counters.access_refused);
+                }
+                match (id, r) {
+                    (0, Ok(())) => {}
+                    (0, Err(e)) => {
+                        lock(&self.refused).entry(src).or_insert(e);
+                    }
+                    (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
+                }
+            }
             Kind::FlushReq => {
                 // Every implicit put the peer sent before this request was
                 // handled above (one ordered stream per peer).
@@ -612,9 +688,41 @@ impl Rma {
         }
     }
 
+    /// Check and write one part of a put (`Kind::PutPart`): `None` when
+    /// malformed, else the outcome and whether it was the last part.
+    fn put_part(&self, data: &[u8]) -> Option<(Result<(), AccessError>, bool)> {
+        let (key, start, rest) = decode_req(data)?;
+        let word = |i: usize| Some(u64::from_le_bytes(rest.get(i..i + 8)?.try_into().ok()?));
+        let (len, at) = (word(0)?, word(8)?);
+        let payload = &rest[16..];
+        let end = at.checked_add(payload.len() as u64).filter(|e| *e <= len)?;
+        let r = usize::try_from(len)
+            .map_err(|_| AccessError::OutOfBounds {
+                offset: start,
+                end: u64::MAX,
+                len: 0,
+            })
+            .and_then(|len| self.check_target(&key, start, len))
+            .and_then(|reg| reg.raw().write(start + at, payload));
+        Some((r, end == len))
+    }
+
     fn target(&self, key: &KeyId, off: u64, len: usize) -> Result<Arc<RegionInner>, AccessError> {
-        let r = self
-            .regions
+        let r = self.check_target(key, off, len);
+        if r.is_err() {
+            Counters::bump(&self.counters.access_refused);
+        }
+        r
+    }
+
+    /// [`target`](Self::target) without counting a refusal.
+    fn check_target(
+        &self,
+        key: &KeyId,
+        off: u64,
+        len: usize,
+    ) -> Result<Arc<RegionInner>, AccessError> {
+        self.regions
             .get(key)
             .ok_or(AccessError::UnknownKey)
             .and_then(|reg| {
@@ -627,11 +735,7 @@ impl Rma {
                         len: n,
                     }),
                 }
-            });
-        if r.is_err() {
-            Counters::bump(&self.counters.access_refused);
-        }
-        r
+            })
     }
 
     /// Answer a request. Gathered (see [`Link::submit_gathered`]): the

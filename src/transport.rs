@@ -73,6 +73,11 @@ pub(crate) enum Kind {
     /// The target's answer to [`Kind::FlushReq`]: the status of the first
     /// implicit put it refused since the last one, else success.
     FlushAck = 14,
+    /// A part of a large emulated put: the key, the whole put's extent
+    /// (which the target checks for every part, so a refused put writes
+    /// nothing), the part's place in it, and its data. Only the last part
+    /// is answered (as [`Kind::PutAck`]).
+    PutPart = 15,
 }
 
 impl Kind {
@@ -94,6 +99,7 @@ impl Kind {
             12 => Kind::CmaSplit,
             13 => Kind::FlushReq,
             14 => Kind::FlushAck,
+            15 => Kind::PutPart,
             _ => return None,
         })
     }

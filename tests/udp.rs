@@ -151,12 +151,51 @@ async fn alltoall(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Where the large puts of [`large_puts`] end in the 2 MiB region.
+const BIG_PUTS_END: usize = 1_800_000;
+
+/// Puts larger than one request part (256 KiB) into a 2 MiB region: by
+/// future and implicit, content-checked by gets; and one whose first part
+/// lies inside the region but the rest not (a key forged to claim more):
+/// refused whole.
+async fn large_puts(f: &Fabric, ep: &async_btl::Endpoint, big: &RemoteKey) {
+    let a = f.register(pattern(1_100_000, 3).to_vec());
+    ep.put(&a, 0..1_100_000, big, 1000).await.unwrap();
+    let b = f.register(pattern(600_000, 4).to_vec());
+    ep.put_nbi(&b, 0..600_000, big, 1_200_000).unwrap();
+    ep.flush().await.unwrap();
+    assert_eq!(1_200_000 + 600_000, BIG_PUTS_END);
+    let back = f.register(vec![0u8; 1_100_000]);
+    ep.get(&back, 0..1_100_000, big, 1000).await.unwrap();
+    assert!(back.to_vec() == pattern(1_100_000, 3).to_vec(), "large put");
+    ep.get(&back, 0..600_000, big, 1_200_000).await.unwrap();
+    assert!(
+        back.to_vec()[..600_000] == pattern(600_000, 4)[..],
+        "large put_nbi"
+    );
+    let mut claim = big.to_bytes();
+    claim.truncate(17);
+    claim.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
+    let forged = RemoteKey::from_bytes(&claim).unwrap();
+    let at = (2 << 20) - 300_000;
+    assert!(at < BIG_PUTS_END as u64 && BIG_PUTS_END as u64 <= at + 256 * 1024);
+    let e = ep.put(&b, 0..600_000, &forged, at).await.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "{e}");
+    ep.put_nbi(&b, 0..600_000, &forged, at).unwrap();
+    let e = ep.flush().await.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "{e}");
+}
+
 async fn putget(f: Fabric) {
     if f.rank() == 1 {
         let heap = f.register(vec![0u8; 1 << 20]);
+        let big = f.register(vec![0u8; 2 << 20]);
         let ep = f.endpoint(0).unwrap();
         ep.send(1, heap.remote_key().to_bytes()).await.unwrap();
+        ep.send(1, big.remote_key().to_bytes()).await.unwrap();
         f.barrier().await.unwrap(); // rank 0 is done
+                                    // The large put refused as a whole wrote none of its parts.
+        assert!(big.to_vec()[BIG_PUTS_END..].iter().all(|b| *b == 0));
         let mut got = vec![0u8; 200_000];
         heap.read(12345, &mut got).unwrap();
         assert_eq!(
@@ -169,7 +208,9 @@ async fn putget(f: Fabric) {
     } else {
         let mut rx = f.receiver(1).unwrap();
         let heap = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+        let big = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
         let ep = f.endpoint(1).unwrap();
+        large_puts(&f, &ep, &big).await;
         let src = f.register(pattern(200_000, 1).to_vec());
         ep.put(&src, 0..200_000, &heap, 12345).await.unwrap();
         let back = f.register(vec![0u8; 200_000]);

@@ -339,7 +339,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn kinds() -> impl Strategy<Value = Kind> {
-        (0u8..15).prop_map(|k| Kind::from_u8(k).unwrap())
+        (0u8..16).prop_map(|k| Kind::from_u8(k).unwrap())
     }
 
     proptest! {
@@ -489,8 +489,8 @@ mod tests {
         let mut d = Decoder::default();
         assert_eq!(d.push(Bytes::from_static(&[0; 8])), Err(FrameError::Short));
         assert_eq!(
-            d.push(Bytes::from_static(&[15; 9])),
-            Err(FrameError::Kind(15))
+            d.push(Bytes::from_static(&[16; 9])),
+            Err(FrameError::Kind(16))
         );
         // A head of the wrong length.
         assert_eq!(
