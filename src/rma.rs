@@ -559,52 +559,25 @@ impl Rma {
     pub(crate) fn handle(&self, link: &dyn Link, src: Rank, kind: Kind, id: u64, data: Bytes) {
         match kind {
             Kind::PutReq => {
-                let r = match decode_req(&data) {
-                    None if id == 0 => {
-                        // Implicit: the flush must not report it done.
-                        let e =
-                            AccessError::NotPermitted("a put request it could not decode".into());
-                        lock(&self.refused).entry(src).or_insert(e);
-                        return self.bad(src, "short put request");
-                    }
-                    None => return self.bad(src, "short put request"),
-                    Some((key, off, payload)) => self
-                        .target(&key, off, payload.len())
-                        .and_then(|reg| reg.raw().write(off, payload)),
+                let Some((key, off, payload)) = decode_req(&data) else {
+                    return self.malformed_put(src, id, "short put request");
                 };
-                match (id, r) {
-                    // Implicit: no answer; the next flush request hears of
-                    // the first refusal.
-                    (0, Ok(())) => {}
-                    (0, Err(e)) => {
-                        lock(&self.refused).entry(src).or_insert(e);
-                    }
-                    (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
-                }
+                let r = self
+                    .target(&key, off, payload.len())
+                    .and_then(|reg| reg.raw().write(off, payload));
+                self.put_done(link, src, id, r);
             }
             Kind::PutPart => {
                 let Some((r, last)) = self.put_part(&data) else {
-                    if id == 0 {
-                        let e =
-                            AccessError::NotPermitted("a put request it could not decode".into());
-                        lock(&self.refused).entry(src).or_insert(e);
-                    }
-                    return self.bad(src, "malformed put part");
+                    return self.malformed_put(src, id, "malformed put part");
                 };
                 // The whole put is checked for every part: a refused put
                 // writes nothing, and is counted and answered once.
-                if !last {
-                    return;
-                }
-                if r.is_err() {
-                    Counters::bump(&self.counters.access_refused);
-                }
-                match (id, r) {
-                    (0, Ok(())) => {}
-                    (0, Err(e)) => {
-                        lock(&self.refused).entry(src).or_insert(e);
+                if last {
+                    if r.is_err() {
+                        Counters::bump(&self.counters.access_refused);
                     }
-                    (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
+                    self.put_done(link, src, id, r);
                 }
             }
             Kind::FlushReq => {
@@ -686,6 +659,28 @@ impl Rma {
             }
             _ => {}
         }
+    }
+
+    /// A put was written or refused: answer it, or (implicit: no answer)
+    /// keep the first refusal for the peer's next flush request.
+    fn put_done(&self, link: &dyn Link, src: Rank, id: u64, r: Result<(), AccessError>) {
+        match (id, r) {
+            (0, Ok(())) => {}
+            (0, Err(e)) => {
+                lock(&self.refused).entry(src).or_insert(e);
+            }
+            (_, r) => self.answer(link, Kind::PutAck, id, encode_status(&r, 0)),
+        }
+    }
+
+    /// A put request that does not decode: dropped and counted, and an
+    /// implicit one is a refusal the next flush reports (it was not done).
+    fn malformed_put(&self, src: Rank, id: u64, what: &str) {
+        if id == 0 {
+            let e = AccessError::NotPermitted("a put request it could not decode".into());
+            lock(&self.refused).entry(src).or_insert(e);
+        }
+        self.bad(src, what);
     }
 
     /// Check and write one part of a put (`Kind::PutPart`): `None` when
