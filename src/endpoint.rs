@@ -506,8 +506,9 @@ impl Future for Flush {
                 return Poll::Ready(Err(e));
             }
         }
-        // Requests held back to leave with their burst (puts whose futures
-        // were polled once, or dropped) leave now: the burst is over.
+        // Requests held back to leave with their burst (implicit puts,
+        // puts whose futures were dropped unpolled, the flush request)
+        // leave now: the burst is over.
         self.ep.link.flush_gathered();
         if let Some(r) = self.over() {
             return Poll::Ready(r);

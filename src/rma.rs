@@ -105,21 +105,23 @@ pub(crate) struct Rma {
     /// Target side: the first implicit put each peer had refused here
     /// since its last flush request (the answer to that request says so).
     refused: Mutex<HashMap<Rank, AccessError>>,
-    /// Operations taken out of `ops` whose outcome is not applied yet (an
-    /// answer's data being written, an error being recorded, a retry being
-    /// registered): counted by `outstanding`, so a `flush` cannot see the
-    /// table drained before they are done.
-    settling: AtomicU64,
+    /// Per peer rank: operations taken out of `ops` whose outcome is not
+    /// applied yet (an answer's data being written, an error being
+    /// recorded, a retry being registered): counted by `outstanding`, so a
+    /// `flush` cannot see the table drained before they are done.
+    settling: Vec<AtomicU64>,
+    /// Where operations on a rank beyond `settling` are counted.
+    settling_other: AtomicU64,
 }
 
-/// Holds one count of [`Rma::settling`] while an operation is settled.
-struct Settling<'a>(&'a AtomicU64);
+/// Holds counts of [`Rma::settling`] while operations are settled.
+struct Settling<'a>(&'a AtomicU64, u64);
 
 impl Drop for Settling<'_> {
     fn drop(&mut self) {
         // Release: what the settling wrote is seen by a flush that reads
         // the count at zero.
-        self.0.fetch_sub(1, Ordering::Release);
+        self.0.fetch_sub(self.1, Ordering::Release);
     }
 }
 
@@ -138,10 +140,11 @@ impl Drop for Rma {
 
 const REQ_HEADER: usize = 16 + 8;
 
-/// Puts larger than this go as parts of this many bytes, each copied
-/// into its request just before it is sent, and written at the target as
-/// soon as it arrives: the copies at both ends overlap the transfer
-/// instead of adding to it.
+/// Puts larger than this go as parts whose requests are this many bytes
+/// (a buffer class of the pool), each copied into its request as it is
+/// submitted (sent at once while the window has room) and written at the
+/// target as soon as it arrives: the copies at both ends overlap the
+/// transfer instead of adding to it.
 const PUT_PART: usize = 256 * 1024;
 
 /// A put part's header after `REQ_HEADER` (key, extent start): the
@@ -217,7 +220,8 @@ impl Rma {
             implicit: (0..size).map(|_| Implicit::default()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
-            settling: AtomicU64::new(0),
+            settling: (0..size).map(|_| AtomicU64::new(0)).collect(),
+            settling_other: AtomicU64::new(0),
         }
     }
 
@@ -311,7 +315,7 @@ impl Rma {
         }
         let mut at = 0;
         while at < len {
-            let n = PUT_PART.min(len - at);
+            let n = (PUT_PART - PART_HEADER).min(len - at);
             let mut req = self.buffers.take(PART_HEADER + n);
             req.extend_from_slice(&req_header(key, offset));
             req.extend_from_slice(&(len as u64).to_le_bytes());
@@ -490,45 +494,50 @@ impl Rma {
         self.send(link, kind, id, body)
     }
 
-    /// Number of operations still waiting on `peer` (and of any peer's
-    /// being settled right now).
+    /// Number of operations still waiting on `peer` (or being settled).
     pub(crate) fn outstanding(&self, peer: Rank) -> usize {
         let ops = lock(&self.ops);
         // Acquire: pairs with `Settling`'s release.
-        let settling = self.settling.load(Ordering::Acquire) as usize;
+        let settling = self.settling_of(peer).load(Ordering::Acquire) as usize;
         ops.values().filter(|o| o.peer == peer).count() + settling
     }
 
-    /// Count one operation as settling (call under the `ops` lock, as it
-    /// is taken out of the table).
-    fn settling(&self) -> Settling<'_> {
-        self.settling.fetch_add(1, Ordering::Relaxed);
-        Settling(&self.settling)
+    fn settling_of(&self, peer: Rank) -> &AtomicU64 {
+        self.settling
+            .get(peer as usize)
+            .unwrap_or(&self.settling_other)
     }
 
-    fn take_ops(&self, pred: impl Fn(&Op) -> bool) -> (Vec<Op>, Settling<'_>) {
+    /// Count `n` operations on `peer` as settling (call under the `ops`
+    /// lock, as they are taken out of the table).
+    fn settling(&self, peer: Rank, n: u64) -> Settling<'_> {
+        let c = self.settling_of(peer);
+        c.fetch_add(n, Ordering::Relaxed);
+        Settling(c, n)
+    }
+
+    /// Take the operations `pred` picks out of the table, each counted as
+    /// settling on its peer until its guard goes.
+    fn take_ops(&self, pred: impl Fn(&Op) -> bool) -> Vec<(Op, Settling<'_>)> {
         let mut ops = lock(&self.ops);
         let ids: Vec<u64> = ops
             .iter()
             .filter(|(_, o)| pred(o))
             .map(|(k, _)| *k)
             .collect();
-        let settling = self.settling();
-        (
-            ids.into_iter().filter_map(|k| ops.remove(&k)).collect(),
-            settling,
-        )
+        ids.into_iter()
+            .filter_map(|k| ops.remove(&k))
+            .map(|op| {
+                let s = self.settling(op.peer, 1);
+                (op, s)
+            })
+            .collect()
     }
 
     /// Fail `ops` with `err`; regions a live peer may still write by CMA go
     /// to quarantine unless its process is known to be gone.
-    fn fail(
-        &self,
-        (ops, _settling): (Vec<Op>, Settling<'_>),
-        err: impl Fn() -> Error,
-        exited: bool,
-    ) {
-        for op in ops {
+    fn fail(&self, ops: Vec<(Op, Settling<'_>)>, err: impl Fn() -> Error, exited: bool) {
+        for (op, _settling) in ops {
             // Implicit operations: the peer's next `flush` reports it.
             self.settle(op.peer, op.done, Err(err()));
             if let (false, Some(r)) = (exited, op.what.exposed()) {
@@ -568,15 +577,16 @@ impl Rma {
                 self.put_done(link, src, id, r);
             }
             Kind::PutPart => {
-                let Some((r, last)) = self.put_part(&data) else {
+                let Some((r, first, last)) = self.put_part(&data) else {
                     return self.malformed_put(src, id, "malformed put part");
                 };
                 // The whole put is checked for every part: a refused put
-                // writes nothing, and is counted and answered once.
+                // writes nothing, is counted at its first part, and is
+                // answered (or recorded) at its last.
+                if first && r.is_err() {
+                    Counters::bump(&self.counters.access_refused);
+                }
                 if last {
-                    if r.is_err() {
-                        Counters::bump(&self.counters.access_refused);
-                    }
                     self.put_done(link, src, id, r);
                 }
             }
@@ -684,8 +694,9 @@ impl Rma {
     }
 
     /// Check and write one part of a put (`Kind::PutPart`): `None` when
-    /// malformed, else the outcome and whether it was the last part.
-    fn put_part(&self, data: &[u8]) -> Option<(Result<(), AccessError>, bool)> {
+    /// malformed, else the outcome and whether it was the first and the
+    /// last part.
+    fn put_part(&self, data: &[u8]) -> Option<(Result<(), AccessError>, bool, bool)> {
         let (key, start, rest) = decode_req(data)?;
         let word = |i: usize| Some(u64::from_le_bytes(rest.get(i..i + 8)?.try_into().ok()?));
         let (len, at) = (word(0)?, word(8)?);
@@ -699,7 +710,7 @@ impl Rma {
             })
             .and_then(|len| self.check_target(&key, start, len))
             .and_then(|reg| reg.raw().write(start + at, payload));
-        Some((r, end == len))
+        Some((r, at == 0, end == len))
     }
 
     fn target(&self, key: &KeyId, off: u64, len: usize) -> Result<Arc<RegionInner>, AccessError> {
@@ -751,7 +762,7 @@ impl Rma {
         let (op, _settling) = {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
-                Some(op) if op.peer == src => (ops.remove(&id), self.settling()),
+                Some(op) if op.peer == src => (ops.remove(&id), self.settling(src, 1)),
                 _ => return self.bad(src, "answer to an unknown operation"),
             }
         };
@@ -950,6 +961,62 @@ mod tests {
             0,
             "the failed request is not left behind"
         );
+    }
+
+    #[test]
+    fn put_parts_are_checked_whole_and_hostile_ones_refused_without_a_panic() {
+        let (tgt, regions) = rma(2);
+        let region = regions.register(1, vec![0u8; 1000]);
+        let key = region.remote_key().id;
+        let to_ini = Wire::new(0);
+        let part = |start: u64, len: u64, at: u64, data: &[u8]| {
+            let mut b = req_header(&key, start).to_vec();
+            b.extend_from_slice(&len.to_le_bytes());
+            b.extend_from_slice(&at.to_le_bytes());
+            b.extend_from_slice(data);
+            Bytes::from(b)
+        };
+        // Two parts of a 600-byte put at 100: written, answered once.
+        tgt.handle(&to_ini, 0, Kind::PutPart, 7, part(100, 600, 0, &[1; 300]));
+        assert!(to_ini.take().is_empty(), "no answer before the last part");
+        tgt.handle(&to_ini, 0, Kind::PutPart, 7, part(100, 600, 300, &[2; 300]));
+        let answers = to_ini.take();
+        assert_eq!(answers.len(), 1);
+        assert_eq!((answers[0].0, answers[0].1), (Kind::PutAck, 7));
+        let v = region.to_vec();
+        assert!(v[100..400].iter().all(|b| *b == 1) && v[400..700].iter().all(|b| *b == 2));
+        // A put whose extent passes the end: its first part, inside the
+        // region, is not written; refused at the last (answered with it).
+        tgt.handle(&to_ini, 0, Kind::PutPart, 8, part(800, 400, 0, &[3; 150]));
+        tgt.handle(&to_ini, 0, Kind::PutPart, 8, part(800, 400, 150, &[3; 250]));
+        assert!(region.to_vec()[800..].iter().all(|b| *b == 0));
+        let answers = to_ini.take();
+        assert_eq!(answers.len(), 1);
+        assert!(matches!(decode_status(&answers[0].2), Some((Err(_), _))));
+        assert_eq!(tgt.counters.snapshot().access_refused, 1, "counted once");
+        // Hostile parts: beyond their extent, a length past any address, a
+        // short header. Dropped (counted as bad frames); an implicit one is
+        // a refusal for the next flush request; no panic, nothing written.
+        let bad_before = tgt.counters.snapshot().bad_frames;
+        tgt.handle(&to_ini, 0, Kind::PutPart, 9, part(0, 10, 5, &[4; 20]));
+        tgt.handle(
+            &to_ini,
+            0,
+            Kind::PutPart,
+            9,
+            part(u64::MAX - 5, u64::MAX, 0, &[4; 20]),
+        );
+        tgt.handle(&to_ini, 0, Kind::PutPart, 9, Bytes::from_static(&[0; 30]));
+        tgt.handle(&to_ini, 0, Kind::PutPart, 0, part(0, 10, 9, &[4; 2]));
+        assert_eq!(tgt.counters.snapshot().bad_frames, bad_before + 3);
+        assert!(region.to_vec()[..100].iter().all(|b| *b == 0));
+        tgt.handle(&to_ini, 0, Kind::FlushReq, 11, Bytes::new());
+        let answers = to_ini.take();
+        let refusals: Vec<_> = answers
+            .iter()
+            .filter_map(|a| decode_status(&a.2).and_then(|(r, _)| r.err()))
+            .collect();
+        assert!(!refusals.is_empty(), "{answers:?}");
     }
 
     #[test]

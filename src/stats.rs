@@ -231,8 +231,8 @@ pub struct Stats {
     /// UDP receives that held several datagrams the kernel joined (GRO).
     pub udp_gro_receives: u64,
     /// UDP GSO sends the kernel refused (a device without checksum
-    /// offload, a path smaller than the datagrams): the first turns GSO
-    /// off, and the datagrams go out one by one.
+    /// offload, a path smaller than the datagrams): each turns GSO off
+    /// towards its peer, whose datagrams then go out one by one.
     pub udp_gso_refusals: u64,
 }
 

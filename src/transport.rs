@@ -172,8 +172,9 @@ pub(crate) trait Link: Send + Sync {
 
     /// Whether [`submit_gathered`](Self::submit_gathered) holds messages
     /// back until the next progress call: the future waiting on such a
-    /// request lets its task start the rest of the burst before it makes
-    /// progress.
+    /// request sends its peer's held bundle at its first poll (with every
+    /// request started before it), rather than leave it to the progress
+    /// task.
     fn gathers(&self) -> bool {
         false
     }

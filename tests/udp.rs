@@ -164,7 +164,6 @@ async fn large_puts(f: &Fabric, ep: &async_btl::Endpoint, big: &RemoteKey) {
     let b = f.register(pattern(600_000, 4).to_vec());
     ep.put_nbi(&b, 0..600_000, big, 1_200_000).unwrap();
     ep.flush().await.unwrap();
-    assert_eq!(1_200_000 + 600_000, BIG_PUTS_END);
     let back = f.register(vec![0u8; 1_100_000]);
     ep.get(&back, 0..1_100_000, big, 1000).await.unwrap();
     assert!(back.to_vec() == pattern(1_100_000, 3).to_vec(), "large put");
@@ -177,8 +176,9 @@ async fn large_puts(f: &Fabric, ep: &async_btl::Endpoint, big: &RemoteKey) {
     claim.truncate(17);
     claim.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f, 0x00]);
     let forged = RemoteKey::from_bytes(&claim).unwrap();
+    // Its first part (256 KiB) lies inside the region and covers
+    // BIG_PUTS_END, which the target checks stays untouched.
     let at = (2 << 20) - 300_000;
-    assert!(at < BIG_PUTS_END as u64 && BIG_PUTS_END as u64 <= at + 256 * 1024);
     let e = ep.put(&b, 0..600_000, &forged, at).await.unwrap_err();
     assert!(matches!(e, Error::Access(_)), "{e}");
     ep.put_nbi(&b, 0..600_000, &forged, at).unwrap();

@@ -151,8 +151,8 @@ pub struct RmaSide<'a> {
 /// Time a one-sided test (`put_lat`, `put_bw`, `get_lat`, `get_bw`) over
 /// async-btl from rank 0. Latency: one `put`/`get` future at a time (it
 /// resolves at remote completion). Bandwidth: a window of `put_nbi`/
-/// `get_nbi` (or, with `futures`, of futures polled once each) and the
-/// `flush` that completes them.
+/// `get_nbi` (or, with `futures`, of futures all made, then awaited
+/// together) and the `flush` that completes them.
 pub async fn rma_timed(side: &RmaSide<'_>, test: Test, size: usize, plan: &Plan) -> Result<f64> {
     let RmaSide {
         ep,

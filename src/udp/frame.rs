@@ -151,23 +151,34 @@ impl Bundle {
             self.buf = buf;
         }
         let start = self.buf.len();
-        self.buf.extend_from_slice(&(n as u32).to_le_bytes());
-        self.buf.push(kind as u8);
-        self.buf.extend_from_slice(&tag.to_le_bytes());
-        let r = fill(&mut self.buf).and_then(|()| {
-            if self.buf.len() == start + BUNDLE_ENTRY + n {
+        // Undoes the entry unless it is complete, also if `fill` panics (a
+        // half-written entry would spoil the whole bundle). A bundle of one
+        // keeps `first`; its buffer is rebuilt next time.
+        let mut entry = Rollback {
+            to: if self.count == 1 { 0 } else { start },
+            buf: &mut self.buf,
+            keep: false,
+        };
+        entry.buf.extend_from_slice(&(n as u32).to_le_bytes());
+        entry.buf.push(kind as u8);
+        entry.buf.extend_from_slice(&tag.to_le_bytes());
+        let r = fill(&mut *entry.buf).and_then(|()| {
+            if entry.buf.len() == start + BUNDLE_ENTRY + n {
                 Ok(())
             } else {
                 Err(crate::Error::Misuse(format!(
                     "a message announced as {len} bytes was filled with {}",
-                    self.buf.len().saturating_sub(start + BUNDLE_ENTRY + PREFIX)
+                    entry
+                        .buf
+                        .len()
+                        .saturating_sub(start + BUNDLE_ENTRY + PREFIX)
                 )))
             }
         });
-        match r {
-            Ok(()) => self.count += 1,
-            // (A bundle of one keeps `first`; its buffer is rebuilt next time.)
-            Err(_) => self.buf.truncate(if self.count == 1 { 0 } else { start }),
+        entry.keep = r.is_ok();
+        drop(entry);
+        if r.is_ok() {
+            self.count += 1;
         }
         Some(r)
     }
@@ -185,6 +196,21 @@ impl Bundle {
             self.first
         } else {
             Bytes::from(self.buf)
+        }
+    }
+}
+
+/// Truncates `buf` back to `to` when dropped, unless told to `keep` it.
+struct Rollback<'a> {
+    buf: &'a mut Vec<u8>,
+    to: usize,
+    keep: bool,
+}
+
+impl Drop for Rollback<'_> {
+    fn drop(&mut self) {
+        if !self.keep {
+            self.buf.truncate(self.to);
         }
     }
 }
@@ -469,6 +495,14 @@ mod tests {
         // No room: not filled.
         let r = b.push_with(Kind::PutReq, 0, 1000, 1000, &mut |_| unreachable!());
         assert!(r.is_none());
+        // A fill that panics leaves no half-written entry behind.
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            b.push_with(Kind::PutReq, 0, 4, 1000, &mut |v| {
+                v.push(1);
+                panic!("fill failed halfway");
+            })
+        }));
+        assert!(panicked.is_err());
         let r = b.push_with(Kind::FlushReq, 5, 0, 1000, &mut |_| Ok(()));
         assert!(matches!(r, Some(Ok(()))));
         let mut d = Decoder::default();

@@ -19,9 +19,9 @@
 //! for two to share a packet. Both are probed when the socket is made. A
 //! GSO send the kernel refuses (a device without checksum offload answers
 //! `EIO`; a route whose MTU is below the interface's, `EINVAL`) turns GSO
-//! off for the socket, so for every peer, for good: said once, and sent
-//! again without it. (Per-peer refusal would keep GSO for the other peers
-//! on such a host; the socket-wide switch is the simple, safe choice.)
+//! off towards that peer, for good: said once per peer, and sent again
+//! without it ([`Gso`]). Other peers, behind another device or route, keep
+//! it.
 //! `BTL_UDP_GSO=0` turns both off.
 //!
 //! [`RecvBatch`]: super::io::RecvBatch
@@ -44,8 +44,8 @@ pub(crate) const MAX_BYTES: usize = 65_000;
 /// Offload state of the data socket.
 #[derive(Debug, Default)]
 pub(crate) struct Offload {
-    /// The kernel takes GSO sends on this socket (probed).
-    gso: AtomicBool,
+    /// The kernel takes GSO sends on this socket (probed once).
+    gso: bool,
     /// `UDP_GRO` is set: a receive may hold several datagrams.
     gro: bool,
     /// Sends that went out as one GSO packet of several datagrams.
@@ -64,7 +64,7 @@ impl Offload {
             return Offload::default();
         }
         Offload {
-            gso: AtomicBool::new(gso_supported(fd)),
+            gso: gso_supported(fd),
             gro: set_int(fd, UDP_GRO, 1),
             ..Offload::default()
         }
@@ -73,7 +73,7 @@ impl Offload {
     /// Whether the socket may send GSO packets (each peer has its own say
     /// too: see [`Gso`]).
     pub(crate) fn gso(&self) -> bool {
-        self.gso.load(Ordering::Relaxed)
+        self.gso
     }
 
     /// Whether receives may hold coalesced datagrams.
@@ -254,7 +254,7 @@ mod tests {
     #[test]
     fn a_refusal_turns_gso_off_towards_that_peer_only() {
         let off = Offload {
-            gso: AtomicBool::new(true),
+            gso: true,
             ..Offload::default()
         };
         let (a, b) = (AtomicBool::new(true), AtomicBool::new(true));
