@@ -30,7 +30,13 @@ async fn tour() -> Result<()> {
     let back = fabric.register(vec![0u8; 4096]);
     ep.get(&back, 0..4096, &their_key, 0).await?;
     assert_eq!(back.to_vec(), vec![42u8; 4096]);
+    // A burst of small puts with no future each: the flush completes them.
+    for i in 0..64 {
+        ep.put_nbi(&local, i * 8..i * 8 + 8, &their_key, 8192 + i as u64 * 8)?;
+    }
     ep.flush().await?;
+    ep.get(&back, 0..512, &their_key, 8192).await?;
+    assert_eq!(back.to_vec()[..512], [42u8; 512]);
     fabric.barrier().await?;
     println!(
         "rank {}: put and got 4096 bytes through {}",
