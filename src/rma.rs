@@ -47,6 +47,10 @@ enum Pending {
         len: usize,
         /// The target writes `dst` itself (CMA): the answer carries no data.
         cma: Option<Remote>,
+        /// A part of a large get other than its last: a refusal is left to
+        /// the last part to report (it is refused too: same key, later
+        /// range).
+        quiet: bool,
     },
     /// A flush request: once answered, every implicit put to the peer
     /// numbered up to `upto` is done (or its refusal is in the answer).
@@ -422,16 +426,40 @@ impl Rma {
         len: usize,
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
-        let pending = Pending::Get {
-            dst,
-            offset: dst_offset,
-            len,
-            cma: None,
-        };
-        let id = self.register(link.peer(), pending, done);
-        let mut req = encode_req(&r.key, r.offset, 8);
-        req.put_u64_le(len as u64);
-        self.send(link, Kind::GetReq, id, Ok(req.freeze()))
+        // Above PUT_PART, parts whose answers (a status byte, then the
+        // data) fill one buffer class each; answered in order, so when the
+        // last part's answer lands every part's data is in `dst`.
+        let part = if len <= PUT_PART { len } else { PUT_PART - 1 };
+        let mut at = 0;
+        loop {
+            let n = part.min(len - at);
+            let last = at + n == len;
+            let pending = Pending::Get {
+                dst: dst.clone(),
+                offset: dst_offset + at as u64,
+                len: n,
+                cma: None,
+                quiet: !last,
+            };
+            let id = self.register(link.peer(), pending, done.clone().filter(|_| last));
+            let mut req = encode_req(&r.key, r.offset + at as u64, 8);
+            req.put_u64_le(n as u64);
+            if let Err(e) = self.send(link, Kind::GetReq, id, Ok(req.freeze())) {
+                // A part that could not be sent fails the get: through its
+                // future, or (implicit) as the error returned.
+                return match done.filter(|_| !last) {
+                    Some(c) => {
+                        c.complete(Err(e));
+                        Ok(())
+                    }
+                    None => Err(e),
+                };
+            }
+            at += n;
+            if last {
+                return Ok(());
+            }
+        }
     }
 
     /// Start a single-copy put: the target reads `src[src_off..+len]` out of
@@ -469,6 +497,7 @@ impl Rma {
             offset: dst_off,
             len,
             cma: Some(remote),
+            quiet: false,
         };
         self.start_cma(link, Kind::GetCma, remote, ours, pending, done)
     }
@@ -611,13 +640,16 @@ impl Rma {
                     .and_then(|len| self.target(&key, off, len).map(|reg| (reg, len)));
                 let resp = match r {
                     Ok((reg, len)) => {
-                        let mut b = encode_status(&Ok(()), len);
+                        // A pooled buffer: a fresh one per large answer
+                        // faulted its pages in every time.
+                        let mut b = self.buffers.take(1 + len);
+                        b.push(0);
                         match reg.raw().read_into(off, len, &mut b) {
-                            Ok(()) => b,
-                            Err(e) => encode_status(&Err(e), 0),
+                            Ok(()) => self.buffers.freeze(b),
+                            Err(e) => encode_status(&Err(e), 0).freeze(),
                         }
                     }
-                    Err(e) => encode_status(&Err(e), 0),
+                    Err(e) => encode_status(&Err(e), 0).freeze(),
                 };
                 self.answer(link, Kind::GetResp, id, resp);
             }
@@ -747,8 +779,8 @@ impl Rma {
     /// Answer a request. Gathered (see [`Link::submit_gathered`]): the
     /// requests of a burst arrive together, and their answers leave
     /// together after the progress call that read them.
-    fn answer(&self, link: &dyn Link, kind: Kind, id: u64, body: BytesMut) {
-        if let Err(e) = link.submit_gathered(kind, id, body.freeze()) {
+    fn answer(&self, link: &dyn Link, kind: Kind, id: u64, body: impl Into<Bytes>) {
+        if let Err(e) = link.submit_gathered(kind, id, body.into()) {
             tracing::debug!(peer = link.peer(), "could not answer RMA request: {e}");
         }
     }
@@ -777,6 +809,10 @@ impl Rma {
             self.settle(src, op.done, Err(e));
             return self.bad(src, "malformed RMA answer");
         };
+        if matches!(op.what, Pending::Get { quiet: true, .. }) && status.is_err() {
+            // The get's last part reports the refusal.
+            return;
+        }
         let r = match (status, op.what, kind) {
             // The target could not copy our memory (ptrace rules, seccomp):
             // stop using CMA with it and redo the operation with messages.
@@ -800,6 +836,7 @@ impl Rma {
                     offset,
                     len,
                     cma: Some(remote),
+                    ..
                 },
                 _,
             ) if why.starts_with(CMA_REFUSED) => {
@@ -829,6 +866,7 @@ impl Rma {
                     offset,
                     len,
                     cma: None,
+                    ..
                 },
                 Kind::GetResp,
             ) if payload.len() == len => dst.raw().write(offset, payload).map_err(Error::from),

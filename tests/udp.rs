@@ -184,6 +184,19 @@ async fn large_puts(f: &Fabric, ep: &async_btl::Endpoint, big: &RemoteKey) {
     ep.put_nbi(&b, 0..600_000, &forged, at).unwrap();
     let e = ep.flush().await.unwrap_err();
     assert!(matches!(e, Error::Access(_)), "{e}");
+    // Large gets go as parts too: implicit, then one whose first part is
+    // inside the region and the rest not, refused once (by its future,
+    // not again by the next flush).
+    let back2 = f.register(vec![0u8; 600_000]);
+    ep.get_nbi(&back2, 0..600_000, big, 1_200_000).unwrap();
+    ep.flush().await.unwrap();
+    assert!(
+        back2.to_vec() == pattern(600_000, 4).to_vec(),
+        "large get_nbi"
+    );
+    let e = ep.get(&back2, 0..600_000, &forged, at).await.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "{e}");
+    ep.flush().await.expect("a refused get is reported once");
 }
 
 async fn putget(f: Fabric) {
