@@ -275,6 +275,8 @@ impl PeerState {
         let r = g.bundle.push_with(kind, tag, len, cap, fill)?;
         if r.is_ok() {
             g.held = true;
+            // A small message, as `gather` counts them.
+            self.small_run += 1;
         }
         Some(r)
     }
