@@ -225,8 +225,9 @@ impl Endpoint {
     /// What can be checked here fails here: a local range outside `local`,
     /// a range outside the key's bounds, a key of another rank, a lost
     /// peer. Into a region the peer shares on this node it is one copy, done
-    /// on return. Otherwise no answer is sent per put, so a burst of small
-    /// puts costs a fraction of as many [`put`](Self::put) futures.
+    /// on return. Over messages (emulated) no answer is sent per put, so a
+    /// burst of small puts costs a fraction of as many [`put`](Self::put)
+    /// futures.
     ///
     /// The bytes are copied out of `local` before this returns, except for
     /// a single-copy (CMA) put of `BTL_SM_CMA_MIN` bytes or more, which the
