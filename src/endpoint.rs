@@ -204,13 +204,13 @@ impl Endpoint {
         offset: u64,
         put: bool,
     ) -> OpState {
-        let cma = self.0.link.cma_pid().is_some()
-            && range.end.saturating_sub(range.start) >= self.0.core.config.sm_cma_min;
         match self.start_rma(local, range, key, offset, put, false) {
             Err(e) => OpState::Ready(Some(Err(e))),
             Ok(None) => OpState::Ready(Some(Ok(()))),
             Ok(Some(done)) => {
-                let gathered = (!cma && self.0.link.gathers()).then(|| self.0.link.clone());
+                // (A link that gathers has no single copy: no case to tell
+                // apart here.)
+                let gathered = self.0.link.gathers().then(|| self.0.link.clone());
                 OpState::Wait(done, self.0.core.clone(), gathered, OP_UNSEEN)
             }
         }

@@ -105,6 +105,20 @@ impl Kind {
     }
 }
 
+/// [`Link::submit_gathered_with`] through a buffer of its own: `fill` it,
+/// then [`Link::submit_gathered`] it.
+pub(crate) fn submit_filled<L: Link + ?Sized>(
+    link: &L,
+    kind: Kind,
+    tag: u64,
+    len: usize,
+    fill: &mut dyn FnMut(&mut Vec<u8>) -> Result<()>,
+) -> Result<()> {
+    let mut v = Vec::with_capacity(len);
+    fill(&mut v)?;
+    link.submit_gathered(kind, tag, Bytes::from(v)).map(drop)
+}
+
 /// How a peer was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Loss {
@@ -161,9 +175,7 @@ pub(crate) trait Link: Send + Sync {
         len: usize,
         fill: &mut dyn FnMut(&mut Vec<u8>) -> Result<()>,
     ) -> Result<()> {
-        let mut v = Vec::with_capacity(len);
-        fill(&mut v)?;
-        self.submit_gathered(kind, tag, Bytes::from(v)).map(drop)
+        submit_filled(self, kind, tag, len, fill)
     }
 
     /// Send what [`submit_gathered`](Self::submit_gathered) held back for

@@ -139,10 +139,8 @@ impl Link for UdpLink {
                 return r;
             }
         }
-        let mut b = self.t.core.buffers.take(len);
-        fill(&mut b)?;
-        let data = self.t.core.buffers.freeze(b);
-        self.submit_as(kind, tag, data, true).map(drop)
+        // No bundle to join: as any transport does.
+        crate::transport::submit_filled(self, kind, tag, len, fill)
     }
 
     fn flush_gathered(&self) {
