@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
+command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils)
 command -v nft >/dev/null 2>&1 || need+=(nftables)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 if ((${#need[@]})); then

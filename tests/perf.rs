@@ -29,6 +29,7 @@ fn run(cmd: &mut Command) -> Output {
         .arg("180")
         .arg(cmd.get_program())
         .args(cmd.get_args())
+        .envs(cmd.get_envs().filter_map(|(k, v)| v.map(|v| (k, v))))
         .stdin(Stdio::null())
         .output()
         .expect("command starts");
@@ -272,6 +273,91 @@ fn open_mpi_baseline_beside_async_btl() {
     let t = String::from_utf8_lossy(&table.stdout);
     assert!(t.contains(" ompi") && t.contains("x ompi"), "{t}");
     assert!(t.contains("# note: ompi: "), "{t}");
+}
+
+/// Whether `ucx_perftest` can be started (it has no `--version`).
+fn have_ucx() -> bool {
+    Command::new("ucx_perftest")
+        .arg("-h")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+#[test]
+fn ucx_baseline_beside_async_btl() {
+    if !have_ucx() {
+        eprintln!("skipped: ucx_perftest not found (apt-get install ucx-utils)");
+        return;
+    }
+    let out = run(Command::new(PERF).args([
+        "--test",
+        "lat,bw,put_lat,put_bw",
+        "--baseline",
+        "ucx",
+        "--min-size",
+        "8",
+        "--max-size",
+        "16",
+        "--iters",
+        "50",
+        "--json",
+    ]));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    let ucx: BTreeSet<(String, u64)> = j["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["wire"] == "ucx")
+        .map(|r| {
+            assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
+            (
+                r["test"].as_str().unwrap().into(),
+                r["size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let want: BTreeSet<(String, u64)> = ["lat", "bw", "put_bw"]
+        .iter()
+        .flat_map(|t| [8, 16].map(|s| (t.to_string(), s)))
+        .collect();
+    assert_eq!(ucx, want, "notes: {notes}");
+    assert!(
+        notes.contains("ucx: ") && notes.contains("UCX_TLS=sm,self"),
+        "{notes}"
+    );
+    assert!(j["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["baseline"] == "ucx" && r["test"] == "put_bw"));
+}
+
+#[test]
+fn a_missing_ucx_is_a_note_not_a_failure() {
+    // A PATH with `timeout` (which `run` needs) and nothing else.
+    let dir = std::env::temp_dir().join(format!("btl-perf-path-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let timeout = std::env::split_paths(&std::env::var_os("PATH").unwrap())
+        .map(|d| d.join("timeout"))
+        .find(|p| p.exists())
+        .expect("timeout is on PATH");
+    let _ = std::fs::remove_file(dir.join("timeout"));
+    std::os::unix::fs::symlink(timeout, dir.join("timeout")).unwrap();
+    let out = run(Command::new(PERF)
+        .env("PATH", &dir)
+        .args(["--test", "lat", "--baseline", "ucx", "--json"])
+        .args(QUICK));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    assert!(
+        notes.contains("ucx skipped") && notes.contains("apt-get install ucx-utils"),
+        "{notes}"
+    );
+    assert!(series(&j).contains(&("lat".to_string(), "async-btl/sm".to_string())));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -35,6 +35,11 @@ mpirun (apt-get install openmpi-bin libopenmpi-dev), when mpirun fails,
 or when btl-perf itself runs under mpirun, the report says why in a
 `# note:` line and the run goes on.
 
+So can UCX: `--baseline ucx` runs its own `ucx_perftest` (apt-get install
+ucx-utils) over its shared-memory transports (UCX_TLS=sm,self), one server
+and client pair per point on the ranks' cores, for lat, bw, put_bw, get_bw
+and msg_rate.
+
 Run it alone (it starts its own two ranks), or as two ranks under
 `btl-run -n 2` or `mpirun -np 2`. Rank 0 prints the report.";
 
@@ -43,6 +48,7 @@ const EXAMPLES: &str = "Examples:
   btl-perf --test bw --min-size 4K --max-size 4M --json > bw.json
   btl-run -n 2 -- btl-perf --test put_bw --baseline none
   btl-perf --test lat,bw --baseline ompi,ompi-tcp,unix --min-size 8 --max-size 1M
+  btl-perf --transport sm --test lat,bw,put_bw --baseline ompi,ucx --repeat 3
   mpirun -np 2 btl-perf --test lat --plot lat.svg";
 
 /// Command-line arguments.
@@ -103,7 +109,8 @@ struct Args {
     pin: Pinning,
 
     /// Baselines, comma-separated: unix, tcp, udp, ompi (Open MPI, shared
-    /// memory), ompi-tcp (Open MPI, TCP on loopback), or none.
+    /// memory), ompi-tcp (Open MPI, TCP on loopback), ucx (UCX's
+    /// ucx_perftest over shared memory), or none.
     #[arg(long, value_name = "LIST", default_value = "unix,tcp,udp", value_parser = baselines)]
     baseline: std::vec::Vec<Baseline>,
 
@@ -249,6 +256,10 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
             window: args.window,
         },
         pin: args.pin.clone(),
+        cores: (
+            args.pin.core_for(0, machine.usable_cores),
+            args.pin.core_for(1, machine.usable_cores),
+        ),
         baselines: args.baseline.clone(),
         watchdog: Duration::from_secs(args.watchdog.max(1)),
         command: command_line(),

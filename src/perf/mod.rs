@@ -13,7 +13,8 @@
 //! test does on each side), [`plan`] (iterations per size), [`machine`] (the
 //! report header), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
 //! (CPU affinity), [`session`] (one rank's whole run), [`ompi`] (Open MPI
-//! as a baseline, run under its own `mpirun`).
+//! as a baseline, run under its own `mpirun`), [`ucx`] (UCX as a baseline,
+//! through its own `ucx_perftest`).
 //!
 //! Nothing here asserts a speed: it measures and reports.
 
@@ -25,6 +26,7 @@ pub mod plan;
 pub mod plot;
 pub mod report;
 pub mod session;
+pub mod ucx;
 pub mod wire;
 
 use serde::{Deserialize, Serialize};
@@ -162,8 +164,8 @@ impl Unit {
 }
 
 /// A baseline measured in the same run: a tokio socket, with the same
-/// method and in the same processes, or Open MPI (opt-in), with the same
-/// sizes and counts in its own two processes ([`ompi`]).
+/// method and in the same processes, or (opt-in) Open MPI or UCX, with the
+/// same sizes and counts in their own two processes ([`ompi`], [`ucx`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Baseline {
@@ -178,16 +180,19 @@ pub enum Baseline {
     /// Open MPI's TCP BTL on loopback (`--mca btl self,tcp`).
     #[serde(rename = "ompi-tcp")]
     OmpiTcp,
+    /// UCX's `ucx_perftest` over its shared-memory transports.
+    Ucx,
 }
 
 impl Baseline {
     /// Every baseline, in report order.
-    pub const ALL: [Baseline; 5] = [
+    pub const ALL: [Baseline; 6] = [
         Baseline::Unix,
         Baseline::Tcp,
         Baseline::Udp,
         Baseline::Ompi,
         Baseline::OmpiTcp,
+        Baseline::Ucx,
     ];
 
     /// Name in reports and on the command line.
@@ -198,21 +203,31 @@ impl Baseline {
             Baseline::Udp => "udp",
             Baseline::Ompi => "ompi",
             Baseline::OmpiTcp => "ompi-tcp",
+            Baseline::Ucx => "ucx",
         }
     }
 
-    /// Whether this is Open MPI (as opposed to a tokio socket).
+    /// Whether this is Open MPI (as opposed to a tokio socket or UCX).
     pub fn is_mpi(self) -> bool {
         matches!(self, Baseline::Ompi | Baseline::OmpiTcp)
     }
 
+    /// Whether this runs in processes of its own, started by rank 0 after
+    /// everything else (Open MPI, UCX), as opposed to a tokio socket in the
+    /// ranks themselves.
+    pub fn is_external(self) -> bool {
+        self.is_mpi() || self == Baseline::Ucx
+    }
+
     /// Whether this baseline measures `test`. UDP has no `bibw`: its credit
     /// protocol would need one socket read from two places at once. Open
-    /// MPI runs what its program implements ([`ompi::supports`]).
+    /// MPI runs what its program implements ([`ompi::supports`]), UCX what
+    /// its tool measures the same way ([`ucx::supports`]).
     pub fn measures(self, test: Test) -> bool {
         match self {
             Baseline::Udp => test != Test::Bibw,
             Baseline::Ompi | Baseline::OmpiTcp => ompi::supports(test),
+            Baseline::Ucx => ucx::supports(test),
             Baseline::Unix | Baseline::Tcp => true,
         }
     }

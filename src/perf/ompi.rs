@@ -90,7 +90,7 @@ pub fn mca(b: Baseline) -> &'static [&'static str] {
             "osc",
             "pt2pt",
         ],
-        Baseline::Unix | Baseline::Tcp | Baseline::Udp => &[],
+        Baseline::Unix | Baseline::Tcp | Baseline::Udp | Baseline::Ucx => &[],
     }
 }
 
@@ -167,7 +167,7 @@ pub fn parse_output(text: &str, want: &[(Test, usize)]) -> Result<Vec<f64>, Stri
 }
 
 /// The last few non-empty lines of a tool's output, on one line, for a note.
-fn tail(bytes: &[u8]) -> String {
+pub(super) fn tail(bytes: &[u8]) -> String {
     let text = String::from_utf8_lossy(bytes);
     let lines: Vec<&str> = text
         .lines()
@@ -183,17 +183,25 @@ fn tail(bytes: &[u8]) -> String {
 }
 
 /// What a finished tool left: its status and both outputs.
-struct Finished {
-    ok: bool,
-    status: String,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
+pub(super) struct Finished {
+    /// Whether it exited with status 0.
+    pub ok: bool,
+    /// Its exit status, in words.
+    pub status: String,
+    /// Everything it wrote to stdout.
+    pub stdout: Vec<u8>,
+    /// Everything it wrote to stderr.
+    pub stderr: Vec<u8>,
 }
 
 /// Run `cmd` with its output captured, for at most `limit`. On time-out
 /// the process gets SIGTERM (so that `mpirun` takes its ranks down), then
 /// SIGKILL after [`GRACE`].
-async fn run_tool(mut cmd: Command, name: &str, limit: Duration) -> Result<Finished, String> {
+pub(super) async fn run_tool(
+    mut cmd: Command,
+    name: &str,
+    limit: Duration,
+) -> Result<Finished, String> {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

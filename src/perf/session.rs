@@ -1,23 +1,24 @@
 //! One rank's whole run: open the fabric, connect the socket baselines,
 //! measure async-btl, close the fabric, measure the socket baselines over
 //! the same two processes, then (rank 0, while rank 1, done, exits) the
-//! Open MPI baselines under their own `mpirun`, and build the [`Report`].
+//! Open MPI baselines under their own `mpirun` and the UCX baseline with
+//! its own `ucx_perftest`, and build the [`Report`].
 //!
 //! The baselines run after the fabric is closed, so that a busy-polling
-//! progress task never competes with them for the core; Open MPI runs last,
-//! when the other rank has nothing left to do.
+//! progress task never competes with them for the core; Open MPI and UCX
+//! run last, when the other rank has nothing left to do.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::machine::{utc_now, Header, Machine};
 use super::method::{on_wire, rma_timed, RmaSide};
-use super::ompi;
 use super::pin::Pinning;
 use super::plan::Counts;
 use super::report::Report;
 use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
 use super::{btl_label, Baseline, Sample, Test};
+use super::{ompi, ucx};
 use crate::bootstrap::JobInfo;
 use crate::{Config, Error, Fabric, ProgressMode, RemoteKey, Result};
 
@@ -48,6 +49,9 @@ pub struct Settings {
     pub counts: Counts,
     /// Core placement.
     pub pin: Pinning,
+    /// The cores of local ranks 0 and 1 under `pin` (`None`: not pinned),
+    /// where rank 0 places the two processes of an external baseline.
+    pub cores: (Option<usize>, Option<usize>),
     /// Baselines to measure.
     pub baselines: Vec<Baseline>,
     /// Longest one measurement may take before the run is abandoned.
@@ -134,7 +138,7 @@ pub async fn run(
                 .baselines
                 .iter()
                 .copied()
-                .filter(|b| !b.is_mpi())
+                .filter(|b| !b.is_external())
                 .collect();
             sockets = connect_baselines(&fabric, TAG_SETUP, &socket, s.max_len()).await?;
         }
@@ -170,10 +174,53 @@ pub async fn run(
         return Ok(None);
     }
     drop(sockets);
-    let notes = measure_mpi(s, &mut samples, tick).await;
+    let mut notes = measure_mpi(s, &mut samples, tick).await;
+    if s.baselines.contains(&Baseline::Ucx) {
+        notes.push(measure_ucx(s, &mut samples, tick).await);
+    }
     let mut header = header(s, &config, &transport, &launcher, core);
     header.notes.extend(notes);
     Ok(Some(Report::new(header, samples)))
+}
+
+/// The points `b` measures in this run, each with the plan async-btl had.
+fn points_of(s: &Settings, b: Baseline) -> Vec<(Test, usize, super::plan::Plan)> {
+    s.tests
+        .iter()
+        .filter(|t| b.measures(**t))
+        .flat_map(|&t| {
+            t.sizes(s.min_size, s.max_size)
+                .into_iter()
+                .map(move |size| (t, size, s.counts.plan(t, size)))
+        })
+        .collect()
+}
+
+/// Rank 0: measure the UCX baseline, adding its samples; returns the note
+/// for the report (what ran, or why it was skipped).
+async fn measure_ucx(
+    s: &Settings,
+    samples: &mut Vec<Sample>,
+    tick: &mut dyn FnMut(&str),
+) -> String {
+    let only = ucx::supported_names();
+    let points = points_of(s, Baseline::Ucx);
+    if points.is_empty() {
+        return format!("ucx skipped: it measures {only} only");
+    }
+    match ucx::measure(&points, s.cores, s.watchdog, tick).await {
+        Ok(values) => {
+            for (&(test, size, plan), value) in points.iter().zip(values) {
+                samples.push(sample(test, Baseline::Ucx.name(), size, value, &plan));
+            }
+            format!(
+                "ucx: {}, ucx_perftest UCX_TLS={} (a server and a client per point, same sizes and counts, operations in flight as UCX chooses; {only} only)",
+                ucx::version(s.watchdog).await,
+                ucx::TLS
+            )
+        }
+        Err(why) => format!("ucx skipped: {why}"),
+    }
 }
 
 /// Rank 0: measure the Open MPI baselines asked for, adding their samples;
@@ -205,16 +252,7 @@ async fn measure_mpi(
     let only = ompi::supported_names();
     let mut notes = Vec::new();
     for b in wanted {
-        let points: Vec<_> = s
-            .tests
-            .iter()
-            .filter(|t| b.measures(**t))
-            .flat_map(|&t| {
-                t.sizes(s.min_size, s.max_size)
-                    .into_iter()
-                    .map(move |size| (t, size, s.counts.plan(t, size)))
-            })
-            .collect();
+        let points = points_of(s, b);
         if points.is_empty() {
             notes.push(format!("{} skipped: it measures {only} only", b.name()));
             continue;

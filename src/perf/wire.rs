@@ -520,8 +520,8 @@ pub async fn connect_baselines(
                         .map_err(io("accepting the TCP baseline"))?;
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
-                // UDP is set up below; Open MPI is not a socket.
-                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp => continue,
+                // UDP is set up below; Open MPI and UCX are not sockets.
+                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp | Baseline::Ucx => continue,
             };
             out.push((*b, w));
         }
@@ -563,8 +563,8 @@ pub async fn connect_baselines(
                         .map_err(io("connecting the TCP baseline"))?;
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
-                // UDP is set up below; Open MPI is not a socket.
-                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp => continue,
+                // UDP is set up below; Open MPI and UCX are not sockets.
+                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp | Baseline::Ucx => continue,
             };
             out.push((*b, w));
         }

@@ -1,0 +1,363 @@
+//! UCX as a baseline (`--baseline ucx`): its own `ucx_perftest` (Debian's
+//! `ucx-utils`), over its shared-memory transports (`UCX_TLS=sm,self`).
+//!
+//! Rank 0, after everything else, runs one `ucx_perftest` pair per point:
+//! a server on the core rank 1 used, then a client on rank 0's core that
+//! connects to it on 127.0.0.1 (a fresh random port each time) and prints
+//! the result as CSV (`-v`). Each point gets the iterations and warm-up
+//! [`Counts::plan`](super::plan::Counts::plan) gave async-btl; UCX counts
+//! single operations, so a windowed test's counts are multiplied by the
+//! window. How many operations UCX keeps in flight is its own default.
+//!
+//! The tests map onto UCX's own:
+//! - `lat`: `tag_lat`, tag-matched ping-pong, half the round trip;
+//! - `bw`: `tag_bw`, tag-matched sends one way;
+//! - `put_bw`: `ucp_put_bw`, puts into the peer's registered memory (over
+//!   shared memory, into its mapping);
+//! - `get_bw`: `ucp_get`;
+//! - `msg_rate`: `tag_bw` at 8 B, its message rate.
+//!
+//! `put_lat` is left out: `ucp_put_lat` times a put seen by a peer that
+//! polls the target memory (one way), not a put then a flush, so its
+//! figure would not be the same thing as ours or `osu_put_latency`'s.
+//!
+//! UCX reports bandwidth in units of 2^20 bytes per second; the samples
+//! are converted to 10^6 bytes per second, as every other series.
+//!
+//! As with Open MPI, anything that goes wrong (no `ucx_perftest`, a failed
+//! or stuck pair, output that does not parse) is a reason to skip, given
+//! back as text for the report's notes.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+use super::ompi::{run_tool, tail};
+use super::plan::Plan;
+use super::Test;
+
+/// The UCX transports used: its shared-memory ones and loopback to self.
+pub const TLS: &str = "sm,self";
+
+/// The tool's name.
+const TOOL: &str = "ucx_perftest";
+
+/// Bytes in UCX's "MB".
+const UCX_MB: f64 = 1_048_576.0;
+
+/// How many ports a point tries before it is given up.
+const PORT_TRIES: usize = 4;
+
+/// How long a server gets to start listening.
+const READY: Duration = Duration::from_secs(10);
+
+/// The tests UCX's tool measures the same way as btl-perf.
+pub fn supports(test: Test) -> bool {
+    ucx_test(test).is_some()
+}
+
+/// The tests of [`supports`], by name, comma-separated.
+pub fn supported_names() -> String {
+    let names: Vec<&str> = Test::ALL
+        .into_iter()
+        .filter(|t| supports(*t))
+        .map(Test::name)
+        .collect();
+    names.join(", ")
+}
+
+/// `ucx_perftest`'s name for `test`.
+fn ucx_test(test: Test) -> Option<&'static str> {
+    match test {
+        Test::Lat => Some("tag_lat"),
+        Test::Bw | Test::MsgRate => Some("tag_bw"),
+        Test::PutBw => Some("ucp_put_bw"),
+        Test::GetBw => Some("ucp_get"),
+        Test::Bibw | Test::PutLat | Test::GetLat => None,
+    }
+}
+
+/// The arguments both sides of a point share: test, size, operations,
+/// warm-up, port and (when pinned) core.
+pub fn point_args(
+    test: Test,
+    size: usize,
+    plan: &Plan,
+    port: u16,
+    core: Option<usize>,
+) -> Result<Vec<String>, String> {
+    let name = ucx_test(test).ok_or_else(|| format!("{test} has no ucx_perftest twin"))?;
+    let per = plan.window.max(1);
+    let mut v = vec![
+        "-t".to_string(),
+        name.to_string(),
+        "-s".to_string(),
+        size.to_string(),
+        "-n".to_string(),
+        plan.iters.saturating_mul(per).max(1).to_string(),
+        "-w".to_string(),
+        plan.warmup.saturating_mul(per).to_string(),
+        "-p".to_string(),
+        port.to_string(),
+        "-v".to_string(),
+    ];
+    if let Some(c) = core {
+        v.push("-c".to_string());
+        v.push(c.to_string());
+    }
+    Ok(v)
+}
+
+/// The value for `test` in the client's CSV output: a header line whose
+/// fields include `overall_lat`, `overall_bw` and `overall_mr`, then one
+/// line of numbers. Latency stays in µs; bandwidth becomes 10^6 B/s.
+pub fn parse_csv(text: &str, test: Test) -> Result<f64, String> {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    let header = lines
+        .by_ref()
+        .find(|l| l.contains("overall_lat"))
+        .ok_or_else(|| format!("no result header in {:?}", tail(text.as_bytes())))?;
+    let (column, scale) = match test.unit() {
+        super::Unit::Micros => ("overall_lat", 1.0),
+        super::Unit::MBps => ("overall_bw", UCX_MB / 1e6),
+        super::Unit::MsgPerSec => ("overall_mr", 1.0),
+    };
+    let at = header
+        .split(',')
+        .position(|f| f.trim() == column)
+        .ok_or_else(|| format!("no {column} column in {header:?}"))?;
+    let row = lines
+        .next()
+        .ok_or_else(|| format!("no result under {header:?}"))?;
+    let fields: Vec<&str> = row.split(',').map(str::trim).collect();
+    if fields.len() != header.split(',').count() {
+        return Err(format!("result {row:?} does not match {header:?}"));
+    }
+    let value: f64 = fields[at]
+        .parse()
+        .map_err(|_| format!("{column} is not a number in {row:?}"))?;
+    if !(value.is_finite() && value > 0.0) {
+        return Err(format!("{column} is {value} in {row:?}"));
+    }
+    Ok(value * scale)
+}
+
+/// UCX's version, from the first line of `ucx_info -v` (the tool itself
+/// prints none), or a placeholder when that cannot be had.
+pub async fn version(limit: Duration) -> String {
+    let mut cmd = Command::new("ucx_info");
+    cmd.arg("-v");
+    match run_tool(cmd, "ucx_info", limit).await {
+        Ok(done) if done.ok => String::from_utf8_lossy(&done.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches('#')
+            .trim()
+            .to_string(),
+        _ => "UCX (version unknown)".to_string(),
+    }
+}
+
+fn tool(args: &[String], cores_free: bool) -> Command {
+    let mut cmd = Command::new(TOOL);
+    cmd.args(args).env("UCX_TLS", TLS);
+    if cores_free {
+        // Rank 0 is pinned, and children inherit that: give the tool every
+        // core back so that its own `-c` can choose.
+        // SAFETY: the closure only makes one system call on a local value,
+        // which is allowed between fork and exec.
+        unsafe {
+            cmd.pre_exec(super::pin::allow_all_cores);
+        }
+    }
+    cmd
+}
+
+/// Whether some socket listens on TCP `port` (any address, v4 or v6), as
+/// `/proc/net/tcp{,6}` say: a line whose local address ends in the port
+/// (hex) and whose state is `0A` (LISTEN).
+pub fn listening(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f)
+            .map(|t| listens_in(&t, port))
+            .unwrap_or(false)
+    })
+}
+
+fn listens_in(table: &str, port: u16) -> bool {
+    let want = format!("{port:04X}");
+    table.lines().skip(1).any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 3 && f[1].rsplit(':').next() == Some(want.as_str()) && f[3] == "0A"
+    })
+}
+
+/// Start a server on `port` and wait until it listens. Its own output is
+/// not used (it is block-buffered into a pipe, so it would come too late).
+async fn start_server(args: &[String], port: u16) -> Result<Child, String> {
+    let mut cmd = tool(args, true);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => format!("{TOOL} not found (apt-get install ucx-utils)"),
+        _ => format!("cannot start {TOOL}: {e}"),
+    })?;
+    let since = std::time::Instant::now();
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("the server ended before it listened ({status})"));
+        }
+        if listening(port) {
+            return Ok(child);
+        }
+        if since.elapsed() > READY {
+            return Err(format!(
+                "the server did not listen within {} s",
+                READY.as_secs()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Measure one point: a server on `cores.1`, a client on `cores.0`.
+async fn point(
+    test: Test,
+    size: usize,
+    plan: &Plan,
+    cores: (Option<usize>, Option<usize>),
+    limit: Duration,
+) -> Result<f64, String> {
+    let mut last = String::new();
+    for _ in 0..PORT_TRIES {
+        let port = rand::random_range(20_000u16..60_000);
+        if listening(port) {
+            continue;
+        }
+        let mut server =
+            match start_server(&point_args(test, size, plan, port, cores.1)?, port).await {
+                Ok(c) => c,
+                Err(e) if e.contains("not found") => return Err(e),
+                Err(e) => {
+                    // Most likely the port was taken: try another.
+                    last = e;
+                    continue;
+                }
+            };
+        let mut args = vec!["127.0.0.1".to_string()];
+        args.extend(point_args(test, size, plan, port, cores.0)?);
+        let done = run_tool(tool(&args, true), TOOL, limit).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
+        let _ = server.kill().await;
+        let done = done?;
+        if !done.ok {
+            return Err(format!(
+                "{TOOL} failed ({}): {}",
+                done.status,
+                tail(&done.stderr)
+            ));
+        }
+        return parse_csv(&String::from_utf8_lossy(&done.stdout), test);
+    }
+    Err(format!("no server after {PORT_TRIES} ports: {last}"))
+}
+
+/// Measure `points`, one `ucx_perftest` pair each, every pair limited to
+/// `limit`; the client runs on `cores.0` and the server on `cores.1`.
+pub async fn measure(
+    points: &[(Test, usize, Plan)],
+    cores: (Option<usize>, Option<usize>),
+    limit: Duration,
+    tick: &mut dyn FnMut(&str),
+) -> Result<Vec<f64>, String> {
+    let mut out = Vec::with_capacity(points.len());
+    for &(test, size, plan) in points {
+        let v = point(test, size, &plan, cores, limit)
+            .await
+            .map_err(|e| format!("{test} at {size} B: {e}"))?;
+        tick(&format!("{test} at {size} B over ucx"));
+        out.push(v);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OUT: &str =
+        "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
+                       20000,0.387,0.407,0.409,18.75,20.00,2457732,2457000\n";
+
+    #[test]
+    fn results_are_read_by_column_and_converted() {
+        assert_eq!(parse_csv(OUT, Test::Lat), Ok(0.409));
+        let bw = parse_csv(OUT, Test::Bw).unwrap();
+        assert!((bw - 20.0 * 1.048_576).abs() < 1e-9, "{bw}");
+        assert_eq!(parse_csv(OUT, Test::MsgRate), Ok(2_457_000.0));
+    }
+
+    #[test]
+    fn bad_output_is_an_error() {
+        for bad in [
+            "",
+            "Waiting for connection...",
+            "iterations,overall_lat\n",
+            "iterations,overall_lat\n100\n",
+            "iterations,overall_lat\n100,fast\n",
+            "iterations,overall_lat\n100,-1\n",
+            "iterations,overall_lat\n100,NaN\n",
+            "iterations,avg_lat\n100,0.5\n",
+        ] {
+            assert!(parse_csv(bad, Test::Lat).is_err(), "{bad:?} was accepted");
+        }
+        assert!(parse_csv("iterations,overall_lat\n100,0.5\n", Test::Bw).is_err());
+    }
+
+    #[test]
+    fn points_scale_windowed_counts() {
+        let lat = Plan {
+            iters: 1000,
+            warmup: 100,
+            window: 1,
+        };
+        let a = point_args(Test::Lat, 8, &lat, 30000, Some(1)).unwrap();
+        assert_eq!(
+            a.join(" "),
+            "-t tag_lat -s 8 -n 1000 -w 100 -p 30000 -v -c 1"
+        );
+        let bw = Plan {
+            iters: 100,
+            warmup: 10,
+            window: 64,
+        };
+        let b = point_args(Test::PutBw, 1 << 20, &bw, 30001, None).unwrap();
+        assert_eq!(
+            b.join(" "),
+            "-t ucp_put_bw -s 1048576 -n 6400 -w 640 -p 30001 -v"
+        );
+        assert!(point_args(Test::PutLat, 8, &lat, 1, None).is_err());
+        assert!(supports(Test::GetBw) && !supports(Test::Bibw) && !supports(Test::PutLat));
+    }
+
+    #[test]
+    fn listening_sockets_are_found_by_port_and_state() {
+        let table = "  sl  local_address rem_address   st tx_queue\n\
+                     \x20  0: 00000000:5BA0 00000000:0000 0A 00000000:00000000\n\
+                     \x20  1: 0100007F:5BA1 0100007F:9C40 01 00000000:00000000\n";
+        assert!(listens_in(table, 23456));
+        assert!(
+            !listens_in(table, 23457),
+            "an established socket is not listening"
+        );
+        assert!(!listens_in(table, 1));
+        let v6 = "sl local rem st\n 0: 00000000000000000000000000000000:0016 00000000000000000000000000000000:0000 0A 0\n";
+        assert!(listens_in(v6, 22));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        assert!(listening(l.local_addr().unwrap().port()));
+    }
+}
