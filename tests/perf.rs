@@ -24,6 +24,8 @@ const QUICK: &[&str] = &[
     "60",
 ];
 
+/// Run `cmd` under `timeout` (its arguments and the variables it sets are
+/// passed on; variables it removes are not), and require success.
 fn run(cmd: &mut Command) -> Output {
     let out = Command::new("timeout")
         .arg("180")
@@ -293,7 +295,7 @@ fn ucx_baseline_beside_async_btl() {
     }
     let out = run(Command::new(PERF).args([
         "--test",
-        "lat,bw,put_lat,put_bw",
+        "lat,bw,put_lat,put_bw,get_bw,msg_rate",
         "--baseline",
         "ucx",
         "--min-size",
@@ -319,10 +321,11 @@ fn ucx_baseline_beside_async_btl() {
             )
         })
         .collect();
-    let want: BTreeSet<(String, u64)> = ["lat", "bw", "put_bw"]
+    let mut want: BTreeSet<(String, u64)> = ["lat", "bw", "put_bw", "get_bw"]
         .iter()
         .flat_map(|t| [8, 16].map(|s| (t.to_string(), s)))
         .collect();
+    want.insert(("msg_rate".to_string(), 8));
     assert_eq!(ucx, want, "notes: {notes}");
     assert!(
         notes.contains("ucx: ") && notes.contains("UCX_TLS=sm,self"),

@@ -12,7 +12,8 @@
 //! Module map: [`wire`] (the transports under test), [`method`] (what each
 //! test does on each side), [`plan`] (iterations per size), [`machine`] (the
 //! report header), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
-//! (CPU affinity), [`session`] (one rank's whole run), [`ompi`] (Open MPI
+//! (CPU affinity), [`session`] (one rank's whole run), [`tool`] (running
+//! the baselines' external tools), [`ompi`] (Open MPI
 //! as a baseline, run under its own `mpirun`), [`ucx`] (UCX as a baseline,
 //! through its own `ucx_perftest`).
 //!
@@ -26,6 +27,7 @@ pub mod plan;
 pub mod plot;
 pub mod report;
 pub mod session;
+pub mod tool;
 pub mod ucx;
 pub mod wire;
 
@@ -266,6 +268,16 @@ pub struct Sample {
     pub warmup: u64,
     /// Operations in flight per iteration (1 for latency tests).
     pub window: u64,
+}
+
+/// The names of the tests `keep` admits, comma-separated, in report order.
+pub fn test_names(keep: impl Fn(Test) -> bool) -> String {
+    let names: Vec<&str> = Test::ALL
+        .into_iter()
+        .filter(|t| keep(*t))
+        .map(Test::name)
+        .collect();
+    names.join(", ")
 }
 
 /// The label of async-btl rows for a transport name.

@@ -20,13 +20,12 @@
 //! failure of the run.
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
 use super::plan::Plan;
+use super::tool::{free_cores, run_tool};
 use super::{Baseline, Test};
 
 /// The benchmark program, `benches/baseline/mpi_pp.c`, built into btl-perf
@@ -43,9 +42,6 @@ const LAUNCHER_VARS: [&str; 4] = [
     "MPI_LOCALRANKID",
 ];
 
-/// How long `mpirun` gets to wind its ranks down after SIGTERM.
-const GRACE: Duration = Duration::from_secs(5);
-
 /// The tests the program implements.
 pub fn supports(test: Test) -> bool {
     matches!(test, Test::Lat | Test::Bw | Test::PutLat | Test::PutBw)
@@ -53,12 +49,7 @@ pub fn supports(test: Test) -> bool {
 
 /// The tests of [`supports`], by name, comma-separated.
 pub fn supported_names() -> String {
-    let names: Vec<&str> = Test::ALL
-        .into_iter()
-        .filter(|t| supports(*t))
-        .map(Test::name)
-        .collect();
-    names.join(", ")
+    super::test_names(supports)
 }
 
 /// The MCA settings that select `b`'s transport (empty for a socket
@@ -166,90 +157,6 @@ pub fn parse_output(text: &str, want: &[(Test, usize)]) -> Result<Vec<f64>, Stri
         .collect()
 }
 
-/// The last few non-empty lines of a tool's output, on one line, for a note.
-pub(super) fn tail(bytes: &[u8]) -> String {
-    let text = String::from_utf8_lossy(bytes);
-    let lines: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.chars().all(|c| c == '-'))
-        .collect();
-    let keep = &lines[lines.len().saturating_sub(3)..];
-    if keep.is_empty() {
-        "no output".into()
-    } else {
-        keep.join(" / ")
-    }
-}
-
-/// What a finished tool left: its status and both outputs.
-pub(super) struct Finished {
-    /// Whether it exited with status 0.
-    pub ok: bool,
-    /// Its exit status, in words.
-    pub status: String,
-    /// Everything it wrote to stdout.
-    pub stdout: Vec<u8>,
-    /// Everything it wrote to stderr.
-    pub stderr: Vec<u8>,
-}
-
-/// Run `cmd` with its output captured, for at most `limit`. On time-out
-/// the process gets SIGTERM (so that `mpirun` takes its ranks down), then
-/// SIGKILL after [`GRACE`].
-pub(super) async fn run_tool(
-    mut cmd: Command,
-    name: &str,
-    limit: Duration,
-) -> Result<Finished, String> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => {
-            let package = if name == "mpicc" {
-                "libopenmpi-dev"
-            } else {
-                "openmpi-bin"
-            };
-            format!("{name} not found (apt-get install {package})")
-        }
-        _ => format!("cannot start {name}: {e}"),
-    })?;
-    let drain = |r: Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>| {
-        tokio::spawn(async move {
-            let mut buf = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut buf).await;
-            }
-            buf
-        })
-    };
-    let out = drain(child.stdout.take().map(|r| Box::new(r) as _));
-    let err = drain(child.stderr.take().map(|r| Box::new(r) as _));
-    let status = match tokio::time::timeout(limit, child.wait()).await {
-        Ok(s) => s.map_err(|e| format!("waiting for {name}: {e}"))?,
-        Err(_) => {
-            if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
-                // SAFETY: kill(2) on the pid of our own child, which has not
-                // been reaped yet (we still hold it), so the pid is its.
-                unsafe { libc::kill(pid, libc::SIGTERM) };
-            }
-            if tokio::time::timeout(GRACE, child.wait()).await.is_err() {
-                let _ = child.kill().await;
-            }
-            return Err(format!("{name} ran past {} s", limit.as_secs()));
-        }
-    };
-    Ok(Finished {
-        ok: status.success(),
-        status: status.to_string(),
-        stdout: out.await.unwrap_or_default(),
-        stderr: err.await.unwrap_or_default(),
-    })
-}
-
 /// The program, compiled into a temporary directory that is removed when
 /// this is dropped.
 pub struct Program {
@@ -271,7 +178,7 @@ impl Program {
     pub async fn build(limit: Duration) -> Result<Program, String> {
         let mut probe = mpirun();
         probe.arg("--version");
-        let v = run_tool(probe, "mpirun", limit).await?;
+        let v = run_tool(probe, "mpirun", "openmpi-bin", limit).await?;
         let version = String::from_utf8_lossy(&v.stdout)
             .lines()
             .next()
@@ -295,13 +202,9 @@ impl Program {
         std::fs::write(&src, SOURCE).map_err(|e| format!("cannot write {}: {e}", src.display()))?;
         let mut cc = Command::new("mpicc");
         cc.arg("-O2").arg("-o").arg(&p.exe).arg(&src);
-        let done = run_tool(cc, "mpicc", limit).await?;
+        let done = run_tool(cc, "mpicc", "libopenmpi-dev", limit).await?;
         if !done.ok {
-            return Err(format!(
-                "mpicc failed ({}): {}",
-                done.status,
-                tail(&done.stderr)
-            ));
+            return Err(done.failure("mpicc"));
         }
         Ok(p)
     }
@@ -322,18 +225,10 @@ impl Program {
             .args(program_args(points));
         // Rank 0 is pinned to one core, and children inherit that: give
         // mpirun every core back so that --bind-to core has two to use.
-        // SAFETY: the closure only makes one system call on a local value,
-        // which is allowed between fork and exec.
-        unsafe {
-            cmd.pre_exec(super::pin::allow_all_cores);
-        }
-        let done = run_tool(cmd, "mpirun", limit).await?;
+        free_cores(&mut cmd);
+        let done = run_tool(cmd, "mpirun", "openmpi-bin", limit).await?;
         if !done.ok {
-            return Err(format!(
-                "mpirun failed ({}): {}",
-                done.status,
-                tail(&done.stderr)
-            ));
+            return Err(done.failure("mpirun"));
         }
         let want: Vec<(Test, usize)> = points.iter().map(|(t, s, _)| (*t, *s)).collect();
         parse_output(&String::from_utf8_lossy(&done.stdout), &want)
@@ -393,38 +288,5 @@ mod tests {
         ] {
             assert!(parse_output(bad, &want).is_err(), "{bad:?} was accepted");
         }
-    }
-
-    #[tokio::test]
-    async fn tool_failures_are_reasons() {
-        let e = run_tool(Command::new("btl-perf-no-such-tool"), "mpicc", GRACE)
-            .await
-            .err()
-            .expect("a missing tool is an error");
-        assert!(
-            e.contains("not found") && e.contains("libopenmpi-dev"),
-            "{e}"
-        );
-        let mut sleep = Command::new("sleep");
-        sleep.arg("30");
-        let e = run_tool(sleep, "sleep", Duration::from_millis(50))
-            .await
-            .err()
-            .expect("a stuck tool is an error");
-        assert!(e.contains("ran past"), "{e}");
-        let mut sh = Command::new("sh");
-        sh.args(["-c", "echo out; echo oops >&2; exit 3"]);
-        let done = run_tool(sh, "sh", GRACE).await.expect("sh runs");
-        assert!(!done.ok && done.status.contains('3'), "{}", done.status);
-        assert_eq!(
-            (&done.stdout[..], tail(&done.stderr)),
-            (&b"out\n"[..], "oops".into())
-        );
-    }
-
-    #[test]
-    fn tail_keeps_the_last_lines() {
-        assert_eq!(tail(b"a\n----\nb\n\nc\nd\n"), "b / c / d");
-        assert_eq!(tail(b""), "no output");
     }
 }

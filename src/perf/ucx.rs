@@ -4,10 +4,14 @@
 //! Rank 0, after everything else, runs one `ucx_perftest` pair per point:
 //! a server on the core rank 1 used, then a client on rank 0's core that
 //! connects to it on 127.0.0.1 (a fresh random port each time) and prints
-//! the result as CSV (`-v`). Each point gets the iterations and warm-up
-//! [`Counts::plan`](super::plan::Counts::plan) gave async-btl; UCX counts
-//! single operations, so a windowed test's counts are multiplied by the
-//! window. How many operations UCX keeps in flight is its own default.
+//! its final result as CSV (`-f -v`). Each point gets the iterations and
+//! warm-up [`Counts::plan`](super::plan::Counts::plan) gave async-btl; UCX
+//! counts single operations, so a windowed test's counts are multiplied by
+//! the window. How many operations UCX keeps in flight is its own default
+//! (passing our window as `-O` made `tag_bw` slower here and changed
+//! nothing for `ucp_put_bw` and `ucp_get`, which complete at once over
+//! shared memory). Both tools die with rank 0 (`PR_SET_PDEATHSIG`), so a
+//! killed run leaves no server waiting for a client.
 //!
 //! The tests map onto UCX's own:
 //! - `lat`: `tag_lat`, tag-matched ping-pong, half the round trip;
@@ -33,8 +37,8 @@ use std::time::Duration;
 
 use tokio::process::{Child, Command};
 
-use super::ompi::{run_tool, tail};
 use super::plan::Plan;
+use super::tool::{free_cores, run_tool, spawn, tail};
 use super::Test;
 
 /// The UCX transports used: its shared-memory ones and loopback to self.
@@ -42,6 +46,9 @@ pub const TLS: &str = "sm,self";
 
 /// The tool's name.
 const TOOL: &str = "ucx_perftest";
+
+/// The Debian package that has it (and `ucx_info`).
+const PACKAGE: &str = "ucx-utils";
 
 /// Bytes in UCX's "MB".
 const UCX_MB: f64 = 1_048_576.0;
@@ -59,12 +66,7 @@ pub fn supports(test: Test) -> bool {
 
 /// The tests of [`supports`], by name, comma-separated.
 pub fn supported_names() -> String {
-    let names: Vec<&str> = Test::ALL
-        .into_iter()
-        .filter(|t| supports(*t))
-        .map(Test::name)
-        .collect();
-    names.join(", ")
+    super::test_names(supports)
 }
 
 /// `ucx_perftest`'s name for `test`.
@@ -100,6 +102,7 @@ pub fn point_args(
         plan.warmup.saturating_mul(per).to_string(),
         "-p".to_string(),
         port.to_string(),
+        "-f".to_string(),
         "-v".to_string(),
     ];
     if let Some(c) = core {
@@ -110,8 +113,9 @@ pub fn point_args(
 }
 
 /// The value for `test` in the client's CSV output: a header line whose
-/// fields include `overall_lat`, `overall_bw` and `overall_mr`, then one
-/// line of numbers. Latency stays in µs; bandwidth becomes 10^6 B/s.
+/// fields include `overall_lat`, `overall_bw` and `overall_mr`, then rows
+/// of numbers, the final result last (other lines, such as UCX's own log
+/// lines, are skipped). Latency stays in µs; bandwidth becomes 10^6 B/s.
 pub fn parse_csv(text: &str, test: Test) -> Result<f64, String> {
     let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
     let header = lines
@@ -123,20 +127,22 @@ pub fn parse_csv(text: &str, test: Test) -> Result<f64, String> {
         super::Unit::MBps => ("overall_bw", UCX_MB / 1e6),
         super::Unit::MsgPerSec => ("overall_mr", 1.0),
     };
-    let at = header
-        .split(',')
-        .position(|f| f.trim() == column)
+    let names: Vec<&str> = header.split(',').map(str::trim).collect();
+    let at = names
+        .iter()
+        .position(|f| *f == column)
         .ok_or_else(|| format!("no {column} column in {header:?}"))?;
     let row = lines
-        .next()
+        .rfind(|l| {
+            let f: Vec<&str> = l.split(',').map(str::trim).collect();
+            f.len() == names.len() && f.iter().all(|v| v.parse::<f64>().is_ok())
+        })
         .ok_or_else(|| format!("no result under {header:?}"))?;
-    let fields: Vec<&str> = row.split(',').map(str::trim).collect();
-    if fields.len() != header.split(',').count() {
-        return Err(format!("result {row:?} does not match {header:?}"));
-    }
-    let value: f64 = fields[at]
-        .parse()
-        .map_err(|_| format!("{column} is not a number in {row:?}"))?;
+    let value: f64 = row
+        .split(',')
+        .nth(at)
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("{column} is not a number in {row:?}"))?;
     if !(value.is_finite() && value > 0.0) {
         return Err(format!("{column} is {value} in {row:?}"));
     }
@@ -148,7 +154,7 @@ pub fn parse_csv(text: &str, test: Test) -> Result<f64, String> {
 pub async fn version(limit: Duration) -> String {
     let mut cmd = Command::new("ucx_info");
     cmd.arg("-v");
-    match run_tool(cmd, "ucx_info", limit).await {
+    match run_tool(cmd, "ucx_info", PACKAGE, limit).await {
         Ok(done) if done.ok => String::from_utf8_lossy(&done.stdout)
             .lines()
             .next()
@@ -160,17 +166,27 @@ pub async fn version(limit: Duration) -> String {
     }
 }
 
-fn tool(args: &[String], cores_free: bool) -> Command {
+/// `ucx_perftest` with `args`, on its own core when `pinned` (else with
+/// rank 0's affinity, as `--pin none` asks), killed if rank 0's thread
+/// ends.
+fn tool(args: &[String], pinned: bool) -> Command {
     let mut cmd = Command::new(TOOL);
     cmd.args(args).env("UCX_TLS", TLS);
-    if cores_free {
-        // Rank 0 is pinned, and children inherit that: give the tool every
-        // core back so that its own `-c` can choose.
-        // SAFETY: the closure only makes one system call on a local value,
-        // which is allowed between fork and exec.
-        unsafe {
-            cmd.pre_exec(super::pin::allow_all_cores);
-        }
+    if pinned {
+        // Its `-c` then chooses among all cores.
+        free_cores(&mut cmd);
+    }
+    // SAFETY: prctl is async-signal-safe and the closure touches nothing
+    // but its arguments; failure is read from errno only. (The signal
+    // follows the thread that spawned the tool: rank 0's runtime is
+    // current-thread, so that is the rank itself.)
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
     cmd
 }
@@ -194,31 +210,30 @@ fn listens_in(table: &str, port: u16) -> bool {
     })
 }
 
-/// Start a server on `port` and wait until it listens. Its own output is
-/// not used (it is block-buffered into a pipe, so it would come too late).
-async fn start_server(args: &[String], port: u16) -> Result<Child, String> {
-    let mut cmd = tool(args, true);
+/// Start a server on `port` and wait until it listens (its output is
+/// block-buffered into a pipe, so it cannot say so in time). `Err(None)`:
+/// it exited before listening, most likely because the port was taken;
+/// `Err(Some(why))`: give up.
+async fn start_server(args: &[String], port: u16, pinned: bool) -> Result<Child, Option<String>> {
+    let mut cmd = tool(args, pinned);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => format!("{TOOL} not found (apt-get install ucx-utils)"),
-        _ => format!("cannot start {TOOL}: {e}"),
-    })?;
+    let mut child = spawn(&mut cmd, TOOL, PACKAGE).map_err(Some)?;
     let since = std::time::Instant::now();
     loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("the server ended before it listened ({status})"));
+        if let Ok(Some(_)) = child.try_wait() {
+            return Err(None);
         }
         if listening(port) {
             return Ok(child);
         }
         if since.elapsed() > READY {
-            return Err(format!(
+            return Err(Some(format!(
                 "the server did not listen within {} s",
                 READY.as_secs()
-            ));
+            )));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -232,38 +247,33 @@ async fn point(
     cores: (Option<usize>, Option<usize>),
     limit: Duration,
 ) -> Result<f64, String> {
-    let mut last = String::new();
+    let pinned = cores.0.is_some() || cores.1.is_some();
     for _ in 0..PORT_TRIES {
-        let port = rand::random_range(20_000u16..60_000);
+        // Below Linux's ephemeral ports (32768 up), which clients take.
+        let port = rand::random_range(20_000u16..32_768);
         if listening(port) {
             continue;
         }
-        let mut server =
-            match start_server(&point_args(test, size, plan, port, cores.1)?, port).await {
-                Ok(c) => c,
-                Err(e) if e.contains("not found") => return Err(e),
-                Err(e) => {
-                    // Most likely the port was taken: try another.
-                    last = e;
-                    continue;
-                }
-            };
+        let args = point_args(test, size, plan, port, cores.1)?;
+        let mut server = match start_server(&args, port, pinned).await {
+            Ok(c) => c,
+            Err(None) => continue,
+            Err(Some(why)) => return Err(why),
+        };
         let mut args = vec!["127.0.0.1".to_string()];
         args.extend(point_args(test, size, plan, port, cores.0)?);
-        let done = run_tool(tool(&args, true), TOOL, limit).await;
+        let done = run_tool(tool(&args, pinned), TOOL, PACKAGE, limit).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
         let _ = server.kill().await;
         let done = done?;
         if !done.ok {
-            return Err(format!(
-                "{TOOL} failed ({}): {}",
-                done.status,
-                tail(&done.stderr)
-            ));
+            return Err(done.failure(TOOL));
         }
         return parse_csv(&String::from_utf8_lossy(&done.stdout), test);
     }
-    Err(format!("no server after {PORT_TRIES} ports: {last}"))
+    Err(format!(
+        "no server came up on {PORT_TRIES} ports (each exited before listening)"
+    ))
 }
 
 /// Measure `points`, one `ucx_perftest` pair each, every pair limited to
@@ -302,6 +312,16 @@ mod tests {
     }
 
     #[test]
+    fn the_final_row_is_read_past_log_lines() {
+        let text = "iterations,overall_lat,overall_bw,overall_mr\n\
+                    [1796.5] [vm:1:0] parser.c:1 UCX WARN unused variable\n\
+                    1000,0.9,1.0,10\n\
+                    2000,0.5,2.0,20\n";
+        assert_eq!(parse_csv(text, Test::Lat), Ok(0.5));
+        assert_eq!(parse_csv(text, Test::MsgRate), Ok(20.0));
+    }
+
+    #[test]
     fn bad_output_is_an_error() {
         for bad in [
             "",
@@ -328,7 +348,7 @@ mod tests {
         let a = point_args(Test::Lat, 8, &lat, 30000, Some(1)).unwrap();
         assert_eq!(
             a.join(" "),
-            "-t tag_lat -s 8 -n 1000 -w 100 -p 30000 -v -c 1"
+            "-t tag_lat -s 8 -n 1000 -w 100 -p 30000 -f -v -c 1"
         );
         let bw = Plan {
             iters: 100,
@@ -338,7 +358,7 @@ mod tests {
         let b = point_args(Test::PutBw, 1 << 20, &bw, 30001, None).unwrap();
         assert_eq!(
             b.join(" "),
-            "-t ucp_put_bw -s 1048576 -n 6400 -w 640 -p 30001 -v"
+            "-t ucp_put_bw -s 1048576 -n 6400 -w 640 -p 30001 -f -v"
         );
         assert!(point_args(Test::PutLat, 8, &lat, 1, None).is_err());
         assert!(supports(Test::GetBw) && !supports(Test::Bibw) && !supports(Test::PutLat));
