@@ -690,9 +690,9 @@ fn ask_split(t: &SmTransport, p: &SmPeer, handle: u64, dst: u64, at: usize, n: u
 
 /// Tell the sender of a rendezvous whether we copied its data.
 fn answer(t: &SmTransport, p: &SmPeer, handle: u64, copied: bool) {
-    if let Some(link) = t.core.link(p.rank) {
-        let status: &'static [u8] = if copied { &[1] } else { &[0] };
-        // A failure means the peer is gone; its loss is reported elsewhere.
-        let _ = link.submit(Kind::CmaDone, handle, Bytes::from_static(status));
-    }
+    let status: &'static [u8] = if copied { &[1] } else { &[0] };
+    // Straight to the send side (what the peer's link would do, without
+    // looking the link up). A failure means the peer is gone; its loss is
+    // reported elsewhere.
+    let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaDone, handle, Bytes::from_static(status)));
 }

@@ -425,7 +425,10 @@ impl TxState {
         }
     }
 
-    fn submit(
+    /// Send an owned message of `kind` to `peer`: a large user message by
+    /// rendezvous, anything else through fragments (queued when they run
+    /// out). What a peer's link does; the receive side calls it directly.
+    pub(crate) fn submit(
         &mut self,
         t: &SmTransport,
         peer: &SmPeer,
@@ -505,8 +508,22 @@ impl TxState {
                 done: done.clone(),
             },
         );
-        let rts = Bytes::copy_from_slice(&rts);
-        if let Err(e) = self.send_owned(t, peer, Kind::UserCma, tag, rts, None) {
+        // Pushed from the stack when it goes at once; an owned copy only
+        // when it must queue.
+        let q = peer.local as usize * CHANNELS + channel(Kind::UserCma);
+        let mut at = Cursor::default();
+        let sent = match self.queues[q].is_empty() {
+            true => self.push(t, peer, Kind::UserCma, tag, &rts, &mut at),
+            false => Ok(Pushed::Blocked),
+        }
+        .and_then(|p| match p {
+            Pushed::Done => Ok(None),
+            Pushed::Blocked => {
+                let rts = Bytes::copy_from_slice(&rts);
+                self.send_owned(t, peer, Kind::UserCma, tag, rts, None)
+            }
+        });
+        if let Err(e) = sent {
             self.rndv.remove(&handle);
             return Err(e);
         }
