@@ -37,6 +37,10 @@ pub(crate) fn channel(kind: Kind) -> usize {
     usize::from(!matches!(kind, Kind::User | Kind::UserCma))
 }
 
+/// Bytes of a fragment whose lines a push asks for before it writes them
+/// (`prefetchw`); beyond that, the copy streams on its own.
+const PREFETCH_WRITE: usize = 8 * 1024;
+
 /// Bytes of a rendezvous announcement: handle, address, length.
 pub(crate) const RTS_LEN: usize = 24;
 
@@ -279,6 +283,16 @@ impl TxState {
                 total: total as u64,
             };
             let raw = t.seg.raw();
+            // Ask for the fragment's lines for writing, all at once: the
+            // receiver read them last, and a plain copy would wait for
+            // each line's ownership in turn (the store buffer holds only
+            // a few dozen stores).
+            let end = off + (FRAG_HEADER + n).min(PREFETCH_WRITE) as u64;
+            let mut line = off & !63;
+            while line < end {
+                raw.prefetch_write(line);
+                line += 64;
+            }
             raw.write(off, &h.encode())
                 .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
