@@ -475,16 +475,48 @@ impl TxState {
         data: Bytes,
         done: Option<Arc<Completion>>,
     ) -> Result<Option<Arc<Completion>>> {
-        let q = peer.local as usize * CHANNELS + channel(kind);
-        let mut at = Cursor::default();
-        if self.queues[q].is_empty() {
-            if let Pushed::Done = self.push(t, peer, kind, tag, &data, &mut at)? {
+        match self.push_now(t, peer, kind, tag, &data)? {
+            None => {
                 if let Some(d) = done {
                     d.complete(Ok(()));
                 }
+                Ok(None)
+            }
+            Some(at) => Ok(Some(self.enqueue(peer, kind, tag, data, at, done))),
+        }
+    }
+
+    /// Push `data` at once if nothing of its channel waits before it:
+    /// `None` when it all went, else where queueing must pick it up.
+    fn push_now(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        data: &[u8],
+    ) -> Result<Option<Cursor>> {
+        let q = peer.local as usize * CHANNELS + channel(kind);
+        let mut at = Cursor::default();
+        if self.queues[q].is_empty() {
+            if let Pushed::Done = self.push(t, peer, kind, tag, data, &mut at)? {
                 return Ok(None);
             }
         }
+        Ok(Some(at))
+    }
+
+    /// Queue the rest of a message (from `at`) behind its channel.
+    fn enqueue(
+        &mut self,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+        at: Cursor,
+        done: Option<Arc<Completion>>,
+    ) -> Arc<Completion> {
+        let q = peer.local as usize * CHANNELS + channel(kind);
         let done = done.unwrap_or_else(Completion::new);
         self.queued += 1;
         self.queues[q].push_back(Queued {
@@ -494,7 +526,7 @@ impl TxState {
             at,
             done: done.clone(),
         });
-        Ok(Some(done))
+        done
     }
 
     /// Rendezvous: announce a large message in order with the other user
@@ -524,22 +556,16 @@ impl TxState {
         );
         // Pushed from the stack when it goes at once; an owned copy only
         // when it must queue.
-        let q = peer.local as usize * CHANNELS + channel(Kind::UserCma);
-        let mut at = Cursor::default();
-        let sent = match self.queues[q].is_empty() {
-            true => self.push(t, peer, Kind::UserCma, tag, &rts, &mut at),
-            false => Ok(Pushed::Blocked),
-        }
-        .and_then(|p| match p {
-            Pushed::Done => Ok(None),
-            Pushed::Blocked => {
+        match self.push_now(t, peer, Kind::UserCma, tag, &rts) {
+            Ok(None) => {}
+            Ok(Some(at)) => {
                 let rts = Bytes::copy_from_slice(&rts);
-                self.send_owned(t, peer, Kind::UserCma, tag, rts, None)
+                self.enqueue(peer, Kind::UserCma, tag, rts, at, None);
             }
-        });
-        if let Err(e) = sent {
-            self.rndv.remove(&handle);
-            return Err(e);
+            Err(e) => {
+                self.rndv.remove(&handle);
+                return Err(e);
+            }
         }
         Counters::bump(&t.core.counters.rendezvous_sends);
         Ok(done)
