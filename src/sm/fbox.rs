@@ -17,8 +17,12 @@
 //! ```text
 //! word 0        consumed: slots the receiver is done with (written by the receiver)
 //! word 1        the pair's split-copy word (`sm::split`; not used by the box)
+//! word 2        the pair's rendezvous-done word: the last rendezvous handle
+//!               whose data the receiver copied (written by the receiver;
+//!               not used by the box)
 //! words 8 ..    slots of 8 words (64 bytes):
 //!   first slot of a message:  mark(HEAD), tag, length, 5 payload words
+//!     (mark(RNDV) for a rendezvous announcement, see `sm::tx`)
 //!   each further slot:        mark(CONT), 7 payload words
 //!   a slot that sends the receiver back to slot 0: mark(SKIP)
 //! ```
@@ -67,6 +71,8 @@ const SEQ_MASK: u64 = (1 << 48) - 1;
 const HEAD: u64 = 1;
 const CONT: u64 = 2;
 const SKIP: u64 = 3;
+/// The head of a rendezvous announcement (its payload is the announcement).
+const RNDV: u64 = 4;
 
 fn mark(n: u64, kind: u64) -> u64 {
     (((n + 1) & SEQ_MASK) << 16) | kind
@@ -111,6 +117,8 @@ pub(crate) struct Receiver {
 pub(crate) struct Found {
     pub(crate) tag: u64,
     pub(crate) len: usize,
+    /// A rendezvous announcement, not a user message.
+    pub(crate) rndv: bool,
 }
 
 impl<'a> FBox<'a> {
@@ -251,6 +259,16 @@ impl<'a> FBox<'a> {
         &self.words[1]
     }
 
+    /// The pair's rendezvous-done word: the receiver stores (Release) the
+    /// handle of each rendezvous whose data it copied, in announcement
+    /// order; the sender loads it (Acquire) and completes every handle up
+    /// to it. (A refused rendezvous is answered on the control ring, and
+    /// the receiver goes on only once its data came, so the word never
+    /// passes a refusal the sender has not seen.)
+    pub(crate) fn rndv_done_word(&self) -> &'a AtomicU64 {
+        &self.words[2]
+    }
+
     /// Re-read how far the receiver got.
     fn refresh(&self, st: &mut Sender) -> Result<(), Corrupt> {
         // Acquire pairs with the receiver's Release store in `consume`: its
@@ -296,6 +314,28 @@ impl<'a> FBox<'a> {
         data: &[u8],
         stream: bool,
     ) -> Result<bool, Corrupt> {
+        self.push_as(st, HEAD, tag, data, stream)
+    }
+
+    /// Put a rendezvous announcement in the box (as [`FBox::push`]; the
+    /// receiver's [`Found::rndv`] tells it apart).
+    pub(crate) fn push_rendezvous(
+        &self,
+        st: &mut Sender,
+        tag: u64,
+        rts: &[u8],
+    ) -> Result<bool, Corrupt> {
+        self.push_as(st, RNDV, tag, rts, false)
+    }
+
+    fn push_as(
+        &self,
+        st: &mut Sender,
+        kind: u64,
+        tag: u64,
+        data: &[u8],
+        stream: bool,
+    ) -> Result<bool, Corrupt> {
         let k = slots_for(data.len());
         // A message may need to skip up to k - 1 slots at the end first.
         if data.len() > MAX_PAYLOAD || 2 * k - 1 > self.slots {
@@ -328,7 +368,7 @@ impl<'a> FBox<'a> {
         st.next += k;
         // Release pairs with the receiver's Acquire load in `peek`: every
         // word of the message stored above is visible before its head mark.
-        head[0].store(mark(n, HEAD), Ordering::Release);
+        head[0].store(mark(n, kind), Ordering::Release);
         // Start taking the lines of the next messages' slots from the
         // receiver's cache now (free slots: it read them a lap ago), so the
         // next push's stores find them here. Otherwise every push waits for
@@ -353,7 +393,8 @@ impl<'a> FBox<'a> {
             self.consumed().store(st.next, Ordering::Release);
             m = self.slot(st.next)[0].load(Ordering::Acquire);
         }
-        if m != mark(st.next, HEAD) {
+        let rndv = m == mark(st.next, RNDV);
+        if m != mark(st.next, HEAD) && !rndv {
             return Ok(None);
         }
         let head = self.slot(st.next);
@@ -364,6 +405,7 @@ impl<'a> FBox<'a> {
         Ok(Some(Found {
             tag: head[1].load(Ordering::Relaxed),
             len: len as usize,
+            rndv,
         }))
     }
 
@@ -383,7 +425,7 @@ impl<'a> FBox<'a> {
     /// Whether a message waits (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &Receiver) -> bool {
         let m = self.slot(st.next)[0].load(Ordering::Acquire);
-        m != mark(st.next, HEAD) && m != mark(st.next, SKIP)
+        m != mark(st.next, HEAD) && m != mark(st.next, SKIP) && m != mark(st.next, RNDV)
     }
 }
 
@@ -475,6 +517,27 @@ mod tests {
         }
         assert!(b.drained(&mut s).unwrap());
         assert!(!b.push(&mut s, 0, &[0u8; MAX_PAYLOAD + 1], true).unwrap());
+    }
+
+    #[test]
+    fn rendezvous_announcements_keep_their_place_and_kind() {
+        let o = OwnedBox::with_slots(8);
+        let b = o.fbox();
+        let (mut s, mut r) = (Sender::default(), Receiver::default());
+        for i in 0..40u64 {
+            let rts = [i as u8; 24];
+            assert!(b.push(&mut s, i, b"before", false).unwrap());
+            assert!(b.push_rendezvous(&mut s, i, &rts).unwrap());
+            assert!(!b.looks_empty(&r));
+            let f = b.peek(&mut r).unwrap().unwrap();
+            assert!(!f.rndv, "a user message reads as a user message");
+            assert_eq!(take(&b, &mut r).map(|(t, d)| (t, d.len())), Some((i, 6)));
+            let f = b.peek(&mut r).unwrap().unwrap();
+            assert_eq!((f.tag, f.len, f.rndv), (i, 24, true));
+            assert_eq!(take(&b, &mut r), Some((i, rts.to_vec())));
+            assert!(b.looks_empty(&r));
+        }
+        assert!(b.drained(&mut s).unwrap());
     }
 
     #[test]

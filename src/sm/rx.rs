@@ -34,14 +34,24 @@ const RESERVE_LIMIT: usize = 16 << 20;
 /// streaming 4.9 → 2.7 GB/s when tried.)
 const SPLIT_MAX: usize = 64 << 20;
 
+/// Where a rendezvous announcement waits until its message is delivered:
+/// at the head of the pair's user ring (a fragment at this offset) or of
+/// its fast box. Either way it holds back the sender's later messages.
+#[derive(Clone, Copy)]
+enum Held {
+    Ring(u64),
+    Box,
+}
+
 /// A rendezvous whose data comes through fragments after all (our single
-/// copy was refused): its announcement stays at the head of the user ring,
-/// holding back later messages, until the data arrives.
+/// copy was refused): its announcement stays where it is, holding back
+/// later messages, until the data arrives.
 #[derive(Clone, Copy)]
 struct Awaiting {
     handle: u64,
     tag: u64,
     len: usize,
+    at: Held,
 }
 
 /// A rendezvous whose tail the sender was asked to write (split copy),
@@ -51,8 +61,8 @@ struct SplitWait {
     tag: u64,
     /// The message's address in the sender.
     addr: u64,
-    /// The announcement's offset in the ring (released on delivery).
-    off: u64,
+    /// The announcement (released on delivery).
+    at: Held,
     buf: crate::os::SplitBuf,
 }
 
@@ -173,24 +183,71 @@ impl RxState {
         work
     }
 
-    /// Take up to `max` messages from the sender's fast box, under one
-    /// dispatcher lock. Returns how many, and why it stopped: `Took` (took
-    /// `max`), `Empty`, `Blocked` (no room in a tag) or `Bad`.
+    /// Take up to `max` messages from the sender's fast box: runs of user
+    /// messages under one dispatcher lock, and rendezvous announcements
+    /// (whose copy runs outside it). Returns how many, and why it stopped:
+    /// `Took` (took `max`), `Empty`, `Blocked` (no room in a tag, or a
+    /// rendezvous waits) or `Bad`.
     fn fbox_run(&mut self, t: &SmTransport, p: &SmPeer, max: usize) -> (usize, Step) {
         let l = p.local as usize;
+        // A rendezvous under way holds the box (and the ring path knows).
+        if self.awaiting[l].is_some() || self.split[l].is_some() {
+            return (0, Step::Empty);
+        }
         let b = t.seg.fbox(p.local);
         // No lock for an empty box (the common look of an idle poll).
         if b.looks_empty(&self.fb[l]) {
             return (0, Step::Empty);
         }
+        let mut total = 0;
+        let (took, step) = loop {
+            let (took, step, rndv) = self.fbox_messages(t, p, max - total);
+            total += took;
+            let Some(found) = rndv else {
+                break (total, step);
+            };
+            if found.len != RTS_LEN {
+                break (total, Step::Bad("malformed rendezvous announcement"));
+            }
+            let mut rts = [0u8; RTS_LEN];
+            b.read(&self.fb[l], &mut rts);
+            let idx = l * CHANNELS + USER;
+            match self.rendezvous(t, p, idx, Held::Box, found.tag, &rts) {
+                Step::Took => total += 1,
+                other => break (total, other),
+            }
+            if total >= max {
+                break (total, Step::Took);
+            }
+        };
+        if took > 0 && !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+            p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        (took, step)
+    }
+
+    /// Take up to `max` user messages from the sender's fast box under one
+    /// dispatcher lock, stopping before a rendezvous announcement (returned).
+    fn fbox_messages(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        max: usize,
+    ) -> (usize, Step, Option<fbox::Found>) {
+        let l = p.local as usize;
+        let b = t.seg.fbox(p.local);
         let st = &mut self.fb[l];
-        let (took, step) = t.core.dispatcher.offers(|o| {
+        let (took, step, rndv) = t.core.dispatcher.offers(|o| {
             let mut took = 0;
             while took < max {
                 let found = match b.peek(st) {
+                    Ok(Some(f)) if f.rndv => return (took, Step::Took, Some(f)),
                     Ok(Some(f)) => f,
-                    Ok(None) => return (took, Step::Empty),
-                    Err(_) => return (took, Step::Bad("fast-box message longer than its slot")),
+                    Ok(None) => return (took, Step::Empty, None),
+                    Err(_) => {
+                        let bad = Step::Bad("fast-box message longer than its slot");
+                        return (took, bad, None);
+                    }
                 };
                 let seen = &*st;
                 let read = || {
@@ -199,14 +256,14 @@ impl RxState {
                     Bytes::from(data)
                 };
                 if !o.offer(p.rank, found.tag, found.len, read) {
-                    return (took, Step::Blocked);
+                    return (took, Step::Blocked, None);
                 }
                 // After the delivery, under `rx`: see the order argument in
                 // `fbox`.
                 b.consume(st, found.len);
                 took += 1;
             }
-            (took, Step::Took)
+            (took, Step::Took, None)
         });
         match step {
             Step::Blocked => self.blocked[l] = true,
@@ -217,11 +274,8 @@ impl RxState {
             // Counted by the caller, once per progress call (an atomic add
             // per message costs as much as the rest of taking it).
             self.fast += took as u64;
-            if !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
-                p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
         }
-        (took, step)
+        (took, step, rndv)
     }
 
     fn step(&mut self, t: &SmTransport, p: &SmPeer, ch: usize) -> Step {
@@ -266,7 +320,7 @@ impl RxState {
                     return Step::Bad("message length beyond any limit");
                 }
                 if h.kind == Kind::UserCma {
-                    return self.rendezvous(t, p, idx, off, &h);
+                    return self.ring_rendezvous(t, p, idx, off, &h);
                 }
                 if h.kind == Kind::User && !t.core.dispatcher.has_room(h.tag, h.total as usize) {
                     self.blocked[l] = true;
@@ -351,11 +405,8 @@ impl RxState {
         }
     }
 
-    /// A rendezvous announcement (one fragment, at `off` of ring `idx`):
-    /// copy the message straight from the sender's memory, deliver it, and
-    /// answer. If the kernel refuses the copy, ask for the data instead and
-    /// hold the announcement (and so every later user message) until then.
-    fn rendezvous(
+    /// A rendezvous announcement in one fragment at `off` of ring `idx`.
+    fn ring_rendezvous(
         &mut self,
         t: &SmTransport,
         p: &SmPeer,
@@ -363,11 +414,6 @@ impl RxState {
         off: u64,
         h: &FragHeader,
     ) -> Step {
-        let l = p.local as usize;
-        if self.awaiting[l].is_some() {
-            self.blocked[l] = true;
-            return Step::Blocked;
-        }
         if h.flags & (FIRST | LAST) != FIRST | LAST
             || h.len as usize != RTS_LEN
             || h.total != RTS_LEN as u64
@@ -382,6 +428,28 @@ impl RxState {
         {
             return Step::Bad("payload outside its segment");
         }
+        self.rendezvous(t, p, idx, Held::Ring(off), h.tag, &rts)
+    }
+
+    /// A rendezvous announcement `rts` (held `at` the head of the user ring
+    /// `idx` or of the box): copy the message straight from the sender's
+    /// memory, deliver it, and answer. If the kernel refuses the copy, ask
+    /// for the data instead and hold the announcement (and so every later
+    /// user message) until then.
+    fn rendezvous(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        at: Held,
+        tag: u64,
+        rts: &[u8; RTS_LEN],
+    ) -> Step {
+        let l = p.local as usize;
+        if self.awaiting[l].is_some() {
+            self.blocked[l] = true;
+            return Step::Blocked;
+        }
         let word =
             |i: usize| u64::from_le_bytes(rts[i * 8..i * 8 + 8].try_into().unwrap_or_default());
         let (handle, addr, len) = (word(0), word(1), word(2));
@@ -389,13 +457,13 @@ impl RxState {
             return Step::Bad("message length beyond any limit");
         }
         let len = len as usize;
-        if !t.core.dispatcher.has_room(h.tag, len) {
+        if !t.core.dispatcher.has_room(tag, len) {
             self.blocked[l] = true;
             return Step::Blocked;
         }
         self.blocked[l] = false;
         if let Some(head) = self.split_point(t, p, (handle, addr), len) {
-            return self.split_start(t, p, idx, off, (handle, h.tag, addr, len), head);
+            return self.split_start(t, p, idx, at, (handle, tag, addr, len), head);
         }
         // Read in slices, so the buffer grows only as real data arrives (a
         // lying length costs nothing up front).
@@ -403,12 +471,31 @@ impl RxState {
         let mut copied = Ok(());
         while copied.is_ok() && buf.len() < len {
             let n = (len - buf.len()).min(RESERVE_LIMIT);
-            let at = addr.wrapping_add(buf.len() as u64);
-            copied = crate::os::cma_read_into(p.seg.pid, at, n, &mut buf);
+            let from = addr.wrapping_add(buf.len() as u64);
+            copied = crate::os::cma_read_into(p.seg.pid, from, n, &mut buf);
         }
         match copied {
-            Ok(()) => self.rendezvous_copied(t, p, idx, off, (handle, h.tag), buf),
-            Err(e) => self.rendezvous_failed(t, p, e, handle, h.tag, len),
+            Ok(()) => self.rendezvous_copied(t, p, idx, at, (handle, tag), buf),
+            Err(e) => self.rendezvous_failed(t, p, e, at, (handle, tag, len)),
+        }
+    }
+
+    /// Let go of a rendezvous announcement whose message is delivered.
+    fn release_held(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        idx: usize,
+        at: Held,
+    ) -> Result<(), &'static str> {
+        match at {
+            Held::Ring(off) => self.release(t, p, idx, off),
+            Held::Box => {
+                let l = p.local as usize;
+                // After the delivery, under `rx` (the order argument in `fbox`).
+                t.seg.fbox(p.local).consume(&mut self.fb[l], RTS_LEN);
+                Ok(())
+            }
         }
     }
 
@@ -419,15 +506,20 @@ impl RxState {
         t: &SmTransport,
         p: &SmPeer,
         idx: usize,
-        off: u64,
+        at: Held,
         (handle, tag): (u64, u64),
         buf: Vec<u8>,
     ) -> Step {
-        if let Err(what) = self.release(t, p, idx, off) {
+        if let Err(what) = self.release_held(t, p, idx, at) {
             return Step::Bad(what);
         }
         t.core.deliver(p.rank, tag, t.core.buffers.freeze(buf));
-        answer(t, p, handle, true);
+        // The answer: Release, after every read of the sender's buffer
+        // (its Acquire load lets it drop the buffer); our caller rings it.
+        t.seg
+            .fbox(p.local)
+            .rndv_done_word()
+            .store(handle, std::sync::atomic::Ordering::Release);
         Step::Took
     }
 
@@ -437,9 +529,8 @@ impl RxState {
         t: &SmTransport,
         p: &SmPeer,
         e: std::io::Error,
-        handle: u64,
-        tag: u64,
-        len: usize,
+        at: Held,
+        (handle, tag, len): (u64, u64, usize),
     ) -> Step {
         let l = p.local as usize;
         // The sender is exiting: the liveness check will say so. (A live
@@ -453,9 +544,14 @@ impl RxState {
             peer = p.rank,
             "single copy from the peer refused ({e}): asking for the data through fragments"
         );
-        self.awaiting[l] = Some(Awaiting { handle, tag, len });
+        self.awaiting[l] = Some(Awaiting {
+            handle,
+            tag,
+            len,
+            at,
+        });
         self.blocked[l] = true;
-        answer(t, p, handle, false);
+        refuse(t, p, handle);
         Step::Blocked
     }
 
@@ -495,7 +591,7 @@ impl RxState {
         t: &SmTransport,
         p: &SmPeer,
         idx: usize,
-        off: u64,
+        at: Held,
         (handle, tag, addr, len): (u64, u64, u64, usize),
         head: usize,
     ) -> Step {
@@ -512,13 +608,13 @@ impl RxState {
                 drop(unsafe { buf.reclaim() });
             }
             // (Otherwise the sender may be writing: `buf` is leaked.)
-            return self.rendezvous_failed(t, p, e, handle, tag, len);
+            return self.rendezvous_failed(t, p, e, at, (handle, tag, len));
         }
         self.split[l] = Some(SplitWait {
             handle,
             tag,
             addr,
-            off,
+            at,
             buf,
         });
         self.split_resume(t, p, idx)
@@ -566,7 +662,7 @@ impl RxState {
                 // SAFETY: taken back (or the sender failed and stopped): no
                 // write into the buffer is under way or will come.
                 drop(unsafe { s.buf.reclaim() });
-                return self.rendezvous_failed(t, p, e, handle, s.tag, len);
+                return self.rendezvous_failed(t, p, e, s.at, (handle, s.tag, len));
             }
         } else {
             Counters::bump(&counters.split_tails_written);
@@ -576,7 +672,7 @@ impl RxState {
         // tail was just read by us, or the sender published DONE (Acquire
         // in `split::state`) after writing every byte of it.
         let buf = unsafe { s.buf.complete() };
-        self.rendezvous_copied(t, p, idx, s.off, (handle, s.tag), buf)
+        self.rendezvous_copied(t, p, idx, s.at, (handle, s.tag), buf)
     }
 
     /// The receiver of our rendezvous `handle` asks us to write part of it
@@ -590,8 +686,18 @@ impl RxState {
         let (Some(dst), Some(at), Some(n), 24) = (word(0), word(1), word(2), req.len()) else {
             return Step::Bad("malformed split-copy request");
         };
-        let Some(data) = t.with_tx(|tx| tx.rendezvous_data(p.local, handle)) else {
-            return Step::Bad("split-copy request for a message we never announced");
+        let found = t.with_tx(|tx| {
+            let data = tx.rendezvous_data(p.local, handle);
+            (data, tx.rendezvous_settled(p.local, handle))
+        });
+        let data = match found {
+            (Some(data), _) => data,
+            // The request crossed the done word (which overtakes the
+            // control ring): the receiver took the tail back.
+            (None, true) => return Step::Took,
+            (None, false) => {
+                return Step::Bad("split-copy request for a message we never announced")
+            }
         };
         let range = usize::try_from(at)
             .ok()
@@ -626,11 +732,18 @@ impl RxState {
             return Step::Bad("rendezvous data does not match its announcement");
         }
         let idx = l * CHANNELS + USER;
-        let off = match t.seg.inbound(p.local, USER).peek(&mut self.cons[idx]) {
-            Ok(Some(off)) => off,
-            _ => return Step::Bad("rendezvous announcement vanished from the ring"),
+        // The announcement still waits where it was (we never moved past it).
+        let at = match a.at {
+            Held::Ring(_) => match t.seg.inbound(p.local, USER).peek(&mut self.cons[idx]) {
+                Ok(Some(off)) => Held::Ring(off),
+                _ => return Step::Bad("rendezvous announcement vanished from the ring"),
+            },
+            Held::Box => match t.seg.fbox(p.local).peek(&mut self.fb[l]) {
+                Ok(Some(f)) if f.rndv && f.len == RTS_LEN => Held::Box,
+                _ => return Step::Bad("rendezvous announcement vanished from the box"),
+            },
         };
-        if let Err(what) = self.release(t, p, idx, off) {
+        if let Err(what) = self.release_held(t, p, idx, at) {
             return Step::Bad(what);
         }
         self.awaiting[l] = None;
@@ -688,11 +801,11 @@ fn ask_split(t: &SmTransport, p: &SmPeer, handle: u64, dst: u64, at: usize, n: u
     }
 }
 
-/// Tell the sender of a rendezvous whether we copied its data.
-fn answer(t: &SmTransport, p: &SmPeer, handle: u64, copied: bool) {
-    let status: &'static [u8] = if copied { &[1] } else { &[0] };
+/// Tell the sender of a rendezvous that we could not copy its data (a copy
+/// that worked is answered through the pair's done word instead).
+fn refuse(t: &SmTransport, p: &SmPeer, handle: u64) {
     // Straight to the send side (what the peer's link would do, without
     // looking the link up). A failure means the peer is gone; its loss is
     // reported elsewhere.
-    let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaDone, handle, Bytes::from_static(status)));
+    let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaDone, handle, Bytes::from_static(&[0])));
 }

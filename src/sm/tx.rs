@@ -88,6 +88,12 @@ pub(crate) struct TxState {
     queues: Vec<VecDeque<Queued>>,
     /// Rendezvous messages announced and not yet copied, by handle.
     rndv: HashMap<u64, Rndv>,
+    /// Per peer (local rank): the handles announced to it, oldest first,
+    /// for its rendezvous-done word (a handle answered on the control ring
+    /// stays until the word passes it, then is dropped).
+    rndv_order: Vec<VecDeque<u64>>,
+    /// Per peer: the highest value of its done word we acted on.
+    rndv_settled: Vec<u64>,
     next_handle: u64,
     /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
@@ -124,6 +130,8 @@ impl TxState {
             fb: vec![fbox::Sender::default(); n],
             queues: (0..n * CHANNELS).map(|_| VecDeque::new()).collect(),
             rndv: HashMap::new(),
+            rndv_order: vec![VecDeque::new(); n],
+            rndv_settled: vec![0; n],
             next_handle: 1,
             misbehaved: Vec::new(),
         }
@@ -239,8 +247,9 @@ impl TxState {
         let total = data.len();
         let ch = channel(kind);
         if ch == USER {
-            if kind == Kind::User && !at.started && total <= fbox::MAX_PAYLOAD {
-                match self.via_fbox(t, peer, tag, data)? {
+            // Small user messages and rendezvous announcements take the box.
+            if !at.started && total <= fbox::MAX_PAYLOAD {
+                match self.via_fbox(t, peer, kind == Kind::UserCma, tag, data)? {
                     Some(true) => {
                         at.started = true;
                         at.sent = total;
@@ -320,13 +329,15 @@ impl TxState {
         r
     }
 
-    /// Put a small user message in the peer's fast box. `None`: the box may
-    /// not be used now (the pair's user ring still holds messages, which
-    /// must arrive first); `Some(false)`: the box is full.
+    /// Put a small user message (or, with `rndv`, a rendezvous
+    /// announcement) in the peer's fast box. `None`: the box may not be
+    /// used now (the pair's user ring still holds messages, which must
+    /// arrive first); `Some(false)`: the box is full.
     fn via_fbox(
         &mut self,
         t: &SmTransport,
         peer: &SmPeer,
+        rndv: bool,
         tag: u64,
         data: &[u8],
     ) -> Result<Option<bool>> {
@@ -344,11 +355,13 @@ impl TxState {
             peer.heard
                 .store(false, std::sync::atomic::Ordering::Relaxed);
         }
-        match peer
-            .seg
-            .fbox(t.seg.local_rank)
-            .push(&mut self.fb[l], tag, data, !reply)
-        {
+        let b = peer.seg.fbox(t.seg.local_rank);
+        let pushed = if rndv {
+            b.push_rendezvous(&mut self.fb[l], tag, data)
+        } else {
+            b.push(&mut self.fb[l], tag, data, !reply)
+        };
+        match pushed {
             Ok(true) => {
                 t.notify(peer);
                 Ok(Some(true))
@@ -401,7 +414,7 @@ impl TxState {
             return Ok(false);
         }
         if channel(kind) == USER && data.len() <= fbox::MAX_PAYLOAD {
-            if let Some(sent) = self.via_fbox(t, peer, tag, data)? {
+            if let Some(sent) = self.via_fbox(t, peer, false, tag, data)? {
                 return Ok(sent);
             }
         }
@@ -554,6 +567,7 @@ impl TxState {
                 done: done.clone(),
             },
         );
+        self.rndv_order[peer.local as usize].push_back(handle);
         // Pushed from the stack when it goes at once; an owned copy only
         // when it must queue.
         match self.push_now(t, peer, Kind::UserCma, tag, &rts) {
@@ -564,6 +578,7 @@ impl TxState {
             }
             Err(e) => {
                 self.rndv.remove(&handle);
+                self.rndv_order[peer.local as usize].pop_back();
                 return Err(e);
             }
         }
@@ -578,6 +593,15 @@ impl TxState {
             .get(&handle)
             .filter(|r| r.peer == local)
             .map(|r| r.data.clone())
+    }
+
+    /// Whether our rendezvous `handle` to local peer `local` is over: its
+    /// done word passed it. (A split-copy request can arrive after that:
+    /// the receiver took the tail back and finished without us.)
+    pub(crate) fn rendezvous_settled(&self, local: u32, handle: u64) -> bool {
+        self.rndv_settled
+            .get(local as usize)
+            .is_some_and(|&w| handle <= w)
     }
 
     /// The receiver's answer to a rendezvous: done, or refused (then the data
@@ -617,9 +641,57 @@ impl TxState {
         }
     }
 
+    /// Complete the rendezvous messages each peer's done word says it
+    /// copied. Returns how many.
+    fn reap_rendezvous(&mut self, t: &SmTransport) -> usize {
+        let mut n = 0;
+        for p in t.peer_list().iter().flatten() {
+            let l = p.local as usize;
+            let Some(&first) = self.rndv_order[l].front() else {
+                continue;
+            };
+            // Acquire pairs with the receiver's Release store after its
+            // copy: it is done reading our buffer before we drop it.
+            let w = p
+                .seg
+                .fbox(t.seg.local_rank)
+                .rndv_done_word()
+                .load(std::sync::atomic::Ordering::Acquire);
+            if w < first {
+                continue;
+            }
+            if w >= self.next_handle {
+                Counters::bump(&t.core.counters.bad_frames);
+                self.misbehaved.push((
+                    p.local,
+                    "it answered a rendezvous we never announced".into(),
+                ));
+                continue;
+            }
+            self.rndv_settled[l] = self.rndv_settled[l].max(w);
+            while let Some(&h) = self.rndv_order[l].front() {
+                if h > w {
+                    break;
+                }
+                self.rndv_order[l].pop_front();
+                // (Gone already: answered on the control ring, refused.)
+                if self.rndv.get(&h).is_some_and(|r| r.peer == p.local) {
+                    if let Some(r) = self.rndv.remove(&h) {
+                        r.done.complete(Ok(()));
+                        n += 1;
+                    }
+                }
+            }
+        }
+        n
+    }
+
     /// Advance queued messages as fragments come back.
     pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
         let mut work = self.reclaim(t);
+        if !self.rndv.is_empty() {
+            work += self.reap_rendezvous(t);
+        }
         for p in t.peer_list().iter().flatten() {
             if p.is_lost() {
                 continue;
@@ -664,7 +736,7 @@ impl TxState {
             let user_stuck = match self.queues[l * CHANNELS + USER].front() {
                 None => true,
                 Some(h)
-                    if h.kind == Kind::User
+                    if matches!(h.kind, Kind::User | Kind::UserCma)
                         && !h.at.started
                         && h.data.len() <= fbox::MAX_PAYLOAD =>
                 {
@@ -674,7 +746,15 @@ impl TxState {
             };
             let control_stuck = self.queues[l * CHANNELS + USER + 1].is_empty() || !can_push;
             let stuck = p.is_lost() || (user_stuck && control_stuck);
-            returns_empty && stuck
+            // The peer's done word passed a rendezvous still out (it rings
+            // us after storing it).
+            let rndv_done = self.rndv_order[l].front().is_some_and(|&h| {
+                let b = p.seg.fbox(t.seg.local_rank);
+                b.rndv_done_word()
+                    .load(std::sync::atomic::Ordering::Acquire)
+                    >= h
+            });
+            returns_empty && stuck && (p.is_lost() || !rndv_done)
         })
     }
 
@@ -703,6 +783,7 @@ impl TxState {
     /// out of our memory, so those buffers are leaked, never freed (like
     /// the quarantine of single-copy regions).
     pub(crate) fn peer_lost(&mut self, peer: &SmPeer, crashed: bool) {
+        self.rndv_order[peer.local as usize].clear();
         for ch in 0..CHANNELS {
             let queue = &mut self.queues[peer.local as usize * CHANNELS + ch];
             self.queued -= queue.len();
@@ -741,6 +822,7 @@ impl TxState {
         }
         // Peers may still be copying these out of our memory: leak them
         // rather than free them under a running reader.
+        self.rndv_order.iter_mut().for_each(VecDeque::clear);
         for (_, r) in self.rndv.drain() {
             r.done.complete(Err(Error::Closed));
             std::mem::forget(r.data);
