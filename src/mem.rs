@@ -248,31 +248,79 @@ impl RawBuf {
         off: u64,
         dst: &mut [u8],
     ) -> Result<(), AccessError> {
-        const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
         let o = self.check_strided::<CHUNK, STRIDE>(off, dst.len())?;
-        let mut pieces = dst.chunks_exact_mut(CHUNK);
+        // SAFETY: the span from `o` was checked above; `dst` is a unique
+        // Rust slice of `dst.len()` bytes, so writable and not inside this
+        // range.
+        unsafe { self.copy_strided_out::<CHUNK, STRIDE>(o, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// As [`RawBuf::read_strided`], appending the `n` bytes to `dst`
+    /// (without zeroing them first, as a `vec![0; n]` to read into would:
+    /// that is `calloc`, which glibc serves without its thread cache).
+    #[inline]
+    #[cfg(not(btl_loom))]
+    pub(crate) fn read_strided_into<const CHUNK: usize, const STRIDE: usize>(
+        &self,
+        off: u64,
+        n: usize,
+        dst: &mut impl Grow,
+    ) -> Result<(), AccessError> {
+        let o = self.check_strided::<CHUNK, STRIDE>(off, n)?;
+        dst.reserve(n);
+        let spare = dst.spare();
+        // SAFETY: the span from `o` was checked above; `spare` has at least
+        // `n` bytes after `reserve`, is owned by `dst` (not inside this
+        // range), and the copy initialises its first `n` bytes, so growing
+        // the length by `n` is sound.
+        unsafe {
+            self.copy_strided_out::<CHUNK, STRIDE>(o, spare.as_mut_ptr().cast::<u8>(), n);
+            dst.grow(n);
+        }
+        Ok(())
+    }
+
+    /// Copy `n` bytes out of `CHUNK`-byte pieces `STRIDE` bytes apart from
+    /// byte `o` of the range to `dst`, with a fixed-size copy per whole
+    /// piece.
+    ///
+    /// # Safety
+    /// `o` and the strided span of `n` bytes from it must have passed
+    /// `check_strided`; `dst` must be valid for `n` bytes of writes and not
+    /// overlap this range.
+    #[inline]
+    #[cfg(not(btl_loom))]
+    unsafe fn copy_strided_out<const CHUNK: usize, const STRIDE: usize>(
+        &self,
+        o: usize,
+        dst: *mut u8,
+        n: usize,
+    ) {
+        const { assert!(CHUNK > 0 && CHUNK <= STRIDE) };
+        let (whole, rest) = (n / CHUNK, n % CHUNK);
         let mut at = o;
-        for piece in pieces.by_ref() {
+        for k in 0..whole {
             // SAFETY: whole piece k comes from o + k * STRIDE .. + CHUNK,
-            // inside the checked span; valid per `new`; `dst` is a unique
-            // Rust slice, so not inside this range.
+            // inside the checked span (caller's contract), valid per `new`;
+            // it goes to dst + k * CHUNK, inside the n bytes the caller
+            // vouches for, which do not overlap the range.
             unsafe {
-                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), piece.as_mut_ptr(), CHUNK)
+                std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), dst.add(k * CHUNK), CHUNK)
             };
             at += STRIDE;
         }
-        let rest = pieces.into_remainder();
-        if !rest.is_empty() {
-            // SAFETY: the last, shorter piece ends exactly at o + span.
+        if rest > 0 {
+            // SAFETY: the last, shorter piece ends exactly at o + span and
+            // at dst + n.
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     self.ptr.as_ptr().add(at),
-                    rest.as_mut_ptr(),
-                    rest.len(),
+                    dst.add(whole * CHUNK),
+                    rest,
                 )
             };
         }
-        Ok(())
     }
 
     /// The `AtomicU32` at `off` (must be 4-aligned and in range).
@@ -405,6 +453,11 @@ mod tests {
             let mut back = vec![0u8; n];
             b.read_strided::<56, 64>(8, &mut back).unwrap();
             assert_eq!(back, src);
+            // Appended after what a buffer already holds.
+            let mut grown = b"head".to_vec();
+            b.read_strided_into::<56, 64>(8, n, &mut grown).unwrap();
+            assert_eq!(&grown[..4], b"head");
+            assert_eq!(&grown[4..], &src[..]);
         }
     }
 
@@ -421,5 +474,8 @@ mod tests {
         b.read(0, &mut all).unwrap();
         assert!(all.iter().all(|v| *v == 0), "a refused copy wrote nothing");
         assert!(b.read_strided::<56, 64>(8, &mut [0u8; 113]).is_err());
+        let mut v = Vec::new();
+        assert!(b.read_strided_into::<56, 64>(8, 113, &mut v).is_err());
+        assert!(v.is_empty(), "a refused read appends nothing");
     }
 }

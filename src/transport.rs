@@ -59,7 +59,9 @@ pub(crate) enum Kind {
     /// Travels in order with user messages.
     UserCma = 9,
     /// The receiver's answer to [`Kind::UserCma`]: copied, or refused (then
-    /// the sender sends the data as [`Kind::CmaData`]).
+    /// the sender sends the data as [`Kind::CmaData`]). `sm` itself answers
+    /// a copy that worked through the pair's done word, so on its wire this
+    /// carries refusals.
     CmaDone = 10,
     /// The data of a refused [`Kind::UserCma`], carried after all.
     CmaData = 11,

@@ -226,6 +226,24 @@ fn have(tool: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// The (test, size) points a report has for `wire`, each checked to carry
+/// a positive value.
+fn points_of(j: &serde_json::Value, wire: &str) -> BTreeSet<(String, u64)> {
+    j["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["wire"] == wire)
+        .map(|r| {
+            assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
+            (
+                r["test"].as_str().unwrap().into(),
+                r["size"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn open_mpi_baseline_beside_async_btl() {
     if !(have("mpicc") && have("mpirun")) {
@@ -250,18 +268,7 @@ fn open_mpi_baseline_beside_async_btl() {
             );
         }
     }
-    let ompi: BTreeSet<(String, u64)> = j["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["wire"] == "ompi")
-        .map(|r| {
-            (
-                r["test"].as_str().unwrap().into(),
-                r["size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let ompi = points_of(&j, "ompi");
     assert_eq!(ompi.len(), 8, "lat and bw at 8..64 B: {ompi:?}");
     let ratios = j["ratios"].as_array().unwrap();
     assert!(ratios
@@ -308,19 +315,7 @@ fn ucx_baseline_beside_async_btl() {
     ]));
     let j = json(&out);
     let notes = j["header"]["notes"].to_string();
-    let ucx: BTreeSet<(String, u64)> = j["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["wire"] == "ucx")
-        .map(|r| {
-            assert!(r["value"].as_f64().unwrap() > 0.0, "{r}");
-            (
-                r["test"].as_str().unwrap().into(),
-                r["size"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let ucx = points_of(&j, "ucx");
     let mut want: BTreeSet<(String, u64)> = ["lat", "bw", "put_bw", "get_bw"]
         .iter()
         .flat_map(|t| [8, 16].map(|s| (t.to_string(), s)))

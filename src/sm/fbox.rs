@@ -189,6 +189,38 @@ impl<'a> FBox<'a> {
         }
     }
 
+    /// The payload of `len` bytes from slot `n`, in a new vector (as
+    /// [`FBox::payload_out`], without zeroing the vector first).
+    #[cfg(not(btl_loom))]
+    fn payload_vec(&self, n: u64, len: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(len);
+        let first = len.min(FIRST_WORDS * 8);
+        let _ = self
+            .raw
+            .read_strided_into::<{ FIRST_WORDS * 8 }, { FIRST_WORDS * 8 }>(
+                self.offset(n, SLOT_WORDS - FIRST_WORDS),
+                first,
+                &mut v,
+            );
+        if len > first {
+            let _ = self
+                .raw
+                .read_strided_into::<{ CONT_WORDS * 8 }, { SLOT_WORDS * 8 }>(
+                    self.offset(n + 1, 1),
+                    len - first,
+                    &mut v,
+                );
+        }
+        v
+    }
+
+    #[cfg(btl_loom)]
+    fn payload_vec(&self, n: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.payload_out(n, &mut v);
+        v
+    }
+
     /// The inverse of [`FBox::payload_in`].
     #[cfg(not(btl_loom))]
     fn payload_out(&self, n: u64, out: &mut [u8]) {
@@ -414,6 +446,12 @@ impl<'a> FBox<'a> {
         self.payload_out(st.next, out);
     }
 
+    /// The payload of the message `peek` found, of `len` bytes (its
+    /// length), in a new vector.
+    pub(crate) fn read_vec(&self, st: &Receiver, len: usize) -> Vec<u8> {
+        self.payload_vec(st.next, len)
+    }
+
     /// Release the message `peek` found (of `len` bytes): the sender may
     /// reuse its slots.
     pub(crate) fn consume(&self, st: &mut Receiver, len: usize) {
@@ -466,6 +504,7 @@ mod tests {
         let f = b.peek(r).unwrap()?;
         let mut out = vec![0u8; f.len];
         b.read(r, &mut out);
+        assert_eq!(b.read_vec(r, f.len), out, "both reads agree");
         b.consume(r, f.len);
         Some((f.tag, out))
     }

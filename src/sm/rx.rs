@@ -250,11 +250,7 @@ impl RxState {
                     }
                 };
                 let seen = &*st;
-                let read = || {
-                    let mut data = vec![0u8; found.len];
-                    b.read(seen, &mut data);
-                    Bytes::from(data)
-                };
+                let read = || Bytes::from(b.read_vec(seen, found.len));
                 if !o.offer(p.rank, found.tag, found.len, read) {
                     return (took, Step::Blocked, None);
                 }
