@@ -407,7 +407,7 @@ impl Transport for SmTransport {
     }
 
     fn drained(&self) -> bool {
-        lock(&self.tx).drained(self)
+        self.with_tx(|tx| tx.drained(self))
     }
 
     fn shutdown(&self) {

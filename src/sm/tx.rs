@@ -69,8 +69,6 @@ pub(crate) struct TxState {
     dest: Vec<u32>,
     /// Fragments held by each local rank.
     inflight: Vec<usize>,
-    /// Fragments held by peers, all together.
-    held: usize,
     /// Messages in the send queues, all together.
     queued: usize,
     /// Most fragments one destination may hold, so one slow receiver cannot
@@ -121,7 +119,6 @@ impl TxState {
             free_max: (ec..ec + layout.p.max_count).rev().collect(),
             dest: vec![FREE; frags],
             inflight: vec![0; n],
-            held: 0,
             queued: 0,
             cap: if n > 2 { (frags * 3 / 4).max(1) } else { frags },
             reserve: (ec as usize / 8).min(CONTROL_RESERVE),
@@ -183,18 +180,21 @@ impl TxState {
         n
     }
 
-    /// Whether progress has anything to do for the send side: fragments out
-    /// (returns to take back), queued messages or rendezvous pending.
+    /// Whether progress has anything to do for the send side: queued
+    /// messages, rendezvous pending, or a pool running low (see `progress`).
     pub(crate) fn busy(&self) -> bool {
-        self.held > 0 || self.queued > 0 || !self.rndv.is_empty() || !self.misbehaved.is_empty()
+        self.queued > 0 || !self.rndv.is_empty() || !self.misbehaved.is_empty() || self.pool_low()
+    }
+
+    /// A quarter or more of a fragment class is out.
+    fn pool_low(&self) -> bool {
+        4 * self.free_eager.len() <= 3 * self.layout.p.eager_count as usize
+            || 4 * self.free_max.len() <= 3 * self.layout.p.max_count as usize
     }
 
     fn free(&mut self, i: usize) {
         if let Some(held) = self.inflight.get_mut(self.dest[i] as usize) {
             *held = held.saturating_sub(1);
-        }
-        if self.dest[i] != FREE {
-            self.held -= 1;
         }
         self.dest[i] = FREE;
         if i < self.layout.p.eager_count as usize {
@@ -204,7 +204,10 @@ impl TxState {
         }
     }
 
-    fn take(&mut self, d: u32, want_eager: bool, ch: usize) -> Option<usize> {
+    /// A free fragment of the class wanted, for a message to local rank `d`
+    /// on channel `ch`; with `exact`, no max fragment for a message that
+    /// wants an eager one.
+    fn take(&mut self, d: u32, want_eager: bool, ch: usize, exact: bool) -> Option<usize> {
         // The per-destination cap is for user messages: control messages
         // (answers, barriers, the data of a refused rendezvous) must still
         // reach a receiver that holds our share of the pool.
@@ -216,18 +219,23 @@ impl TxState {
         // our whole pool) cannot starve put/get answers or barriers.
         let eager_ok = ch != USER || self.free_eager.len() > self.reserve;
         let eager = |s: &mut Self| if eager_ok { s.free_eager.pop() } else { None };
-        let i = if want_eager {
-            eager(self).or_else(|| self.free_max.pop())
-        } else {
-            self.free_max.pop().or_else(|| eager(self))
+        // (A large message takes eager fragments as readily as max ones:
+        // more of it in flight at once.)
+        let i = match (want_eager, exact) {
+            (true, true) => eager(self),
+            (true, false) => eager(self).or_else(|| self.free_max.pop()),
+            (false, _) => self.free_max.pop().or_else(|| eager(self)),
         };
         i.map(|i| i as usize)
     }
 
+    /// A fragment for a push: a small message takes an eager one if one is
+    /// free or comes back from the return rings (not a max one while eager
+    /// ones wait there), else any.
     fn alloc(&mut self, t: &SmTransport, d: u32, want_eager: bool, ch: usize) -> Option<usize> {
-        self.take(d, want_eager, ch).or_else(|| {
+        self.take(d, want_eager, ch, true).or_else(|| {
             self.reclaim(t);
-            self.take(d, want_eager, ch)
+            self.take(d, want_eager, ch, false)
         })
     }
 
@@ -317,7 +325,6 @@ impl TxState {
                 });
             }
             self.dest[i] = peer.local;
-            self.held += 1;
             self.inflight[peer.local as usize] += 1;
             pushed = true;
             at.sent += n;
@@ -424,9 +431,9 @@ impl TxState {
         } else {
             0
         };
-        let capped = channel(kind) == USER && self.inflight[peer.local as usize] >= self.cap;
+        let l = peer.local as usize;
         let fits = |s: &Self| {
-            !capped
+            !(channel(kind) == USER && s.inflight[l] >= s.cap)
                 && if need_max {
                     !s.free_max.is_empty()
                 } else {
@@ -687,8 +694,18 @@ impl TxState {
     }
 
     /// Advance queued messages as fragments come back.
+    ///
+    /// Returned fragments are polled for only while half or more of a
+    /// class is out (and taken back by a push that finds its class empty):
+    /// a sender polling its return rings after every message keeps their
+    /// lines moving between the cores, and the receiver's next return (on
+    /// its critical path, before its doorbell fence) waits for the line to
+    /// come back. A ping-pong so reads them once per half a pool.
     pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
-        let mut work = self.reclaim(t);
+        let mut work = 0;
+        if self.pool_low() {
+            work += self.reclaim(t);
+        }
         if !self.rndv.is_empty() {
             work += self.reap_rendezvous(t);
         }
@@ -722,8 +739,8 @@ impl TxState {
         work
     }
 
-    /// Nothing to do: no returns waiting, and no queued message that a free
-    /// fragment could move.
+    /// Nothing to do: no queued message that a free fragment (or one
+    /// waiting in a return ring) could move.
     pub(crate) fn looks_idle(&self, t: &SmTransport) -> bool {
         let can_push = !self.free_eager.is_empty() || !self.free_max.is_empty();
         t.peer_list().iter().flatten().all(|p| {
@@ -754,12 +771,15 @@ impl TxState {
                     .load(std::sync::atomic::Ordering::Acquire)
                     >= h
             });
-            returns_empty && stuck && (p.is_lost() || !rndv_done)
+            // Returns matter only to a queue waiting for fragments.
+            (returns_empty || self.queued == 0) && stuck && (p.is_lost() || !rndv_done)
         })
     }
 
-    /// Every fragment is home, every fast box emptied, and nothing is queued.
-    pub(crate) fn drained(&self, t: &SmTransport) -> bool {
+    /// Every fragment is home (taking back what peers returned), every fast
+    /// box emptied, and nothing is queued.
+    pub(crate) fn drained(&mut self, t: &SmTransport) -> bool {
+        self.reclaim(t);
         self.rndv.is_empty()
             && self.queues.iter().all(VecDeque::is_empty)
             && self.dest.iter().all(|d| *d == FREE)
