@@ -34,6 +34,7 @@ fn rank_main() {
             "sizes" => sizes(f).await,
             "order" => order(f).await,
             "alltoall" => alltoall(f).await,
+            "alltoall_paths" => alltoall_paths(f).await,
             "putget" => putget(f).await,
             "stall" => stall(f).await,
             "kill" => kill(f).await,
@@ -76,6 +77,44 @@ async fn sizes(f: Fabric) {
 
 async fn order(f: Fabric) {
     order_check(&f, 100_000).await;
+    f.close().await.unwrap();
+}
+
+/// All-to-all among the ranks with sizes on every path (fast box, ring,
+/// rendezvous announced in the box and on the ring, split copy) and many
+/// sends in flight to each peer at once: rendezvous handles are numbered
+/// across peers, each pair answers through its own done word.
+async fn alltoall_paths(f: Fabric) {
+    const K: u64 = 240;
+    const WINDOW: u64 = 6;
+    let len = |i: u64| [8usize, 20_000, 3000, 70_000, 150_000, 100][(i % 6) as usize];
+    let (me, n) = (f.rank(), f.size());
+    let mut rx = f.receiver(2).unwrap();
+    let peers: Vec<u32> = (0..n).filter(|r| *r != me).collect();
+    let eps: Vec<_> = peers.iter().map(|r| f.endpoint(*r).unwrap()).collect();
+    let send = async {
+        for chunk in 0..K / WINDOW {
+            let sends = (chunk * WINDOW..(chunk + 1) * WINDOW).flat_map(|i| {
+                let data = pattern(len(i), (u64::from(me) << 32) | i);
+                eps.iter().map(move |ep| ep.send(2, data.clone()))
+            });
+            futures::future::try_join_all(sends).await.unwrap();
+        }
+    };
+    let recv = async {
+        let mut next = vec![0u64; n as usize];
+        for _ in 0..K * peers.len() as u64 {
+            let m = rx.recv().await.unwrap();
+            let i = next[m.src as usize];
+            let want = pattern(len(i), (u64::from(m.src) << 32) | i);
+            assert_eq!(m.data, want, "message {i} from {}", m.src);
+            next[m.src as usize] += 1;
+        }
+        assert!(peers.iter().all(|p| next[*p as usize] == K));
+    };
+    futures::join!(send, recv);
+    println!("rendezvous_sends={}", f.stats().rendezvous_sends);
+    f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
 
@@ -564,6 +603,23 @@ fn parked_ping_pong_loses_no_wake_up() {
 #[test]
 fn four_processes_all_to_all() {
     assert_ok(&spawn_job(4, "alltoall", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn four_processes_all_to_all_through_every_path() {
+    let outs = spawn_job(4, "alltoall_paths", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    if !async_btl::info::cma().ok {
+        println!("cross-memory copies are not allowed here: no rendezvous to count");
+        return;
+    }
+    for out in &outs {
+        let rndv: u64 = value(out, "rendezvous_sends").unwrap().parse().unwrap();
+        assert!(
+            rndv >= 3 * 120,
+            "every large message went by rendezvous: {rndv}"
+        );
+    }
 }
 
 #[test]
