@@ -353,7 +353,11 @@ impl RawBuf {
 }
 
 /// A byte buffer that can be appended to in place (`Vec<u8>`, `BytesMut`).
-pub(crate) trait Grow {
+///
+/// # Safety
+/// After `reserve(n)`, `spare()` must be at least `n` bytes long (the
+/// copies into it rely on that).
+pub(crate) unsafe trait Grow {
     /// Make room for `n` more bytes.
     fn reserve(&mut self, n: usize);
     /// The uninitialised room after the current length.
@@ -365,7 +369,9 @@ pub(crate) trait Grow {
     unsafe fn grow(&mut self, n: usize);
 }
 
-impl Grow for Vec<u8> {
+// SAFETY: `Vec::reserve(n)` leaves capacity for at least `n` more bytes,
+// all of which `spare_capacity_mut` returns.
+unsafe impl Grow for Vec<u8> {
     fn reserve(&mut self, n: usize) {
         Vec::reserve(self, n);
     }
@@ -378,7 +384,9 @@ impl Grow for Vec<u8> {
     }
 }
 
-impl Grow for bytes::BytesMut {
+// SAFETY: `BytesMut::reserve(n)` leaves capacity for at least `n` more
+// bytes, all of which `spare_capacity_mut` returns.
+unsafe impl Grow for bytes::BytesMut {
     fn reserve(&mut self, n: usize) {
         bytes::BytesMut::reserve(self, n);
     }

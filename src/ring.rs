@@ -164,6 +164,12 @@ impl Ring<'_> {
         Ok(st.head_cache == st.tail)
     }
 
+    /// Whether the consumer looks done with every slot we pushed, from a
+    /// fresh look at its `head` (a racy hint for parking; see `drained`).
+    pub(crate) fn looks_drained(&self, st: &ProducerState) -> bool {
+        st.head_cache == st.tail || self.head.load(Ordering::Acquire) == st.tail
+    }
+
     /// Whether the ring looks empty right now (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &ConsumerState) -> bool {
         // (The tail may lag what we took by one: see `peek`.)

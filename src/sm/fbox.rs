@@ -211,6 +211,8 @@ impl<'a> FBox<'a> {
                     &mut v,
                 );
         }
+        // (Both reads are in range for a message `peek` found.)
+        debug_assert_eq!(v.len(), len);
         v
     }
 
@@ -285,8 +287,10 @@ impl<'a> FBox<'a> {
     }
 
     /// The pair's split-copy word (see `sm::split`), which shares the box's
-    /// lead line: both are per-pair words in the receiver's segment, and
-    /// the box is idle while a large message is copied.
+    /// lead line: both are per-pair words in the receiver's segment. (The
+    /// sender may keep filling the box behind a split rendezvous announced
+    /// in it, so both sides write this line meanwhile: a cost only while a
+    /// split copy of 128 KiB or more runs.)
     pub(crate) fn split_word(&self) -> &'a AtomicU64 {
         &self.words[1]
     }

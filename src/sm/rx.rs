@@ -55,7 +55,7 @@ struct Awaiting {
 }
 
 /// A rendezvous whose tail the sender was asked to write (split copy),
-/// waiting for it; its announcement stays at the head of the user ring.
+/// waiting for it; its announcement stays where it is (`at`).
 struct SplitWait {
     handle: u64,
     tag: u64,
@@ -149,6 +149,13 @@ impl RxState {
                     };
                     match step {
                         Step::Took => {
+                            // A message from the ring (or a rendezvous done
+                            // there): look in the box again first, which may
+                            // hold the next ones (after a split copy of an
+                            // announcement from the box, say).
+                            if took == 0 {
+                                fbox_done = ch != USER;
+                            }
                             let n = took.max(1);
                             returned += n;
                             budget = budget.saturating_sub(n);

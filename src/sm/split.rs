@@ -25,7 +25,8 @@
 //! sender never writes). `h` is the sender's rendezvous handle, unique per
 //! sender, so a late request for an old message can never claim a new offer.
 //! A pair has at most one offer out at a time: the announcement stays at
-//! the head of the user ring until its message is delivered.
+//! the head of the user ring or of the fast box until its message is
+//! delivered.
 
 use crate::sync::{AtomicU64, Ordering};
 

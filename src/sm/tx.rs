@@ -86,9 +86,8 @@ pub(crate) struct TxState {
     queues: Vec<VecDeque<Queued>>,
     /// Rendezvous messages announced and not yet copied, by handle.
     rndv: HashMap<u64, Rndv>,
-    /// Per peer (local rank): the handles announced to it, oldest first,
-    /// for its rendezvous-done word (a handle answered on the control ring
-    /// stays until the word passes it, then is dropped).
+    /// Per peer (local rank): the handles announced to it and still in
+    /// `rndv`, oldest first, for its rendezvous-done word.
     rndv_order: Vec<VecDeque<u64>>,
     /// Per peer: the highest value of its done word we acted on.
     rndv_settled: Vec<u64>,
@@ -632,6 +631,12 @@ impl TxState {
         let Some(r) = self.rndv.remove(&handle) else {
             return;
         };
+        // Only handles still out stay in the order (so the done word is
+        // looked at exactly while one is). A split-copy request for a
+        // handle settled earlier is dropped without a check that it was
+        // announced to this very peer (handles are numbered across peers):
+        // such a request writes nothing.
+        self.rndv_order[peer.local as usize].retain(|&h| h != handle);
         if copied {
             r.done.complete(Ok(()));
             return;
@@ -681,7 +686,6 @@ impl TxState {
                     break;
                 }
                 self.rndv_order[l].pop_front();
-                // (Gone already: answered on the control ring, refused.)
                 if self.rndv.get(&h).is_some_and(|r| r.peer == p.local) {
                     if let Some(r) = self.rndv.remove(&h) {
                         r.done.complete(Ok(()));
@@ -695,12 +699,12 @@ impl TxState {
 
     /// Advance queued messages as fragments come back.
     ///
-    /// Returned fragments are polled for only while half or more of a
+    /// Returned fragments are polled for only while a quarter or more of a
     /// class is out (and taken back by a push that finds its class empty):
     /// a sender polling its return rings after every message keeps their
     /// lines moving between the cores, and the receiver's next return (on
     /// its critical path, before its doorbell fence) waits for the line to
-    /// come back. A ping-pong so reads them once per half a pool.
+    /// come back. A ping-pong so reads them once per quarter of a pool.
     pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
         let mut work = 0;
         if self.pool_low() {
@@ -748,8 +752,11 @@ impl TxState {
             let returns_empty = t.seg.returns(p.local).looks_empty(&self.ret[l]);
             // User messages also wait on the peer's fast box, which rings us
             // when it takes from it. A head that fits the box needs no
-            // fragment: it is stuck only while the box is busy.
+            // fragment while the pair's user ring is drained (it goes in
+            // the box): it is stuck only while the box is busy. Otherwise
+            // it goes on the ring, like any other head.
             let box_busy = !p.seg.fbox(t.seg.local_rank).looks_drained(&self.fb[l]);
+            let needs_fragment = !can_push || self.inflight[l] >= self.cap;
             let user_stuck = match self.queues[l * CHANNELS + USER].front() {
                 None => true,
                 Some(h)
@@ -757,9 +764,14 @@ impl TxState {
                         && !h.at.started
                         && h.data.len() <= fbox::MAX_PAYLOAD =>
                 {
-                    box_busy
+                    let ring = p.seg.inbound(t.seg.local_rank, USER);
+                    if ring.looks_drained(&self.prod[l * CHANNELS + USER]) {
+                        box_busy
+                    } else {
+                        needs_fragment
+                    }
                 }
-                Some(_) => !can_push || self.inflight[l] >= self.cap || box_busy,
+                Some(_) => needs_fragment || box_busy,
             };
             let control_stuck = self.queues[l * CHANNELS + USER + 1].is_empty() || !can_push;
             let stuck = p.is_lost() || (user_stuck && control_stuck);
