@@ -138,11 +138,21 @@ impl Layout {
         let ms = self.p.max_size as usize;
         let rel = off.checked_sub(self.pool_off)?;
         if rel < ec * es {
-            return (rel % es == 0).then_some(rel / es);
+            return whole(rel, es);
         }
-        let rel = rel - ec * es;
-        let i = rel / ms;
-        (rel % ms == 0 && i < self.p.max_count as usize).then_some(ec + i)
+        let i = whole(rel - ec * es, ms)?;
+        (i < self.p.max_count as usize).then_some(ec + i)
+    }
+}
+
+/// `rel / size` if `size` divides `rel`: with a shift for a power of two
+/// (the default sizes; this runs for every fragment received and taken
+/// back, and a 64-bit `div` costs tens of cycles).
+fn whole(rel: usize, size: usize) -> Option<usize> {
+    if size.is_power_of_two() {
+        (rel & (size - 1) == 0).then_some(rel >> size.trailing_zeros())
+    } else {
+        (rel % size == 0).then_some(rel / size)
     }
 }
 
