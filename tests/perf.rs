@@ -366,6 +366,7 @@ fn bad_options_are_refused_with_a_message() {
         &["--baseline", "sctp"],
         &["--min-size", "1M", "--max-size", "1K"],
         &["--repeat", "0"],
+        &["--pick", "worst"],
     ] {
         let out = Command::new(PERF).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");

@@ -12,7 +12,7 @@ use async_btl::launch::LocalJob;
 use async_btl::perf::machine::Machine;
 use async_btl::perf::pin::{pin_current_thread, Pinning};
 use async_btl::perf::plan::Counts;
-use async_btl::perf::report::Report;
+use async_btl::perf::report::{Pick, Report};
 use async_btl::perf::session::{run, Settings};
 use async_btl::perf::{plot, Baseline, Test};
 use async_btl::ProgressMode;
@@ -137,6 +137,21 @@ struct Args {
     /// this compares like with like far better than one run.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     repeat: u32,
+
+    /// With --repeat: report each point's best run (`best`, the default)
+    /// or its middle run (`median`: on a shared VM, one run of one series
+    /// that catches a fast phase moves a best-of ratio more than the code
+    /// does).
+    #[arg(long, value_name = "HOW", default_value = "best", value_parser = pick)]
+    pick: Pick,
+}
+
+fn pick(s: &str) -> Result<Pick, String> {
+    match s {
+        "best" => Ok(Pick::Best),
+        "median" => Ok(Pick::Median),
+        other => Err(format!("unknown pick {other:?}: use best or median")),
+    }
 }
 
 fn tests(s: &str) -> Result<Vec<Test>, String> {
@@ -295,7 +310,7 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
-    let Some(report) = Report::best_of(reports) else {
+    let Some(report) = Report::combine(reports, args.pick) else {
         return ExitCode::SUCCESS;
     };
     let text = if args.json {

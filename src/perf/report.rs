@@ -11,6 +11,19 @@ use serde::{Deserialize, Serialize};
 use super::machine::Header;
 use super::{Sample, Test};
 
+/// How [`Report::combine`] chooses a point's value among repeated runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pick {
+    /// The best run (lowest latency, highest bandwidth or rate): what the
+    /// machine can do, and what a series that caught a fast phase of a
+    /// shared VM shows.
+    #[default]
+    Best,
+    /// The middle run: less sensitive to one run that caught a fast (or
+    /// slow) phase.
+    Median,
+}
+
 /// A whole run: header and samples.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -74,51 +87,71 @@ impl Report {
     /// repeating the whole run interleaves the series in time: on a noisy
     /// machine that compares like with like far better than one run.
     pub fn best_of(runs: Vec<Report>) -> Option<Report> {
+        Report::combine(runs, Pick::Best)
+    }
+
+    /// Several runs with the same settings as one report: per test, series
+    /// and size, the value `pick` chooses among the runs that measured it,
+    /// and the ratios recomputed from those (see [`Report::best_of`]).
+    pub fn combine(runs: Vec<Report>, pick: Pick) -> Option<Report> {
         let n = runs.len();
         let mut runs = runs.into_iter();
         let first = runs.next()?;
         let mut header = first.header;
-        let mut best = first.results;
-        // The spread of each point across runs: worst / best.
-        let mut worst: Vec<f64> = best.iter().map(|s| s.value).collect();
+        let mut points = first.results;
+        // Every run's value of each point, in run order.
+        let mut values: Vec<Vec<f64>> = points.iter().map(|s| vec![s.value]).collect();
         for r in runs {
             for s in r.results {
-                let at = best
+                let at = points
                     .iter()
                     .position(|b| b.test == s.test && b.wire == s.wire && b.size == s.size);
-                let Some(i) = at else {
-                    worst.push(s.value);
-                    best.push(s);
-                    continue;
-                };
-                let hib = s.unit.higher_is_better();
-                let better = |a: f64, b: f64| if hib { a > b } else { a < b };
-                if better(s.value, best[i].value) {
-                    best[i].value = s.value;
-                }
-                if better(worst[i], s.value) {
-                    worst[i] = s.value;
+                match at {
+                    Some(i) => values[i].push(s.value),
+                    None => {
+                        values.push(vec![s.value]);
+                        points.push(s);
+                    }
                 }
             }
         }
+        let mut spread = 1.0f64;
+        for (p, v) in points.iter_mut().zip(&mut values) {
+            let hib = p.unit.higher_is_better();
+            // Best first.
+            v.sort_by(|a, b| {
+                let o = a.total_cmp(b);
+                if hib {
+                    o.reverse()
+                } else {
+                    o
+                }
+            });
+            let (best, worst) = (v[0], v[v.len() - 1]);
+            p.value = match pick {
+                Pick::Best => best,
+                // The middle run (of an even count, the better of the two).
+                Pick::Median => v[(v.len() - 1) / 2],
+            };
+            if best > 0.0 {
+                let s = if hib {
+                    best / worst.max(f64::MIN_POSITIVE)
+                } else {
+                    worst / best
+                };
+                spread = spread.max(s);
+            }
+        }
         if n > 1 {
-            let spread = best
-                .iter()
-                .zip(&worst)
-                .filter(|(b, _)| b.value > 0.0)
-                .map(|(b, w)| {
-                    if b.unit.higher_is_better() {
-                        b.value / w.max(f64::MIN_POSITIVE)
-                    } else {
-                        w / b.value
-                    }
-                })
-                .fold(1.0f64, f64::max);
+            let how = match pick {
+                Pick::Best => "best",
+                Pick::Median => "median",
+            };
             header.notes.push(format!(
-                "best of {n} runs (each run measures async-btl, then the baselines); the widest spread between a point's best and worst run was {spread:.2}x"
+                "{how} of {n} runs (each run measures async-btl, then the baselines); the widest spread between a point's best and worst run was {spread:.2}x"
             ));
         }
-        Some(Report::new(header, best))
+        Some(Report::new(header, points))
     }
 
     /// The tests present, in report order.
@@ -351,6 +384,29 @@ mod tests {
             "{note}"
         );
         assert!(Report::best_of(Vec::new()).is_none());
+    }
+
+    #[test]
+    fn median_takes_each_points_middle_run() {
+        let runs: Vec<Report> = [3.0, 1.0, 2.0, 9.0]
+            .iter()
+            .map(|v| {
+                Report::new(
+                    header(),
+                    vec![sample("async-btl/sm", 8, *v), sample("tcp", 8, 10.0)],
+                )
+            })
+            .collect();
+        let r = Report::combine(runs, Pick::Median).unwrap();
+        let sm = r.results.iter().find(|s| s.wire == "async-btl/sm").unwrap();
+        assert_eq!(sm.value, 2.0, "of 1, 2, 3, 9: the better middle one");
+        let tcp = r.ratios.iter().find(|x| x.baseline == "tcp").unwrap();
+        assert!((tcp.ratio - 0.2).abs() < 1e-12);
+        let note = r.header.notes.last().unwrap();
+        assert!(
+            note.contains("median of 4 runs") && note.contains("9.00x"),
+            "{note}"
+        );
     }
 
     #[test]
