@@ -603,7 +603,10 @@ impl TxState {
 
     /// Whether our rendezvous `handle` to local peer `local` is over: its
     /// done word passed it. (A split-copy request can arrive after that:
-    /// the receiver took the tail back and finished without us.)
+    /// the receiver took the tail back and finished without us. Handles
+    /// are numbered across peers and this does not check that `handle` was
+    /// announced to `local`; a request it admits is dropped, writing
+    /// nothing.)
     pub(crate) fn rendezvous_settled(&self, local: u32, handle: u64) -> bool {
         self.rndv_settled
             .get(local as usize)
@@ -632,10 +635,7 @@ impl TxState {
             return;
         };
         // Only handles still out stay in the order (so the done word is
-        // looked at exactly while one is). A split-copy request for a
-        // handle settled earlier is dropped without a check that it was
-        // announced to this very peer (handles are numbered across peers):
-        // such a request writes nothing.
+        // looked at exactly while one is).
         self.rndv_order[peer.local as usize].retain(|&h| h != handle);
         if copied {
             r.done.complete(Ok(()));
@@ -686,11 +686,10 @@ impl TxState {
                     break;
                 }
                 self.rndv_order[l].pop_front();
-                if self.rndv.get(&h).is_some_and(|r| r.peer == p.local) {
-                    if let Some(r) = self.rndv.remove(&h) {
-                        r.done.complete(Ok(()));
-                        n += 1;
-                    }
+                // (The order holds only this peer's handles still in `rndv`.)
+                if let Some(r) = self.rndv.remove(&h) {
+                    r.done.complete(Ok(()));
+                    n += 1;
                 }
             }
         }
