@@ -100,7 +100,6 @@ pub(crate) struct RxState {
     pub(crate) misbehaved: Vec<(u32, String)>,
 }
 
-const PF: u64 = 4;
 enum Step {
     Took,
     Empty,
