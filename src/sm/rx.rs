@@ -214,7 +214,7 @@ impl RxState {
         }
         let mut total = 0;
         let (took, step) = loop {
-            let (took, step, rndv) = self.fbox_messages(t, p, max - total);
+            let (took, step, rndv) = self.fbox_messages(t, p, b, max - total);
             total += took;
             let Some(found) = rndv else {
                 break (total, step);
@@ -245,10 +245,10 @@ impl RxState {
         &mut self,
         t: &SmTransport,
         p: &SmPeer,
+        b: fbox::FBox<'_>,
         max: usize,
     ) -> (usize, Step, Option<fbox::Found>) {
         let l = p.local as usize;
-        let b = t.seg.fbox(p.local);
         let st = &mut self.fb[l];
         let (took, step, rndv) = t.core.dispatcher.offers(|o| {
             let mut took = 0;
