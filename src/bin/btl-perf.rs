@@ -40,6 +40,13 @@ ucx-utils) over its shared-memory transports (UCX_TLS=sm,self), one server
 and client pair per point on the ranks' cores, for lat, bw, put_bw, get_bw
 and msg_rate.
 
+With the ranks pinned to two cores (the default), rank 0 also reads the
+machine's own hop before and after each run: an 8-byte ping-pong between
+two of its threads on the ranks' cores, no library in between. The report
+gives it in a `# floor:` line and warns when it moved by more than 1.5x:
+on a VM whose speed changes while it runs, such a run compares points
+taken at different speeds.
+
 Run it alone (it starts its own two ranks), or as two ranks under
 `btl-run -n 2` or `mpirun -np 2`. Rank 0 prints the report.";
 

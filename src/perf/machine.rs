@@ -93,6 +93,35 @@ pub struct Header {
     pub settings: BTreeMap<String, String>,
     /// Remarks on method the reader needs (e.g. UDP chunking).
     pub notes: Vec<String>,
+    /// The machine's own hop (see [`super::floor`]) before and after each
+    /// run, in run order; empty when not read (ranks not pinned to two
+    /// cores).
+    #[serde(default)]
+    pub floors: Vec<Floor>,
+}
+
+/// [`super::floor::line_floor`] read before and after one run, µs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Floor {
+    /// Before the run's first measurement.
+    pub before: f64,
+    /// After its last (the external baselines included).
+    pub after: f64,
+}
+
+/// A run whose floors differ by more than this factor mixed the machine's
+/// phases (the two measured here differ by about 4x).
+pub const FLOOR_DRIFT: f64 = 1.5;
+
+impl Header {
+    /// The largest over the smallest of every floor read, when any was.
+    pub fn floor_drift(&self) -> Option<f64> {
+        let v = self.floors.iter().flat_map(|f| [f.before, f.after]);
+        let (lo, hi) = v.fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+            (lo.min(x), hi.max(x))
+        });
+        (lo > 0.0 && lo.is_finite()).then(|| hi / lo)
+    }
 }
 
 /// `now` as `YYYY-MM-DDTHH:MM:SSZ`.

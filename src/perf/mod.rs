@@ -11,7 +11,7 @@
 //!
 //! Module map: [`wire`] (the transports under test), [`method`] (what each
 //! test does on each side), [`plan`] (iterations per size), [`machine`] (the
-//! report header), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
+//! report header), [`floor`] (the machine's own hop, read around each run), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
 //! (CPU affinity), [`session`] (one rank's whole run), [`tool`] (running
 //! the baselines' external tools), [`ompi`] (Open MPI
 //! as a baseline, run under its own `mpirun`), [`ucx`] (UCX as a baseline,
@@ -19,6 +19,7 @@
 //!
 //! Nothing here asserts a speed: it measures and reports.
 
+pub mod floor;
 pub mod machine;
 pub mod method;
 pub mod ompi;

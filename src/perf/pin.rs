@@ -77,6 +77,14 @@ pub fn pin_current_thread(core: usize) -> Result<()> {
     Ok(())
 }
 
+/// The cores the calling thread may run on, lowest first (empty if the
+/// kernel will not say).
+pub fn allowed_cores() -> Vec<usize> {
+    crate::os::cpu_affinity()
+        .map(|v| v.into_iter().map(|c| c as usize).collect())
+        .unwrap_or_default()
+}
+
 /// Let the calling thread run on every core the system allows it (the
 /// kernel keeps only those of its cpuset). Async-signal-safe: a child
 /// process can call it between fork and exec to shed a pinned parent's

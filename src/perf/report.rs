@@ -102,6 +102,7 @@ impl Report {
         // Every run's value of each point, in run order.
         let mut values: Vec<Vec<f64>> = points.iter().map(|s| vec![s.value]).collect();
         for r in runs {
+            header.floors.extend(r.header.floors);
             for s in r.results {
                 let at = points
                     .iter()
@@ -201,6 +202,24 @@ impl Report {
         }
         for n in &h.notes {
             let _ = writeln!(o, "# note: {n}");
+        }
+        if !h.floors.is_empty() {
+            let each: Vec<String> = h
+                .floors
+                .iter()
+                .map(|f| format!("{:.3} -> {:.3}", f.before, f.after))
+                .collect();
+            let _ = writeln!(
+                o,
+                "# floor: 8 B ping-pong between two threads on the ranks' cores, no library (us, before -> after each run): {}",
+                each.join(", ")
+            );
+        }
+        if let Some(d) = h.floor_drift().filter(|d| *d > super::machine::FLOOR_DRIFT) {
+            let _ = writeln!(
+                o,
+                "# warning: the machine's own hop changed {d:.1}x during these runs: points measured at different times (async-btl and its baselines, or two runs) may come from different speeds of the machine; compare within a run whose floor held"
+            );
         }
         o
     }
@@ -324,7 +343,42 @@ mod tests {
             command: "btl-perf".into(),
             settings: Default::default(),
             notes: vec![],
+            floors: vec![],
         }
+    }
+
+    #[test]
+    fn floors_of_every_run_are_kept_and_a_drift_is_flagged() {
+        use crate::perf::machine::Floor;
+        let run = |before: f64, after: f64| {
+            let mut h = header();
+            h.floors.push(Floor { before, after });
+            Report::new(h, vec![sample("async-btl/sm", 8, 1.0)])
+        };
+        let steady = Report::combine(vec![run(0.07, 0.07), run(0.07, 0.08)], Pick::Median)
+            .expect("two runs");
+        assert_eq!(steady.header.floors.len(), 2, "one pair per run");
+        let text = steady.header_lines();
+        assert!(text.contains("0.070 -> 0.070, 0.070 -> 0.080"), "{text}");
+        assert!(!text.contains("# warning"), "{text}");
+        // The second run started in the slow phase.
+        let mixed = Report::combine(vec![run(0.07, 0.07), run(0.29, 0.28)], Pick::Median)
+            .expect("two runs");
+        assert!((mixed.header.floor_drift().unwrap() - 0.29 / 0.07).abs() < 1e-9);
+        let text = mixed.header_lines();
+        assert!(
+            text.contains("# warning: the machine's own hop changed 4.1x"),
+            "{text}"
+        );
+        // Not read (not pinned): no floor line, no drift.
+        let none = Report::new(header(), vec![sample("async-btl/sm", 8, 1.0)]);
+        assert_eq!(none.header.floor_drift(), None);
+        assert!(!none.header_lines().contains("# floor"));
+        // Old reports without the field still parse.
+        let mut v: serde_json::Value = serde_json::from_str(&none.json()).unwrap();
+        v["header"].as_object_mut().unwrap().remove("floors");
+        let back: Report = serde_json::from_value(v).unwrap();
+        assert!(back.header.floors.is_empty());
     }
 
     #[test]
@@ -418,6 +472,7 @@ mod tests {
             command: "btl-perf".into(),
             settings: Default::default(),
             notes: vec![],
+            floors: vec![],
         };
         let r = Report::new(
             header,

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::machine::{utc_now, Header, Machine};
+use super::machine::{utc_now, Floor, Header, Machine};
 use super::method::{on_wire, rma_timed, RmaSide};
 use super::pin::Pinning;
 use super::plan::Counts;
@@ -115,6 +115,8 @@ pub async fn run(
     }
     let launcher = format!("{:?}", job.launcher);
     let config = s.config()?;
+    // Before rank 1 has anything to do but wait for the bootstrap.
+    let floor_before = floor(s, job.rank);
     // One async-btl run per compared transport (or one under `transport`).
     let runs: Vec<Config> = if s.compare.is_empty() {
         vec![config.clone()]
@@ -180,6 +182,10 @@ pub async fn run(
     }
     let mut header = header(s, &config, &transport, &launcher, core);
     header.notes.extend(notes);
+    // After everything, the external baselines included (rank 1 is done).
+    if let (Some(before), Some(after)) = (floor_before, floor(s, rank)) {
+        header.floors.push(Floor { before, after });
+    }
     Ok(Some(Report::new(header, samples)))
 }
 
@@ -401,6 +407,18 @@ fn header(
         command: s.command.clone(),
         settings: m,
         notes,
+        floors: Vec::new(),
+    }
+}
+
+/// The machine's own hop between the ranks' cores (rank 0 only, run from
+/// its pinned thread while rank 1 waits), or `None` if not pinned to two.
+fn floor(s: &Settings, rank: u32) -> Option<f64> {
+    match s.cores {
+        (Some(a), Some(b)) if rank == 0 => {
+            super::floor::line_floor((a, b), super::floor::ROUND_TRIPS)
+        }
+        _ => None,
     }
 }
 

@@ -1,0 +1,140 @@
+//! The machine's own floor for a small-message hop, read around each run: an
+//! 8-byte ping-pong between two threads of rank 0, pinned to the two ranks'
+//! cores, through two atomic words on cache lines of their own. No library,
+//! no protocol: one line crossing between the cores per hop, which is what
+//! any shared-memory transport's small-message latency rests on.
+//!
+//! Why: the 2-core VMs this project is measured on change speed every few
+//! minutes (a line crossing took about 35 ns in one phase and 150 ns in
+//! the other, on the same machine, the same day). A run whose floor moved
+//! between its start and its end compares points taken in different
+//! phases, and the report says so.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::pin::pin_current_thread;
+
+/// Round trips timed (after as many again to warm up).
+pub const ROUND_TRIPS: u64 = 100_000;
+
+/// Give up (no figure) if the ping-pong has not finished by then: the two
+/// threads may share a core after all, where each hop waits for a
+/// scheduler tick.
+const DEADLINE: Duration = Duration::from_secs(2);
+
+/// Spins between two looks at the clock while waiting.
+const SPINS_PER_CLOCK: u32 = 4096;
+
+/// One word alone on its pair of cache lines (the adjacent-line prefetcher
+/// fetches lines in 128-byte pairs).
+#[repr(align(128))]
+#[derive(Default)]
+struct Line(AtomicU64);
+
+#[derive(Default)]
+struct Pair {
+    ping: Line,
+    pong: Line,
+    /// Set by either side that gave up, so the other stops too.
+    gave_up: AtomicU64,
+}
+
+/// Wait until `w` holds `want`; false if the deadline passed or the other
+/// side gave up.
+fn wait_for(w: &AtomicU64, want: u64, p: &Pair, deadline: Instant) -> bool {
+    let mut spins = 0u32;
+    while w.load(Ordering::Acquire) != want {
+        spins += 1;
+        if spins == SPINS_PER_CLOCK {
+            spins = 0;
+            if Instant::now() > deadline || p.gave_up.load(Ordering::Relaxed) != 0 {
+                p.gave_up.store(1, Ordering::Relaxed);
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// Half the round trip of an 8-byte ping-pong between a thread on
+/// `cores.0` (the calling thread, which must already run there) and one on
+/// `cores.1`, in µs; `None` when the cores are the same, a thread cannot
+/// be pinned, or the exchange does not finish within two seconds.
+pub fn line_floor(cores: (usize, usize), round_trips: u64) -> Option<f64> {
+    if cores.0 == cores.1 || round_trips == 0 {
+        return None;
+    }
+    let pair = Arc::new(Pair::default());
+    let total = 2 * round_trips;
+    let deadline = Instant::now() + DEADLINE;
+    let theirs = pair.clone();
+    let echo = std::thread::Builder::new()
+        .name("btl-perf-floor".into())
+        .spawn(move || {
+            let p = &*theirs;
+            if pin_current_thread(cores.1).is_err() {
+                p.gave_up.store(1, Ordering::Relaxed);
+                return;
+            }
+            for seq in 1..=total {
+                if !wait_for(&p.ping.0, seq, p, deadline) {
+                    return;
+                }
+                p.pong.0.store(seq, Ordering::Release);
+            }
+        })
+        .ok()?;
+    let p = &*pair;
+    let mut start = Instant::now();
+    let mut ok = true;
+    for seq in 1..=total {
+        if seq == round_trips + 1 {
+            start = Instant::now();
+        }
+        p.ping.0.store(seq, Ordering::Release);
+        if !wait_for(&p.pong.0, seq, p, deadline) {
+            ok = false;
+            break;
+        }
+    }
+    let elapsed = start.elapsed();
+    if !ok {
+        p.gave_up.store(1, Ordering::Relaxed);
+    }
+    let joined = echo.join().is_ok();
+    (ok && joined).then(|| elapsed.as_secs_f64() * 1e6 / round_trips as f64 / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_same_core_twice_gives_no_floor() {
+        assert_eq!(line_floor((0, 0), 10), None);
+        assert_eq!(line_floor((0, 1), 0), None);
+    }
+
+    #[test]
+    fn two_cores_give_a_positive_floor() {
+        let cores = crate::perf::pin::allowed_cores();
+        let &[a, b, ..] = cores.as_slice() else {
+            eprintln!("skipped: this process may use {cores:?}; the floor needs two cores");
+            return;
+        };
+        // Both threads pin themselves; the calling one first, as a rank does.
+        let ok = std::thread::spawn(move || {
+            pin_current_thread(a).expect("pin to the first allowed core");
+            line_floor((a, b), 1000)
+        })
+        .join()
+        .expect("floor thread");
+        let v = ok.expect("a floor between two allowed cores");
+        assert!(v.is_finite() && v > 0.0, "floor {v} µs");
+        // A hop across cores takes less than a millisecond on any machine
+        // this runs on (a sanity bound, not a speed claim).
+        assert!(v < 1000.0, "floor {v} µs");
+    }
+}
