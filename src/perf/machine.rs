@@ -100,13 +100,14 @@ pub struct Header {
     pub floors: Vec<Floor>,
 }
 
-/// [`super::floor::line_floor`] read before and after one run, µs.
+/// [`super::floor::best_floor`] read before and after one run, µs (`None`:
+/// the reading failed, e.g. the two threads could not be pinned apart).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Floor {
     /// Before the run's first measurement.
-    pub before: f64,
+    pub before: Option<f64>,
     /// After its last (the external baselines included).
-    pub after: f64,
+    pub after: Option<f64>,
 }
 
 /// A run whose floors differ by more than this factor mixed the machine's
@@ -116,7 +117,11 @@ pub const FLOOR_DRIFT: f64 = 1.5;
 impl Header {
     /// The largest over the smallest of every floor read, when any was.
     pub fn floor_drift(&self) -> Option<f64> {
-        let v = self.floors.iter().flat_map(|f| [f.before, f.after]);
+        let v = self
+            .floors
+            .iter()
+            .flat_map(|f| [f.before, f.after])
+            .flatten();
         let (lo, hi) = v.fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
             (lo.min(x), hi.max(x))
         });

@@ -207,7 +207,10 @@ impl Report {
             let each: Vec<String> = h
                 .floors
                 .iter()
-                .map(|f| format!("{:.3} -> {:.3}", f.before, f.after))
+                .map(|f| {
+                    let v = |x: Option<f64>| x.map_or("n/a".to_string(), |x| format!("{x:.3}"));
+                    format!("{} -> {}", v(f.before), v(f.after))
+                })
                 .collect();
             let _ = writeln!(
                 o,
@@ -352,7 +355,10 @@ mod tests {
         use crate::perf::machine::Floor;
         let run = |before: f64, after: f64| {
             let mut h = header();
-            h.floors.push(Floor { before, after });
+            h.floors.push(Floor {
+                before: Some(before),
+                after: Some(after),
+            });
             Report::new(h, vec![sample("async-btl/sm", 8, 1.0)])
         };
         let steady = Report::combine(vec![run(0.07, 0.07), run(0.07, 0.08)], Pick::Median)
@@ -370,6 +376,15 @@ mod tests {
             text.contains("# warning: the machine's own hop changed 4.1x"),
             "{text}"
         );
+        // A reading that failed shows as such and does not count.
+        let mut h = header();
+        h.floors.push(Floor {
+            before: None,
+            after: Some(0.07),
+        });
+        let failed = Report::new(h, vec![sample("async-btl/sm", 8, 1.0)]);
+        assert!(failed.header_lines().contains("n/a -> 0.070"));
+        assert_eq!(failed.header.floor_drift(), Some(1.0));
         // Not read (not pinned): no floor line, no drift.
         let none = Report::new(header(), vec![sample("async-btl/sm", 8, 1.0)]);
         assert_eq!(none.header.floor_drift(), None);

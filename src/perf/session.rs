@@ -116,7 +116,8 @@ pub async fn run(
     let launcher = format!("{:?}", job.launcher);
     let config = s.config()?;
     // Before rank 1 has anything to do but wait for the bootstrap.
-    let floor_before = floor(s, job.rank);
+    let read_floor = reads_floor(s, &job);
+    let floor_before = read_floor.then(|| floor(s)).flatten();
     // One async-btl run per compared transport (or one under `transport`).
     let runs: Vec<Config> = if s.compare.is_empty() {
         vec![config.clone()]
@@ -183,8 +184,12 @@ pub async fn run(
     let mut header = header(s, &config, &transport, &launcher, core);
     header.notes.extend(notes);
     // After everything, the external baselines included (rank 1 is done).
-    if let (Some(before), Some(after)) = (floor_before, floor(s, rank)) {
-        header.floors.push(Floor { before, after });
+    if read_floor {
+        let after = floor(s);
+        header.floors.push(Floor {
+            before: floor_before,
+            after,
+        });
     }
     Ok(Some(Report::new(header, samples)))
 }
@@ -411,13 +416,20 @@ fn header(
     }
 }
 
-/// The machine's own hop between the ranks' cores (rank 0 only, run from
-/// its pinned thread while rank 1 waits), or `None` if not pinned to two.
-fn floor(s: &Settings, rank: u32) -> Option<f64> {
+/// Whether rank 0 reads the machine's own hop: both ranks on its node, on
+/// two cores.
+fn reads_floor(s: &Settings, job: &JobInfo) -> bool {
+    matches!(s.cores, (Some(a), Some(b)) if a != b)
+        && job.rank == 0
+        && job.local_size == 2
+        && job.size == 2
+}
+
+/// The machine's own hop between the ranks' cores (rank 0, from its pinned
+/// thread, while rank 1 waits or is done).
+fn floor(s: &Settings) -> Option<f64> {
     match s.cores {
-        (Some(a), Some(b)) if rank == 0 => {
-            super::floor::line_floor((a, b), super::floor::ROUND_TRIPS)
-        }
+        (Some(a), Some(b)) => super::floor::best_floor((a, b)),
         _ => None,
     }
 }
