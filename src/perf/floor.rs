@@ -10,7 +10,7 @@
 //! between its start and its end compares points taken in different
 //! phases, and the report says so.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,7 +43,7 @@ struct Pair {
     ping: Line,
     pong: Line,
     /// Set by either side that gave up, so the other stops too.
-    gave_up: AtomicU64,
+    gave_up: AtomicBool,
 }
 
 /// Wait until `w` holds `want`; false if the deadline passed or the other
@@ -54,8 +54,8 @@ fn wait_for(w: &AtomicU64, want: u64, p: &Pair, deadline: Instant) -> bool {
         spins += 1;
         if spins == SPINS_PER_CLOCK {
             spins = 0;
-            if Instant::now() > deadline || p.gave_up.load(Ordering::Relaxed) != 0 {
-                p.gave_up.store(1, Ordering::Relaxed);
+            if Instant::now() > deadline || p.gave_up.load(Ordering::Relaxed) {
+                p.gave_up.store(true, Ordering::Relaxed);
                 return false;
             }
         }
@@ -80,7 +80,7 @@ pub fn line_floor(cores: (usize, usize), round_trips: u64) -> Option<f64> {
         .spawn(move || {
             let p = &*theirs;
             if pin_current_thread(cores.1).is_err() {
-                p.gave_up.store(1, Ordering::Relaxed);
+                p.gave_up.store(true, Ordering::Relaxed);
                 return;
             }
             for seq in 1..=total {
@@ -106,7 +106,7 @@ pub fn line_floor(cores: (usize, usize), round_trips: u64) -> Option<f64> {
     }
     let elapsed = start.elapsed();
     if !ok {
-        p.gave_up.store(1, Ordering::Relaxed);
+        p.gave_up.store(true, Ordering::Relaxed);
     }
     let joined = echo.join().is_ok();
     (ok && joined).then(|| half_round_trip_us(elapsed, round_trips))

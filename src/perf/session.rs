@@ -116,8 +116,8 @@ pub async fn run(
     let launcher = format!("{:?}", job.launcher);
     let config = s.config()?;
     // Before rank 1 has anything to do but wait for the bootstrap.
-    let read_floor = reads_floor(s, &job);
-    let floor_before = read_floor.then(|| floor(s)).flatten();
+    let floor_cores = floor_cores(s, &job);
+    let floor_before = floor_cores.and_then(super::floor::best_floor);
     // One async-btl run per compared transport (or one under `transport`).
     let runs: Vec<Config> = if s.compare.is_empty() {
         vec![config.clone()]
@@ -184,11 +184,10 @@ pub async fn run(
     let mut header = header(s, &config, &transport, &launcher, core);
     header.notes.extend(notes);
     // After everything, the external baselines included (rank 1 is done).
-    if read_floor {
-        let after = floor(s);
+    if let Some(cores) = floor_cores {
         header.floors.push(Floor {
             before: floor_before,
-            after,
+            after: super::floor::best_floor(cores),
         });
     }
     Ok(Some(Report::new(header, samples)))
@@ -416,20 +415,14 @@ fn header(
     }
 }
 
-/// Whether rank 0 reads the machine's own hop: both ranks on its node, on
-/// two cores.
-fn reads_floor(s: &Settings, job: &JobInfo) -> bool {
-    matches!(s.cores, (Some(a), Some(b)) if a != b)
-        && job.rank == 0
-        && job.local_size == 2
-        && job.size == 2
-}
-
-/// The machine's own hop between the ranks' cores (rank 0, from its pinned
-/// thread, while rank 1 waits or is done).
-fn floor(s: &Settings) -> Option<f64> {
+/// The ranks' two cores when rank 0 reads the machine's own hop there
+/// (both ranks on its node, pinned apart): rank 0 reads it from its pinned
+/// thread while rank 1 waits or is done.
+fn floor_cores(s: &Settings, job: &JobInfo) -> Option<(usize, usize)> {
     match s.cores {
-        (Some(a), Some(b)) => super::floor::best_floor((a, b)),
+        (Some(a), Some(b)) if a != b && job.rank == 0 && job.local_size == 2 && job.size == 2 => {
+            Some((a, b))
+        }
         _ => None,
     }
 }
