@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "probe.h"
+
 #define SLOTS 256
 
 struct slot {
@@ -37,21 +39,6 @@ struct box {
 };
 
 static int mode;
-
-static double now_us(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
-
-static void pin(int core)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(core, &set);
-    sched_setaffinity(0, sizeof set, &set);
-}
 
 static uint64_t head_mark(uint64_t n)
 {

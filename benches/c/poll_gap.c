@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "probe.h"
+
 #define SLOTS 512
 
 struct slot {
@@ -88,10 +90,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         pid_t pid = fork();
         int me = pid == 0;
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(me, &set);
-        sched_setaffinity(0, sizeof set, &set);
+        pin(me);
         run(atoi(argv[a]), s, me);
         if (me)
             _exit(0);

@@ -22,17 +22,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "probe.h"
+
 struct flag {
     volatile uint64_t seq;
     char pad[56];
 };
-
-static double now_us(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
 
 int main(void)
 {
@@ -48,10 +43,7 @@ int main(void)
     char *buf[2] = {shm + 4096, shm + 4096 + 65536};
     pid_t pid = fork();
     int me = pid == 0;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(me, &set);
-    sched_setaffinity(0, sizeof set, &set);
+    pin(me);
     char *priv = calloc(1, 65536), *src = malloc(65536);
     memset(src, 1, 65536);
     uint64_t seq = 0;
