@@ -35,6 +35,37 @@ impl std::str::FromStr for ProgressMode {
     }
 }
 
+/// How large copies (of 32 KiB and more: puts and gets into a peer's
+/// mapping, copy-out of large messages) are done. The choice is per
+/// process: the first fabric opened makes it, later ones keep it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CopyMode {
+    /// The vector loop where the CPU has AVX2, else `memmove`. The
+    /// default: `memmove`'s `rep movsb` lowered the core's clock after ~4 ms
+    /// of copying on the Xeons here, the loop never did (see
+    /// ARCHITECTURE.md, "Bulk copies").
+    #[default]
+    Auto,
+    /// The C library's `memmove`.
+    Libc,
+    /// async-btl's own vector loop (AVX2; where the CPU lacks it, `Libc`).
+    Vector,
+}
+
+impl std::str::FromStr for CopyMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(CopyMode::Auto),
+            "libc" | "memcpy" => Ok(CopyMode::Libc),
+            "vector" | "avx2" => Ok(CopyMode::Vector),
+            other => Err(Error::Config(format!(
+                "unknown copy routine {other:?}: use auto, libc or vector"
+            ))),
+        }
+    }
+}
+
 /// Settings of a [`Fabric`](crate::Fabric).
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -45,6 +76,9 @@ pub struct Config {
     pub spin: Duration,
     /// How often peers are checked for liveness. Env: `BTL_HEARTBEAT_MS`.
     pub heartbeat: Duration,
+    /// The routine for copies of 32 KiB and more (see [`CopyMode`]).
+    /// Env: `BTL_COPY` (`auto`, `libc`, `vector`).
+    pub copy: CopyMode,
     /// Shared memory: size of an eager fragment, header included. Env: `BTL_SM_EAGER`.
     pub sm_eager_size: usize,
     /// Shared memory: number of eager fragments per process. Env: `BTL_SM_EAGER_COUNT`.
@@ -127,6 +161,7 @@ impl Default for Config {
             progress: ProgressMode::Adaptive,
             spin: Duration::from_micros(200),
             heartbeat: Duration::from_millis(100),
+            copy: CopyMode::Auto,
             sm_eager_size: 4096,
             sm_eager_count: 64,
             sm_max_size: 128 * 1024,
@@ -175,6 +210,9 @@ impl Config {
         let mut c = Config::default();
         if let Some(v) = get("BTL_PROGRESS") {
             c.progress = v.parse()?;
+        }
+        if let Some(v) = get("BTL_COPY") {
+            c.copy = v.parse()?;
         }
         let us = |k: &str| -> Result<Option<u64>> { get(k).map(|v| parse(k, &v)).transpose() };
         if let Some(v) = us("BTL_SPIN_US")? {
@@ -359,5 +397,22 @@ mod tests {
         }
         let e = with("2").unwrap_err().to_string();
         assert!(e.contains("BTL_UDP_GSO"), "{e}");
+    }
+
+    #[test]
+    fn copy_mode_names() {
+        let with = |v: &str| Config::from_lookup(|k| (k == "BTL_COPY").then(|| v.to_string()));
+        assert_eq!(Config::default().copy, CopyMode::Auto);
+        for (v, want) in [
+            ("auto", CopyMode::Auto),
+            ("LIBC", CopyMode::Libc),
+            ("memcpy", CopyMode::Libc),
+            ("vector", CopyMode::Vector),
+            (" avx2 ", CopyMode::Vector),
+        ] {
+            assert_eq!(with(v).unwrap().copy, want, "{v}");
+        }
+        let e = with("fast").unwrap_err().to_string();
+        assert!(e.contains("auto, libc or vector"), "{e}");
     }
 }

@@ -266,6 +266,9 @@ impl Fabric {
         }
         let local_size = b.local_size.unwrap_or(b.size);
         let local_rank = b.local_rank.unwrap_or(b.rank);
+        // Before any transport copies: the first fabric picks the bulk
+        // copy routine for the process.
+        crate::mem::choose_copy(b.config.copy);
         let counters = Arc::new(Counters::default());
         let regions = Arc::new(RegionTable::default());
         let buffers: Arc<crate::bufpool::BufPool> = Arc::default();
@@ -526,6 +529,12 @@ impl Fabric {
     /// `udp` runs (it runs when some peer is reached through it).
     pub fn udp_addrs(&self) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
         self.udp.as_ref().map(|u| u.local_addrs())
+    }
+
+    /// The routine this process copies 32 KiB and more with, and why
+    /// (chosen when the first fabric opened; see [`Config::copy`]).
+    pub fn copy_routine(&self) -> &'static crate::CopyChoice {
+        crate::mem::choose_copy(self.core.config.copy)
     }
 
     /// The transports this process runs, by name.

@@ -51,12 +51,13 @@ mod stats;
 mod sync;
 mod transport;
 
-pub use config::{Config, ProgressMode};
+pub use config::{Config, CopyMode, ProgressMode};
 pub use dispatch::{Message, Receiver};
 pub use endpoint::{Endpoint, Flush, Get, Put, Send, SendInline};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use fabric::{Fabric, FabricBuilder};
+pub use mem::CopyChoice;
 pub use region::{MemoryRegion, RemoteKey};
 pub use stats::Stats;
 

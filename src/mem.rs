@@ -7,6 +7,10 @@ use std::ptr::NonNull;
 
 use crate::AccessError;
 
+mod copy;
+pub use copy::CopyChoice;
+pub(crate) use copy::{choose as choose_copy, chosen as copy_chosen};
+
 /// A pointer and a length, valid for as long as its owner keeps the memory.
 ///
 /// Every `RawBuf` is stored next to the owner of its memory (a mapping or a
@@ -124,8 +128,8 @@ impl RawBuf {
         let o = check(off, src.len(), self.len)?;
         // SAFETY: bounds checked above; the range is valid per `new`'s
         // contract; `src` is a Rust slice and so cannot alias this range (no
-        // references into it exist); ptr::copy tolerates overlap anyway.
-        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(o), src.len()) };
+        // references into it exist); `copy` tolerates overlap anyway.
+        unsafe { copy::copy(src.as_ptr(), self.ptr.as_ptr().add(o), src.len()) };
         Ok(())
     }
 
@@ -134,7 +138,7 @@ impl RawBuf {
         let o = check(off, dst.len(), self.len)?;
         // SAFETY: bounds checked; valid per `new`'s contract; `dst` is a
         // unique Rust slice, so not inside this range.
-        unsafe { std::ptr::copy(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
+        unsafe { copy::copy(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -151,7 +155,7 @@ impl RawBuf {
         // SAFETY: bounds checked; `spare` has at least n bytes after reserve;
         // the copy initialises them, so growing the length by n is sound.
         unsafe {
-            std::ptr::copy(self.ptr.as_ptr().add(o), spare.as_mut_ptr().cast::<u8>(), n);
+            copy::copy(self.ptr.as_ptr().add(o), spare.as_mut_ptr().cast::<u8>(), n);
             dst.grow(n);
         }
         Ok(())
@@ -167,9 +171,9 @@ impl RawBuf {
     ) -> Result<(), AccessError> {
         let d = check(off, n, self.len)?;
         let s = check(src_off, n, src.len)?;
-        // SAFETY: both ranges checked and valid per `new`; ptr::copy handles
+        // SAFETY: both ranges checked and valid per `new`; `copy` handles
         // the case where both name the same memory.
-        unsafe { std::ptr::copy(src.ptr.as_ptr().add(s), self.ptr.as_ptr().add(d), n) };
+        unsafe { copy::copy(src.ptr.as_ptr().add(s), self.ptr.as_ptr().add(d), n) };
         Ok(())
     }
 

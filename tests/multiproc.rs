@@ -143,6 +143,16 @@ async fn putget(f: Fabric) {
             "put into the registered region"
         );
         // The refused puts left the rest untouched.
+        // The large put at an odd offset, and nothing around it.
+        let all = shared.to_vec();
+        assert!(
+            all[400_001..400_001 + 200_003] == pattern(200_003, 3)[..],
+            "large put"
+        );
+        assert!(
+            all[400_000] == 0 && all[600_004] == 0,
+            "large put stayed in range"
+        );
         assert!(shared.to_vec()[(1 << 20) - 64..].iter().all(|b| *b == 0));
         assert!(heap.to_vec()[(1 << 16) - 64..].iter().all(|b| *b == 0));
         println!("refused={}", f.stats().access_refused);
@@ -158,6 +168,18 @@ async fn putget(f: Fabric) {
         let back = f.register(vec![0u8; 5000]);
         ep.get(&back, 0..5000, &shared, 12345).await.unwrap();
         assert_eq!(back.to_vec(), pattern(5000, 1).to_vec());
+        // Large, misaligned copies into and out of the peer's mapping:
+        // the bulk copy routine (BTL_COPY; the AVX2 loop by default).
+        let large = f.register(pattern(200_003, 3).to_vec());
+        ep.put(&large, 0..200_003, &shared, 400_001).await.unwrap();
+        let large_back = f.register(vec![0u8; 200_010]);
+        ep.get(&large_back, 7..200_010, &shared, 400_001)
+            .await
+            .unwrap();
+        assert!(
+            large_back.to_vec()[7..] == pattern(200_003, 3)[..],
+            "large get"
+        );
         let src2 = f.register(pattern(3000, 2).to_vec());
         ep.put(&src2, 0..3000, &heap, 777).await.unwrap();
         ep.get(&back, 0..3000, &heap, 777).await.unwrap();
@@ -628,7 +650,8 @@ fn put_get_with_bounds_and_forged_keys() {
     assert_ok(&outs);
     let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
     assert!(refused >= 2, "target counted {refused} refusals");
-    let direct = (1 + IMPLICIT_PUTS).to_string();
+    // The 5000-byte put, the large one and the implicit ones.
+    let direct = (2 + IMPLICIT_PUTS).to_string();
     assert_eq!(value(&outs[0], "direct_puts"), Some(direct));
 }
 

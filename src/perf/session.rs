@@ -373,6 +373,9 @@ fn header(
             c.sm_eager_size, c.sm_eager_count, c.sm_max_size, c.sm_max_count
         ),
     );
+    if let Some(c) = crate::mem::copy_chosen() {
+        set("copy", format!("bulk copies (32 KiB and more) by {c}"));
+    }
     set(
         "runtime",
         "tokio current-thread, one per rank process".into(),
