@@ -92,6 +92,7 @@ impl Drop for RowRelease {
 }
 
 /// This thread's row, claimed on first use.
+#[inline]
 fn row() -> usize {
     let i = ROW.with(Cell::get);
     if i != UNCLAIMED {
@@ -116,6 +117,7 @@ fn row() -> usize {
 }
 
 impl HotCounters {
+    #[inline]
     fn add(&self, h: Hot) {
         match self.rows.get(row()) {
             Some(r) => {
@@ -145,6 +147,7 @@ impl Counters {
     }
 
     /// Add one to a per-operation counter (no locked instruction).
+    #[inline]
     pub(crate) fn add(&self, h: Hot) {
         self.hot.add(h);
     }

@@ -102,6 +102,10 @@ fn decide(mode: CopyMode) -> CopyChoice {
 /// writes.
 #[inline]
 pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
+    if n <= 16 {
+        // SAFETY: passed on from our contract.
+        return unsafe { copy_small(src, dst, n) };
+    }
     if n >= BULK_MIN && ROUTINE.load(Ordering::Relaxed) == VECTOR {
         let (s, d) = (src as usize, dst as usize);
         // The loop copies forwards: only for ranges apart.
@@ -114,6 +118,39 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
     }
     // SAFETY: valid per our contract; `ptr::copy` allows overlap.
     unsafe { std::ptr::copy(src, dst, n) }
+}
+
+/// Up to 16 bytes without a call (a small put's bytes cost less than the
+/// call to `memmove`): every byte is loaded before any is stored, so
+/// overlapping ranges move as with `memmove`. (Inlining 17-64 bytes too
+/// made puts of every size 0.92x as fast here: the bigger body changed
+/// what the compiler inlined around it.)
+///
+/// # Safety
+/// As [`copy`], with `n <= 16`.
+#[inline(always)]
+unsafe fn copy_small(src: *const u8, dst: *mut u8, n: usize) {
+    use std::ptr::{read_unaligned as rd, write_unaligned as wr};
+    // SAFETY: each access lies in the first or last 8 (4, 1) bytes of a
+    // range of n bytes with n at least 8 (4, 1): inside both ranges, which
+    // are valid per our contract; unaligned accesses are what these
+    // functions are for.
+    unsafe {
+        if n >= 8 {
+            let (a, b) = (rd(src.cast::<u64>()), rd(src.add(n - 8).cast::<u64>()));
+            wr(dst.cast::<u64>(), a);
+            wr(dst.add(n - 8).cast::<u64>(), b);
+        } else if n >= 4 {
+            let (a, b) = (rd(src.cast::<u32>()), rd(src.add(n - 4).cast::<u32>()));
+            wr(dst.cast::<u32>(), a);
+            wr(dst.add(n - 4).cast::<u32>(), b);
+        } else if n > 0 {
+            let (a, b, c) = (*src, *src.add(n / 2), *src.add(n - 1));
+            *dst = a;
+            *dst.add(n / 2) = b;
+            *dst.add(n - 1) = c;
+        }
+    }
 }
 
 /// `memmove` (`vector` false) or the vector loop.
@@ -220,6 +257,24 @@ mod tests {
     }
 
     #[test]
+    fn small_copies_move_like_memmove_even_overlapping() {
+        for n in 0..=16usize {
+            for shift in [0usize, 1, 3, 8, 20] {
+                // Forwards and backwards overlap (or none, for shift 20).
+                for (from, to) in [(0, shift), (shift, 0)] {
+                    let mut ours: Vec<u8> = (0..40u8).collect();
+                    let mut want = ours.clone();
+                    want.copy_within(from..from + n, to);
+                    let p = ours.as_mut_ptr();
+                    // SAFETY: from + n and to + n are at most 36 <= 40.
+                    unsafe { copy(p.add(from), p.add(to), n) };
+                    assert_eq!(ours, want, "n {n} from {from} to {to}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn overlapping_bulk_copies_fall_back_to_memmove() {
         // Whatever routine this process chose, an overlapping copy of
         // BULK_MIN or more must move the bytes as memmove does.
@@ -227,8 +282,9 @@ mod tests {
         let n = BULK_MIN + 100;
         let mut buf: Vec<u8> = (0..n + 64).map(|i| i as u8).collect();
         let want: Vec<u8> = buf[..n].to_vec();
+        let p = buf.as_mut_ptr();
         // SAFETY: both ranges lie in buf (n + 64 bytes); copy allows overlap.
-        unsafe { copy(buf.as_ptr(), buf.as_mut_ptr().add(64), n) };
+        unsafe { copy(p, p.add(64), n) };
         assert_eq!(&buf[64..], &want[..]);
     }
 
