@@ -308,7 +308,7 @@ impl<'a> FBox<'a> {
     /// lead line: both are per-pair words in the receiver's segment. (The
     /// sender may keep filling the box behind a split rendezvous announced
     /// in it, so both sides write this line meanwhile: a cost only while a
-    /// split copy of 128 KiB or more runs.)
+    /// split copy of 64 KiB or more runs.)
     pub(crate) fn split_word(&self) -> &'a AtomicU64 {
         &self.words[1]
     }
