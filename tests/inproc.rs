@@ -38,7 +38,17 @@ async fn send_recv_all_sizes_over_sm() {
     assert_eq!(f[0].transport_for(1), Some("sm"));
     let ep = f[0].endpoint(1).unwrap();
     let mut rx = f[1].receiver(5).unwrap();
-    let sizes = [0usize, 1, 4071, 4072, 4073, 65536, 1 << 20, 16 << 20];
+    let sizes = [
+        0usize,
+        1,
+        4072,
+        16359,
+        16360,
+        16361,
+        65536,
+        1 << 20,
+        16 << 20,
+    ];
     let sender = tokio::spawn(async move {
         for (i, s) in sizes.iter().enumerate() {
             ep.send(5, pattern(*s, i as u8)).await.unwrap();

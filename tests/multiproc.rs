@@ -49,12 +49,20 @@ fn rank_main() {
     });
 }
 
-const SIZES: [usize; 11] = [
+/// Around the fast box's limit (1024), a 4 KiB fragment's payload, the default
+/// eager fragment's (16384 - 24) and a max fragment's (131072 - 24).
+const SIZES: [usize; 17] = [
     0,
     1,
+    1023,
+    1024,
+    1025,
     4071,
     4072,
     4073,
+    16359,
+    16360,
+    16361,
     65536,
     131047,
     131048,
@@ -68,9 +76,9 @@ async fn sizes(f: Fabric) {
         let ep = f.endpoint(1).unwrap();
         assert_eq!(ep.transport(), "sm");
         // Small ones through the allocation-free inline path too.
-        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4072]).await;
+        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4072, 16360]).await;
     } else {
-        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4072]).await;
+        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4072, 16360]).await;
     }
     f.close().await.unwrap();
 }

@@ -27,6 +27,7 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
 /// fragments (with it, a large send would wait for the receiver's copy).
 fn small() -> Config {
     Config {
+        sm_eager_size: 4096,
         sm_eager_count: 4,
         sm_max_size: 32 * 1024,
         sm_max_count: 1,
