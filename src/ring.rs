@@ -145,6 +145,19 @@ impl Ring<'_> {
         }
     }
 
+    /// The value `ahead` places after the head, if the producer has
+    /// stored it: a hint (for prefetching), that changes no state and
+    /// reads only that slot.
+    pub(crate) fn peek_ahead(&self, st: &ConsumerState, ahead: u64) -> Option<u64> {
+        let cap = self.cap();
+        if ahead >= cap {
+            return None;
+        }
+        let pos = st.head.wrapping_add(ahead);
+        let s = self.slots[(pos & (cap - 1)) as usize].load(Ordering::Relaxed);
+        (s & !VALUE_MASK == stamp(pos, cap, 0)).then_some(s & VALUE_MASK)
+    }
+
     /// Remove the value `peek` returned.
     pub(crate) fn advance(&self, st: &mut ConsumerState) {
         st.head = st.head.wrapping_add(1);
@@ -248,6 +261,39 @@ mod tests {
             }
             assert_eq!(r.peek(&mut c), Ok(None));
         }
+    }
+
+    #[test]
+    fn peek_ahead_sees_only_what_was_pushed_this_lap() {
+        let o = OwnedRing::new(4);
+        let r = o.ring();
+        let (mut p, mut c) = (ProducerState::default(), ConsumerState::default());
+        assert_eq!(r.peek_ahead(&c, 1), None, "nothing pushed");
+        for v in [10, 11, 12] {
+            r.push(&mut p, v).unwrap();
+        }
+        assert_eq!(r.peek_ahead(&c, 1), Some(11));
+        assert_eq!(r.peek_ahead(&c, 2), Some(12));
+        assert_eq!(r.peek_ahead(&c, 3), None, "not pushed yet");
+        assert_eq!(r.peek_ahead(&c, 4), None, "a lap ahead is never asked");
+        r.peek(&mut c).unwrap();
+        r.advance(&mut c);
+        assert_eq!(r.peek_ahead(&c, 1), Some(12));
+        // Slot 0 still holds the last lap's 10: not a value one ahead of 3.
+        r.peek(&mut c).unwrap();
+        r.advance(&mut c);
+        r.peek(&mut c).unwrap();
+        r.advance(&mut c);
+        r.push(&mut p, 13).unwrap();
+        assert_eq!(
+            r.peek_ahead(&c, 1),
+            None,
+            "the old lap's value is not taken"
+        );
+        r.push(&mut p, 14).unwrap();
+        assert_eq!(r.peek_ahead(&c, 1), Some(14));
+        // Nothing changed for the consumer.
+        assert_eq!(r.peek(&mut c), Ok(Some(13)));
     }
 
     #[test]
