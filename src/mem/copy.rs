@@ -1,4 +1,6 @@
-//! Bulk copies: the C library's `memmove`, or our own vector loop.
+//! How bytes are copied in and out of shared or registered memory: inline
+//! up to 16 bytes, the C library's `memmove`, or, for bulk copies, our own
+//! vector loop.
 //!
 //! Copies of [`BULK_MIN`] bytes and more (puts and gets into a peer's
 //! mapping, copy-out of large messages) take the routine the process chose
@@ -16,8 +18,9 @@
 //! any timing short enough for start-up sees only `rep movsb`'s first,
 //! fast milliseconds.
 //!
-//! Smaller copies stay in the L1 cache, where glibc's copy was the faster
-//! (255 against 198 GB/s at 16 KiB), and always use it.
+//! Copies below `BULK_MIN` stay in the L1 cache, where glibc's copy was
+//! the faster (255 against 198 GB/s at 16 KiB), and use it, except the
+//! tiniest (a put of a few bytes), which [`copy_small`] does inline.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
