@@ -63,8 +63,19 @@ struct Queued {
 /// Process-local send state (behind the transport's `tx` mutex).
 pub(crate) struct TxState {
     layout: Layout,
-    free_eager: Vec<u32>,
-    free_max: Vec<u32>,
+    /// Free fragments of each class, given back at the back. A user
+    /// message's push takes from the front: the fragment the receiver
+    /// finished with longest ago, whose lines have left its nearest caches.
+    /// (A control message, sporadic, takes the one given back last: taken
+    /// from the front too, 64 KiB split copies, whose request is one, took
+    /// 1.05x as long, and 8-byte message rates came out 0.93-0.99x.) Taking
+    /// the one it returned last (a stack, as before) made streaming 2-8 KiB
+    /// messages 0.88-0.93x as fast and their latency 1.06-1.15x as long on
+    /// session 12's Xeon; taking each fragment back as soon as it returns
+    /// (a return ring read before every push), with the stack, made them
+    /// 0.67-0.74x and 1.09-1.25x of the stack's.
+    free_eager: FreeList,
+    free_max: FreeList,
     /// For each fragment: the local rank holding it, or FREE.
     dest: Vec<u32>,
     /// Fragments held by each local rank.
@@ -96,6 +107,75 @@ pub(crate) struct TxState {
     pub(crate) misbehaved: Vec<(u32, String)>,
 }
 
+/// A queue of free fragment indices with room for every fragment of its
+/// class: given back at the tail, taken from the head.
+struct FreeList {
+    slots: Box<[u32]>,
+    head: usize,
+    len: usize,
+}
+
+impl FreeList {
+    fn new(all: std::ops::Range<u32>) -> FreeList {
+        let slots: Box<[u32]> = all.collect();
+        let len = slots.len();
+        FreeList {
+            slots,
+            head: 0,
+            len,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Give back `i`. (Each fragment is free at most once, so there is
+    /// always room; a full list ignores the call.)
+    fn push_back(&mut self, i: u32) {
+        let cap = self.slots.len();
+        if self.len < cap {
+            let mut at = self.head + self.len;
+            if at >= cap {
+                at -= cap;
+            }
+            self.slots[at] = i;
+            self.len += 1;
+        }
+    }
+
+    /// Take the fragment given back last.
+    fn pop_back(&mut self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        self.len -= 1;
+        let mut at = self.head + self.len;
+        if at >= self.slots.len() {
+            at -= self.slots.len();
+        }
+        Some(self.slots[at])
+    }
+
+    /// Take the fragment given back longest ago.
+    fn pop_front(&mut self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let i = self.slots[self.head];
+        self.head += 1;
+        if self.head == self.slots.len() {
+            self.head = 0;
+        }
+        self.len -= 1;
+        Some(i)
+    }
+}
+
 /// How far a message has been pushed.
 #[derive(Default)]
 struct Cursor {
@@ -114,8 +194,8 @@ impl TxState {
         let frags = layout.frags();
         TxState {
             layout: *layout,
-            free_eager: (0..ec).rev().collect(),
-            free_max: (ec..ec + layout.p.max_count).rev().collect(),
+            free_eager: FreeList::new(0..ec),
+            free_max: FreeList::new(ec..ec + layout.p.max_count),
             dest: vec![FREE; frags],
             inflight: vec![0; n],
             queued: 0,
@@ -197,9 +277,9 @@ impl TxState {
         }
         self.dest[i] = FREE;
         if i < self.layout.p.eager_count as usize {
-            self.free_eager.push(i as u32);
+            self.free_eager.push_back(i as u32);
         } else {
-            self.free_max.push(i as u32);
+            self.free_max.push_back(i as u32);
         }
     }
 
@@ -217,13 +297,20 @@ impl TxState {
         // messages, so a receiver that holds back a full tag (and with it
         // our whole pool) cannot starve put/get answers or barriers.
         let eager_ok = ch != USER || self.free_eager.len() > self.reserve;
-        let eager = |s: &mut Self| if eager_ok { s.free_eager.pop() } else { None };
+        // User messages take the fragment free longest (see `free_eager`);
+        // control messages, sporadic, the one given back last.
+        let user = ch == USER;
+        let eager = |s: &mut Self| match (eager_ok, user) {
+            (false, _) => None,
+            (true, true) => s.free_eager.pop_front(),
+            (true, false) => s.free_eager.pop_back(),
+        };
         // (A large message takes eager fragments as readily as max ones:
         // more of it in flight at once.)
         let i = match (want_eager, exact) {
             (true, true) => eager(self),
-            (true, false) => eager(self).or_else(|| self.free_max.pop()),
-            (false, _) => self.free_max.pop().or_else(|| eager(self)),
+            (true, false) => eager(self).or_else(|| self.free_max.pop_front()),
+            (false, _) => self.free_max.pop_front().or_else(|| eager(self)),
         };
         i.map(|i| i as usize)
     }
@@ -912,5 +999,34 @@ impl Link for SmLink {
 
     fn has_queued(&self) -> bool {
         lock(&self.t.tx).has_queued(self.peer.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FreeList;
+
+    #[test]
+    fn free_list_hands_out_the_fragment_given_back_longest_ago() {
+        let mut f = FreeList::new(0..4);
+        assert_eq!(f.len(), 4);
+        assert_eq!(f.pop_front(), Some(0));
+        assert_eq!(f.pop_front(), Some(1));
+        f.push_back(1);
+        f.push_back(0);
+        // 2 and 3 were free longest, then 1 and 0 in the order given back,
+        // across the wrap of the slots.
+        let order: Vec<u32> = std::iter::from_fn(|| f.pop_front()).collect();
+        assert_eq!(order, [2, 3, 1, 0]);
+        assert!(f.is_empty() && f.pop_front().is_none());
+        for i in [3, 2, 1, 0] {
+            f.push_back(i);
+        }
+        // A full list ignores a fifth give-back rather than overwrite.
+        f.push_back(9);
+        // The last given back, from the other end.
+        assert_eq!(f.pop_back(), Some(0));
+        let order: Vec<u32> = std::iter::from_fn(|| f.pop_front()).collect();
+        assert_eq!(order, [3, 2, 1]);
     }
 }
