@@ -367,6 +367,8 @@ fn bad_options_are_refused_with_a_message() {
         &["--min-size", "1M", "--max-size", "1K"],
         &["--repeat", "0"],
         &["--pick", "worst"],
+        &["--sizes", "40,x"],
+        &["--sizes", "40", "--max-size", "1K"],
     ] {
         let out = Command::new(PERF).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
@@ -394,4 +396,25 @@ fn compare_measures_one_series_per_transport() {
             "no {want} series in {s:?}"
         );
     }
+}
+
+#[test]
+fn listed_sizes_are_run_exactly() {
+    // Sizes around the fast box's second slot (41 B) and a size that is no
+    // power of two, listed out of order: every series has exactly these
+    // points, and the header says they were listed.
+    let out = run(Command::new(PERF)
+        .args(["--test", "lat,put_bw", "--baseline", "unix", "--json"])
+        .args(["--sizes", "41,40,3K"])
+        .args(["--iters", "5", "--warmup", "1", "--window", "2"]));
+    let j = json(&out);
+    for wire in ["async-btl/sm", "unix"] {
+        let want: BTreeSet<(String, u64)> = ["lat", "put_bw"]
+            .iter()
+            .flat_map(|t| [40, 41, 3072].map(|n| (t.to_string(), n)))
+            .collect();
+        assert_eq!(points_of(&j, wire), want, "{wire}");
+    }
+    let header = j["header"].to_string();
+    assert!(header.contains("41, 40, 3072 B, as listed"), "{header}");
 }

@@ -91,6 +91,12 @@ struct Args {
     #[arg(long, value_name = "BYTES", default_value = "16M", value_parser = size)]
     max_size: usize,
 
+    /// Exact message sizes instead of the powers of two from --min-size to
+    /// --max-size, comma-separated (K, M suffixes), e.g. the edges of a
+    /// protocol: `--sizes 40,41,16383,16384,16385`. Run in the order given.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = size, conflicts_with_all = ["min_size", "max_size"])]
+    sizes: Vec<usize>,
+
     /// Timed iterations per size up to 8 KiB (windowed tests time a tenth as
     /// many windows); fewer above, in proportion to the size.
     #[arg(long, value_name = "N", default_value_t = 1000)]
@@ -270,8 +276,9 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
             .map(async_btl::Config::parse_transports)
             .unwrap_or_default(),
         progress: args.progress,
-        min_size: args.min_size,
-        max_size: args.max_size,
+        min_size: args.sizes.iter().copied().min().unwrap_or(args.min_size),
+        max_size: args.sizes.iter().copied().max().unwrap_or(args.max_size),
+        sizes: args.sizes.clone(),
         counts: Counts {
             iters: args.iters,
             warmup: args.warmup,

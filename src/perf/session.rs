@@ -45,6 +45,9 @@ pub struct Settings {
     pub min_size: usize,
     /// Largest message size.
     pub max_size: usize,
+    /// Exact sizes to run at, in this order, instead of the powers of two
+    /// from `min_size` to `max_size` (empty: those powers of two).
+    pub sizes: Vec<usize>,
     /// Iterations, warm-up and window before scaling per size.
     pub counts: Counts,
     /// Core placement.
@@ -65,7 +68,7 @@ pub struct Settings {
 impl Settings {
     /// Number of measurements one rank makes (for a progress bar).
     pub fn steps(&self) -> u64 {
-        let per = |t: &Test| t.sizes(self.min_size, self.max_size).len() as u64;
+        let per = |t: &Test| self.sizes_of(*t).len() as u64;
         let btl: u64 = self.tests.iter().map(per).sum::<u64>() * self.compare.len().max(1) as u64;
         let base: u64 = self
             .baselines
@@ -92,6 +95,16 @@ impl Settings {
         }
         c.validate()?;
         Ok(c)
+    }
+
+    /// The sizes `test` runs at: the listed ones, or the powers of two in
+    /// range (`msg_rate`: 8 bytes either way).
+    pub fn sizes_of(&self, test: Test) -> Vec<usize> {
+        if self.sizes.is_empty() || test == Test::MsgRate {
+            test.sizes(self.min_size, self.max_size)
+        } else {
+            self.sizes.clone()
+        }
     }
 
     fn max_len(&self) -> usize {
@@ -159,7 +172,7 @@ pub async fn run(
     };
     for (b, w) in &mut sockets {
         for &test in s.tests.iter().filter(|t| b.measures(**t)) {
-            for size in test.sizes(s.min_size, s.max_size) {
+            for size in s.sizes_of(test) {
                 let plan = s.counts.plan(test, size);
                 let what = format!("{test} at {size} B over {}", b.name());
                 let f = on_wire(w, rank, test, size, &plan);
@@ -199,7 +212,7 @@ fn points_of(s: &Settings, b: Baseline) -> Vec<(Test, usize, super::plan::Plan)>
         .iter()
         .filter(|t| b.measures(**t))
         .flat_map(|&t| {
-            t.sizes(s.min_size, s.max_size)
+            s.sizes_of(t)
                 .into_iter()
                 .map(move |size| (t, size, s.counts.plan(t, size)))
         })
@@ -336,7 +349,12 @@ fn header(
     );
     set(
         "sizes",
-        format!("{}..{} B, powers of two", s.min_size, s.max_size),
+        if s.sizes.is_empty() {
+            format!("{}..{} B, powers of two", s.min_size, s.max_size)
+        } else {
+            let list: Vec<String> = s.sizes.iter().map(usize::to_string).collect();
+            format!("{} B, as listed", list.join(", "))
+        },
     );
     set(
         "counts",
@@ -467,7 +485,7 @@ async fn measure(
         }
     };
     for &test in &s.tests {
-        for size in test.sizes(s.min_size, s.max_size) {
+        for size in s.sizes_of(test) {
             let plan = s.counts.plan(test, size);
             let what = format!("{test} at {size} B over {label}");
             let v = if is_rma(test) {
