@@ -277,10 +277,12 @@ async fn stall(f: Fabric) {
 }
 
 /// Sizes on both sides of the fast-box limit (1 KiB) and of its one-slot
-/// size (40 B), of the eager fragment and of the rendezvous threshold, so
+/// size (48 B), of the eager fragment and of the rendezvous threshold, so
 /// consecutive messages switch paths.
 fn mixed_len(i: u64) -> usize {
-    [0, 8, 1024, 1025, 40, 4073, 41, 70_000, 600, 140_000][(i % 10) as usize]
+    [
+        0, 8, 1024, 1025, 48, 4073, 49, 70_000, 600, 140_000, 41, 104, 105,
+    ][(i % 13) as usize]
 }
 
 /// Many sends in flight on one tag with sizes that switch between the fast
