@@ -87,6 +87,18 @@ pub(crate) fn choose(mode: CopyMode) -> &'static CopyChoice {
     })
 }
 
+/// The sizes the vector loop copies, in words.
+fn span() -> String {
+    match bulk_max() {
+        usize::MAX => format!("from {} KiB", BULK_MIN >> 10),
+        m => format!(
+            "from {} KiB below {} KiB (half the L2)",
+            BULK_MIN >> 10,
+            m >> 10
+        ),
+    }
+}
+
 /// Where the vector loop stops: half this core's L2 cache. A copy that big
 /// cannot keep both its source and its destination in L2, so most of the
 /// lines it stores miss, and there glibc's `rep movsb`, which can write
@@ -116,8 +128,11 @@ fn decide(mode: CopyMode) -> CopyChoice {
     match mode {
         CopyMode::Libc => pick("libc", "asked for"),
         _ if !vector_available() => pick("libc", "this CPU has no AVX2"),
-        CopyMode::Vector => pick("vector", "asked for"),
-        CopyMode::Auto => pick("vector", "AVX2 loop: keeps the clock up in long streams"),
+        CopyMode::Vector => pick("vector", &format!("asked for; {}", span())),
+        CopyMode::Auto => pick(
+            "vector",
+            &format!("AVX2 loop, keeps the clock up in long streams; {}", span()),
+        ),
     }
 }
 

@@ -392,7 +392,7 @@ fn header(
         ),
     );
     if let Some(c) = crate::mem::copy_chosen() {
-        set("copy", format!("bulk copies (32 KiB and more) by {c}"));
+        set("copy", format!("bulk copies by {c}"));
     }
     set(
         "runtime",
