@@ -98,9 +98,11 @@ fn span() -> String {
 /// cannot keep both its source and its destination in L2, so most of the
 /// lines it stores miss, and there glibc's `rep movsb`, which can write
 /// whole missing lines without first reading them, was the faster (puts of
-/// 1 MiB 1.11x the loop, gets 1.03x, five interleaved rounds on the 2
-/// MiB-L2 Xeons here), while the clock drop that made us leave it matters
-/// less to a copy that waits on memory. Unknown L2: no limit.
+/// 1 MiB 1.11x the loop, gets 1.03x, in five interleaved btl-perf rounds
+/// on the 2 MiB-L2 Xeons here; a plain C loop of 1 MiB copies into shared
+/// memory 1.02-1.03x; criterion's `put_1MiB` 0.95-1.0x, so call it a small
+/// gain), while the clock drop that made us leave it matters less to a
+/// copy that waits on memory. Unknown L2: no limit.
 fn bulk_max() -> usize {
     // SAFETY: sysconf only reads system information.
     let l2 = unsafe { libc::sysconf(libc::_SC_LEVEL2_CACHE_SIZE) };
