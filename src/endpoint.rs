@@ -25,6 +25,10 @@ pub struct Endpoint(Arc<Inner>);
 struct Inner {
     link: Arc<dyn Link>,
     core: Arc<Core>,
+    /// `link.peer()`, kept here: every put and get checks its key's owner
+    /// against it, and a dynamic call per operation showed in profiles of
+    /// small puts.
+    peer: Rank,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -38,12 +42,13 @@ impl std::fmt::Debug for Endpoint {
 
 impl Endpoint {
     pub(crate) fn new(link: Arc<dyn Link>, core: Arc<Core>) -> Self {
-        Endpoint(Arc::new(Inner { link, core }))
+        let peer = link.peer();
+        Endpoint(Arc::new(Inner { link, core, peer }))
     }
 
     /// The peer's rank.
     pub fn peer(&self) -> Rank {
-        self.0.link.peer()
+        self.0.peer
     }
 
     /// The transport carrying this endpoint ("sm", "self", ...).
@@ -480,7 +485,7 @@ pub struct Flush {
 impl Flush {
     /// Whether the peer took everything: `Some` when the flush is over.
     fn over(&self) -> Option<Result<()>> {
-        let peer = self.ep.link.peer();
+        let peer = self.ep.peer;
         if let Some(reason) = self.ep.core.lost_reason(peer) {
             return Some(Err(Error::PeerLost { rank: peer, reason }));
         }
