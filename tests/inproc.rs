@@ -32,25 +32,16 @@ fn pattern(len: usize, seed: u8) -> Bytes {
         .into()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn send_recv_all_sizes_over_sm() {
-    let f = job(2, Config::default()).await;
+/// Send `sizes` from rank 0 to rank 1 of a job on `config`, in order, and
+/// check each message's length and content.
+async fn send_recv_sizes(config: Config, sizes: &[usize]) {
+    let f = job(2, config).await;
     assert_eq!(f[0].transport_for(1), Some("sm"));
     let ep = f[0].endpoint(1).unwrap();
     let mut rx = f[1].receiver(5).unwrap();
-    let sizes = [
-        0usize,
-        1,
-        4072,
-        16359,
-        16360,
-        16361,
-        65536,
-        1 << 20,
-        16 << 20,
-    ];
+    let list = sizes.to_vec();
     let sender = tokio::spawn(async move {
-        for (i, s) in sizes.iter().enumerate() {
+        for (i, s) in list.iter().enumerate() {
             ep.send(5, pattern(*s, i as u8)).await.unwrap();
         }
     });
@@ -64,8 +55,49 @@ async fn send_recv_all_sizes_over_sm() {
         assert_eq!(m.data, pattern(*s, i as u8), "content of size {s}");
     }
     sender.await.unwrap();
-    let (a, b) = (f.into_iter().next().unwrap(), ());
-    let _ = (a, b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_recv_all_sizes_over_sm() {
+    // The default eager fragment carries 16384 - 24 bytes.
+    let sizes = [0, 1, 4072, 16359, 16360, 16361, 65536, 1 << 20, 16 << 20];
+    send_recv_sizes(Config::default(), &sizes).await;
+}
+
+/// The fragment sizes the text names (4 KiB eager, 32 KiB max; our
+/// defaults are 16 and 128 KiB, see ARCHITECTURE.md): every edge of both,
+/// of the fast box and of single copy, with single copy on and off (off,
+/// messages above a max fragment are pipelined through several).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_recv_edges_with_4k_eager_and_32k_max_fragments() {
+    let sizes = [
+        0,
+        1,
+        48,
+        49,
+        1024,
+        1025,
+        4071,
+        4072,
+        4073,
+        16383,
+        16384,
+        32743,
+        32744,
+        32745,
+        65536,
+        100_003,
+        1 << 20,
+    ];
+    for cma_min in [Config::default().sm_cma_min, usize::MAX] {
+        let config = Config {
+            sm_eager_size: 4096,
+            sm_max_size: 32 * 1024,
+            sm_cma_min: cma_min,
+            ..Config::default()
+        };
+        send_recv_sizes(config, &sizes).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
