@@ -35,8 +35,9 @@ impl std::str::FromStr for ProgressMode {
     }
 }
 
-/// How large copies (of 32 KiB and more: puts and gets into a peer's
-/// mapping, copy-out of large messages) are done. The choice is per
+/// How large copies (from 32 KiB to below half the core's L2 cache: puts
+/// and gets into a peer's mapping, copy-out of large messages) are done;
+/// smaller and larger ones always use `memmove`. The choice is per
 /// process: the first fabric opened makes it, later ones keep it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CopyMode {
@@ -76,7 +77,8 @@ pub struct Config {
     pub spin: Duration,
     /// How often peers are checked for liveness. Env: `BTL_HEARTBEAT_MS`.
     pub heartbeat: Duration,
-    /// The routine for copies of 32 KiB and more (see [`CopyMode`]).
+    /// The routine for copies from 32 KiB to below half the L2 (see
+    /// [`CopyMode`]).
     /// Env: `BTL_COPY` (`auto`, `libc`, `vector`).
     pub copy: CopyMode,
     /// Shared memory: size of an eager fragment, header included; a

@@ -531,7 +531,7 @@ impl Fabric {
         self.udp.as_ref().map(|u| u.local_addrs())
     }
 
-    /// The routine this process copies 32 KiB and more with, and why
+    /// The routine this process copies 32 KiB up to half the L2 with, and why
     /// (chosen when the first fabric opened; see [`Config::copy`]).
     pub fn copy_routine(&self) -> &'static crate::CopyChoice {
         crate::mem::choose_copy(self.core.config.copy)
