@@ -23,6 +23,9 @@ enum State {
 /// A one-shot completion slot.
 pub(crate) struct Completion {
     state: Mutex<State>,
+    /// What a fetching operation returns (an atomic's previous value):
+    /// stored before [`Completion::complete`], read after a `Ready(Ok)`.
+    value: std::sync::atomic::AtomicU64,
 }
 
 impl Completion {
@@ -30,7 +33,25 @@ impl Completion {
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Completion {
             state: Mutex::new(State::Waiting(None)),
+            value: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Complete with success and a value for the waiter (a fetching
+    /// atomic's previous word). A slot completed already keeps its result;
+    /// the value is only read after this call's success is seen.
+    pub(crate) fn complete_value(&self, value: u64) {
+        // Relaxed: the state mutex that `complete` takes (and `poll` takes
+        // before the value is read) orders this store before that read.
+        self.value
+            .store(value, std::sync::atomic::Ordering::Relaxed);
+        self.complete(Ok(()));
+    }
+
+    /// The value stored by [`Completion::complete_value`] (0 if none).
+    /// Read it after `poll` returned `Ready(Ok(()))`.
+    pub(crate) fn value(&self) -> u64 {
+        self.value.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Record the result and wake the waiter. Later calls are ignored: the

@@ -11,9 +11,10 @@ use bytes::Bytes;
 use crate::completion::Completion;
 use crate::dispatch::OP_UNSEEN;
 use crate::fabric::Core;
+use crate::mem::AtomicOp;
 use crate::region::{MemoryRegion, RemoteKey};
-use crate::stats::Hot;
-use crate::transport::{Kind, Link};
+use crate::stats::{Counters, Hot};
+use crate::transport::{Kind, Link, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
 
 /// The way to one peer: cheap to clone, `Send + Sync`.
@@ -160,16 +161,26 @@ impl Endpoint {
         Self::local_range(local, &range)?;
         self.check_key(key, offset, len)?;
         let c = &self.0.core.counters;
-        if let Some(m) = self.0.link.map_remote(key) {
-            // (The mapping was checked live just now, by `map_remote`.)
-            let (lraw, rraw) = (local.inner.raw(), m?.data());
-            if put {
-                c.add(Hot::DirectPuts);
-                rraw.copy_from(offset, &lraw, range.start as u64, len)?;
-            } else {
-                c.add(Hot::DirectGets);
-                lraw.copy_from(range.start as u64, &rraw, offset, len)?;
+        let lraw = local.inner.raw().slice(range.start as u64, len)?;
+        let op = if put {
+            OneSided::Put {
+                src: lraw,
+                key,
+                offset,
             }
+        } else {
+            OneSided::Get {
+                dst: lraw,
+                key,
+                offset,
+            }
+        };
+        if let Native::Done(_) = self.0.link.post(op)? {
+            c.add(if put {
+                Hot::DirectPuts
+            } else {
+                Hot::DirectGets
+            });
             return Ok(None);
         }
         let (link, rma) = (&*self.0.link, &self.0.core.rma);
@@ -265,6 +276,134 @@ impl Endpoint {
     ) -> Result<()> {
         self.start_rma(local, range, remote, offset, false, true)
             .map(drop)
+    }
+
+    /// Check an atomic's key and word, then offer it to the transport:
+    /// `Ok(Ok(old))` when it was done natively, `Ok(Err(()))` when it must
+    /// be emulated.
+    fn start_atomic(
+        &self,
+        key: &RemoteKey,
+        offset: u64,
+        op: AtomicOp,
+    ) -> Result<std::result::Result<u64, ()>> {
+        self.check_key(key, offset, 8)?;
+        if offset % 8 != 0 {
+            return Err(AccessError::Misaligned { offset }.into());
+        }
+        let c = &self.0.core.counters;
+        match self.0.link.post(OneSided::Atomic { key, offset, op })? {
+            Native::Done(old) => {
+                Counters::bump(&c.native_atomics);
+                Ok(Ok(old))
+            }
+            Native::Emulate => {
+                Counters::bump(&c.emulated_atomics);
+                Ok(Err(()))
+            }
+        }
+    }
+
+    fn atomic(&self, key: &RemoteKey, offset: u64, op: AtomicOp) -> AtomicFetch {
+        AtomicFetch(match self.start_atomic(key, offset, op) {
+            Err(e) => AtomicState::Ready(Some(Err(e))),
+            Ok(Ok(old)) => AtomicState::Ready(Some(Ok(old))),
+            Ok(Err(())) => {
+                let done = Completion::new();
+                let link = &*self.0.link;
+                self.0
+                    .core
+                    .rma
+                    .start_atomic(link, &key.id, offset, op, done.clone());
+                let gathered = link.gathers().then(|| self.0.link.clone());
+                AtomicState::Wait(OpState::Wait(
+                    done,
+                    self.0.core.clone(),
+                    gathered,
+                    OP_UNSEEN,
+                ))
+            }
+        })
+    }
+
+    /// Atomically add `value` (wrapping) to the 8-byte word at `offset` of
+    /// the peer's region `remote`; resolves to the word's previous value
+    /// once the add is done at the target (remote completion), like
+    /// `MPI_Fetch_and_op(MPI_SUM)`, `shmem_atomic_fetch_add` and UCX's
+    /// `ucp_atomic_op_nbx(UCP_ATOMIC_OP_ADD)` with a result buffer.
+    ///
+    /// The word must be 8-byte aligned (`offset` a multiple of 8 in a
+    /// region whose start is, as every fabric-allocated region's is) and
+    /// inside the key's bounds, else it fails with [`Error::Access`]
+    /// (`Misaligned`, `OutOfBounds`, `UnknownKey`) and nothing changes.
+    /// Atomics on one word are atomic with each other from every rank and
+    /// every transport: into a region a peer on this node shares
+    /// ([`Fabric::alloc_region`](crate::Fabric::alloc_region)) they are one
+    /// hardware atomic instruction on its mapping; otherwise the target
+    /// applies the same instruction on the initiator's behalf. They are
+    /// not atomic with plain `put`s or local writes of the same word.
+    /// Words are native-endian (little-endian on every supported CPU).
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric, key: &async_btl::RemoteKey) -> async_btl::Result<()> {
+    /// // A shared ticket counter in rank 0's region: each caller gets a
+    /// // distinct ticket.
+    /// let ticket = f.endpoint(0)?.fetch_add(key, 0, 1).await?;
+    /// # let _ = ticket; Ok(()) }
+    /// ```
+    pub fn fetch_add(&self, remote: &RemoteKey, offset: u64, value: u64) -> AtomicFetch {
+        self.atomic(remote, offset, AtomicOp::Add(value))
+    }
+
+    /// Atomically store `new` in the 8-byte word at `offset` of the peer's
+    /// region if it holds `expected`; resolves to the word's previous value
+    /// (equal to `expected` exactly when the swap happened). The rules of
+    /// [`fetch_add`](Self::fetch_add) apply.
+    ///
+    /// ```no_run
+    /// # async fn demo(ep: &async_btl::Endpoint, lock: &async_btl::RemoteKey) -> async_btl::Result<()> {
+    /// // A spin lock: 0 is free, 1 is held.
+    /// while ep.compare_swap(lock, 0, 0, 1).await? != 0 {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// // ... the critical section ...
+    /// ep.swap(lock, 0, 0).await?; // release
+    /// # Ok(()) }
+    /// ```
+    pub fn compare_swap(
+        &self,
+        remote: &RemoteKey,
+        offset: u64,
+        expected: u64,
+        new: u64,
+    ) -> AtomicFetch {
+        self.atomic(remote, offset, AtomicOp::CompareSwap { expected, new })
+    }
+
+    /// Atomically store `value` in the 8-byte word at `offset` of the
+    /// peer's region; resolves to the word's previous value. The rules of
+    /// [`fetch_add`](Self::fetch_add) apply.
+    pub fn swap(&self, remote: &RemoteKey, offset: u64, value: u64) -> AtomicFetch {
+        self.atomic(remote, offset, AtomicOp::Swap(value))
+    }
+
+    /// Atomically add `value` to the 8-byte word at `offset` of the peer's
+    /// region with no future and no result (`shmem_atomic_add`,
+    /// `MPI_Accumulate` then a flush, UCX's `ucp_atomic_post`): the next
+    /// [`flush`](Self::flush) to this peer resolves once it is done at the
+    /// target, and fails with [`Error::Access`] if the target refused it.
+    /// What can be checked here (bounds, alignment, owner, a lost peer)
+    /// fails here. Over messages a burst of these costs one request each
+    /// and no answer.
+    pub fn atomic_add_nbi(&self, remote: &RemoteKey, offset: u64, value: u64) -> Result<()> {
+        let op = AtomicOp::Add(value);
+        if self.start_atomic(remote, offset, op)?.is_ok() {
+            return Ok(());
+        }
+        self.0
+            .core
+            .rma
+            .atomic_implicit(&*self.0.link, &remote.id, offset, op)
     }
 
     /// Resolves once every send queued to this peer has been handed over and
@@ -458,6 +597,46 @@ impl Future for Get {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         self.0.poll(cx)
+    }
+}
+
+enum AtomicState {
+    Ready(Option<Result<u64>>),
+    /// Waiting on an emulated atomic: an [`OpState::Wait`], whose
+    /// completion carries the previous value.
+    Wait(OpState),
+}
+
+/// Future of [`Endpoint::fetch_add`], [`Endpoint::compare_swap`] and
+/// [`Endpoint::swap`]: resolves to the word's previous value at remote
+/// completion.
+///
+/// # Cancel safety
+/// The atomic is started when the future is created (natively into a
+/// mapped region it is done by then). Dropping the future does not undo
+/// or stop it; only its result is lost.
+#[must_use = "futures do nothing unless polled"]
+pub struct AtomicFetch(AtomicState);
+
+impl Future for AtomicFetch {
+    type Output = Result<u64>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<u64>> {
+        match &mut self.0 {
+            AtomicState::Ready(r) => Poll::Ready(
+                r.take()
+                    .unwrap_or_else(|| Err(Error::Misuse("atomic polled after completion".into()))),
+            ),
+            AtomicState::Wait(op) => match op.poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) => match op {
+                    OpState::Wait(c, ..) => Poll::Ready(Ok(c.value())),
+                    OpState::Ready(_) => {
+                        Poll::Ready(Err(Error::Misuse("atomic polled after completion".into())))
+                    }
+                },
+            },
+        }
     }
 }
 

@@ -110,6 +110,13 @@ pub enum AccessError {
     /// The region does not allow this kind of access.
     #[error("the region does not allow {0}")]
     NotPermitted(String),
+    /// An atomic operation's word is not 8-byte aligned in memory (its
+    /// offset, or the region's start address, is not a multiple of 8).
+    #[error("the atomic word at offset {offset} is not 8-byte aligned")]
+    Misaligned {
+        /// The requested offset in the region.
+        offset: u64,
+    },
 }
 
 impl Error {

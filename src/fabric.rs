@@ -100,7 +100,9 @@ impl Core {
             | Kind::GetCma
             | Kind::FlushReq
             | Kind::FlushAck
-            | Kind::PutPart => self.rma.handle(link, src, kind, tag, data),
+            | Kind::PutPart
+            | Kind::AtomicReq
+            | Kind::AtomicResp => self.rma.handle(link, src, kind, tag, data),
             Kind::Barrier => {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();

@@ -53,7 +53,7 @@ mod transport;
 
 pub use config::{Config, CopyMode, ProgressMode};
 pub use dispatch::{Message, Receiver};
-pub use endpoint::{Endpoint, Flush, Get, Put, Send, SendInline};
+pub use endpoint::{AtomicFetch, Endpoint, Flush, Get, Put, Send, SendInline};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use fabric::{Fabric, FabricBuilder};

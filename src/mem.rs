@@ -338,6 +338,36 @@ impl RawBuf {
         Some(unsafe { &*(self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU32) })
     }
 
+    /// Apply `op` to the 8-byte word at `off` with one hardware atomic
+    /// instruction, correct between processes that map the same memory;
+    /// returns the word's previous value. The word must lie in range and
+    /// be 8-byte aligned in memory (the offset *and* the start address),
+    /// else nothing is touched.
+    pub(crate) fn atomic(&self, off: u64, op: AtomicOp) -> Result<u64, AccessError> {
+        let at = check(off, 8, self.len)?;
+        if (self.addr().wrapping_add(at)) % 8 != 0 {
+            return Err(AccessError::Misaligned { offset: off });
+        }
+        // SAFETY: `at..at+8` is inside the range (checked above) and the
+        // address is 8-aligned (checked above); the memory is valid while
+        // `self`'s owner lives, which outlives this call; every process
+        // that touches an atomic word does so through atomic instructions
+        // (a plain put over it is a data race by the user's choice, as in
+        // MPI and OpenSHMEM, and yields unspecified bytes, never UB here:
+        // no Rust reference into the range outlives this call).
+        let w = unsafe { &*(self.ptr.as_ptr().add(at) as *const std::sync::atomic::AtomicU64) };
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        Ok(match op {
+            AtomicOp::Add(v) => w.fetch_add(v, AcqRel),
+            AtomicOp::Swap(v) => w.swap(v, AcqRel),
+            AtomicOp::CompareSwap { expected, new } => {
+                match w.compare_exchange(expected, new, AcqRel, Acquire) {
+                    Ok(old) | Err(old) => old,
+                }
+            }
+        })
+    }
+
     /// `n` `AtomicU64`s at `off` (must be 8-aligned and in range).
     pub(crate) fn atomics_u64(&self, off: usize, n: usize) -> Option<&[crate::sync::AtomicU64]> {
         let end = off.checked_add(n.checked_mul(8)?)?;
@@ -353,6 +383,58 @@ impl RawBuf {
                 n,
             )
         })
+    }
+}
+
+/// A 64-bit atomic operation on one word of a region (the remote atomics
+/// of `Endpoint::fetch_add`, `compare_swap`, `swap`, `atomic_add_nbi`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AtomicOp {
+    /// Add (wrapping); returns the previous value.
+    Add(u64),
+    /// Store; returns the previous value.
+    Swap(u64),
+    /// Store `new` if the word equals `expected`; returns the previous
+    /// value either way (equal to `expected` when it swapped).
+    CompareSwap {
+        /// The value the word must hold.
+        expected: u64,
+        /// The value stored if it does.
+        new: u64,
+    },
+}
+
+impl AtomicOp {
+    /// Wire form: an opcode and two operands.
+    pub(crate) fn encode(self) -> [u8; 17] {
+        let (code, a, b) = match self {
+            AtomicOp::Add(v) => (0u8, v, 0),
+            AtomicOp::Swap(v) => (1, v, 0),
+            AtomicOp::CompareSwap { expected, new } => (2, expected, new),
+        };
+        let mut w = [0u8; 17];
+        w[0] = code;
+        w[1..9].copy_from_slice(&a.to_le_bytes());
+        w[9..17].copy_from_slice(&b.to_le_bytes());
+        w
+    }
+
+    /// Decode [`AtomicOp::encode`]'s bytes: `None` for anything else.
+    pub(crate) fn decode(b: &[u8]) -> Option<AtomicOp> {
+        if b.len() != 17 {
+            return None;
+        }
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
+        let (a, c) = (word(1), word(9));
+        match b[0] {
+            0 => Some(AtomicOp::Add(a)),
+            1 => Some(AtomicOp::Swap(a)),
+            2 => Some(AtomicOp::CompareSwap {
+                expected: a,
+                new: c,
+            }),
+            _ => None,
+        }
     }
 }
 

@@ -116,6 +116,11 @@ impl RemoteKey {
         }
     }
 
+    /// Whether the region lives in a shared file that same-node peers map.
+    pub(crate) fn is_shared(&self) -> bool {
+        self.shm_pid.is_some()
+    }
+
     /// Check `offset..offset+len` against the key's stated bounds.
     pub(crate) fn check(&self, offset: u64, len: usize) -> Result<(), AccessError> {
         match offset.checked_add(len as u64) {

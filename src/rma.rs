@@ -20,7 +20,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::bufpool::BufPool;
 use crate::completion::Completion;
-use crate::mem::RawBuf;
+use crate::mem::{AtomicOp, RawBuf};
 use crate::os::Cma;
 use crate::region::{KeyId, RegionInner, RegionTable};
 use crate::stats::Counters;
@@ -55,6 +55,8 @@ enum Pending {
     /// A flush request: once answered, every implicit put to the peer
     /// numbered up to `upto` is done (or its refusal is in the answer).
     Flush { upto: u64 },
+    /// An emulated fetching atomic: the answer carries the previous value.
+    Atomic,
 }
 
 impl Pending {
@@ -369,6 +371,49 @@ impl Rma {
         }
         // Counted after the submission: a flush that reads the count sends
         // its request after this put's (one ordered stream per peer).
+        if let Some(i) = self.implicit.get(link.peer() as usize) {
+            i.issued.fetch_add(1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Start an emulated atomic on the word at `offset` of the peer's
+    /// region `key`: the target applies it with a hardware atomic (so it is
+    /// atomic with the native atomics of peers that map the region) and
+    /// answers the previous value, which completes `done` by
+    /// [`Completion::complete_value`].
+    pub(crate) fn start_atomic(
+        &self,
+        link: &dyn Link,
+        key: &KeyId,
+        offset: u64,
+        op: AtomicOp,
+        done: Arc<Completion>,
+    ) {
+        let id = self.register(link.peer(), Pending::Atomic, Some(done));
+        let mut req = encode_req(key, offset, 17);
+        req.put_slice(&op.encode());
+        // A failure to send completes `done` (see `send`).
+        let _ = self.send(link, Kind::AtomicReq, id, Ok(req.freeze()));
+    }
+
+    /// A non-fetching atomic with no answer of its own
+    /// (`atomic_add_nbi`): id 0, covered by the peer's next flush request
+    /// like an implicit put.
+    pub(crate) fn atomic_implicit(
+        &self,
+        link: &dyn Link,
+        key: &KeyId,
+        offset: u64,
+        op: AtomicOp,
+    ) -> Result<()> {
+        let head = req_header(key, offset);
+        link.submit_gathered_with(Kind::AtomicReq, 0, REQ_HEADER + 17, &mut |buf| {
+            buf.extend_from_slice(&head);
+            buf.extend_from_slice(&op.encode());
+            Ok(())
+        })?;
+        // Counted after the submission, as in `put_implicit`.
         if let Some(i) = self.implicit.get(link.peer() as usize) {
             i.issued.fetch_add(1, Ordering::Release);
         }
@@ -696,7 +741,36 @@ impl Rma {
                 };
                 self.answer(link, answer, id, encode_status(&r, 0));
             }
-            Kind::PutAck | Kind::GetResp | Kind::FlushAck => {
+            Kind::AtomicReq => {
+                let Some((key, off, op)) = decode_req(&data)
+                    .and_then(|(k, o, rest)| Some((k, o, AtomicOp::decode(rest)?)))
+                else {
+                    return self.malformed_put(src, id, "malformed atomic request");
+                };
+                let r = self
+                    .target(&key, off, 8)
+                    .and_then(|reg| reg.raw().atomic(off, op));
+                if matches!(r, Err(AccessError::Misaligned { .. })) {
+                    Counters::bump(&self.counters.access_refused);
+                }
+                if id == 0 {
+                    // Implicit: a refusal waits for the next flush request.
+                    if let Err(e) = r {
+                        lock(&self.refused).entry(src).or_insert(e);
+                    }
+                    return;
+                }
+                let body = match r {
+                    Ok(old) => {
+                        let mut b = encode_status(&Ok(()), 8);
+                        b.put_u64_le(old);
+                        b
+                    }
+                    Err(e) => encode_status(&Err(e), 0),
+                };
+                self.answer(link, Kind::AtomicResp, id, body);
+            }
+            Kind::PutAck | Kind::GetResp | Kind::FlushAck | Kind::AtomicResp => {
                 self.finish(link, src, kind, id, &data)
             }
             _ => {}
@@ -715,11 +789,12 @@ impl Rma {
         }
     }
 
-    /// A put request that does not decode: dropped and counted, and an
-    /// implicit one is a refusal the next flush reports (it was not done).
+    /// A put or atomic request that does not decode: dropped and counted,
+    /// and an implicit one is a refusal the next flush reports (it was not
+    /// done).
     fn malformed_put(&self, src: Rank, id: u64, what: &str) {
         if id == 0 {
-            let e = AccessError::NotPermitted("a put request it could not decode".into());
+            let e = AccessError::NotPermitted("a request it could not decode".into());
             lock(&self.refused).entry(src).or_insert(e);
         }
         self.bad(src, what);
@@ -855,6 +930,13 @@ impl Rma {
                 what: "RMA answer does not match the request".into(),
             }),
             (Err(e), _, _) => Err(Error::Access(e)),
+            (Ok(()), Pending::Atomic, Kind::AtomicResp) if payload.len() == 8 => {
+                let old = u64::from_le_bytes(payload.try_into().unwrap_or_default());
+                if let Some(c) = op.done {
+                    c.complete_value(old);
+                }
+                return;
+            }
             (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
             (Ok(()), Pending::Get { cma: Some(_), .. }, Kind::GetResp) if payload.is_empty() => {
                 Ok(())

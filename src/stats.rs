@@ -23,6 +23,8 @@ pub(crate) struct Counters {
     pub(crate) rendezvous_sends: AtomicU64,
     pub(crate) split_tails_written: AtomicU64,
     pub(crate) split_tails_taken_back: AtomicU64,
+    pub(crate) native_atomics: AtomicU64,
+    pub(crate) emulated_atomics: AtomicU64,
 }
 
 /// The counters bumped once per send, receive, put or get.
@@ -175,6 +177,8 @@ impl Counters {
             rendezvous_sends: g(&self.rendezvous_sends),
             split_tails_written: g(&self.split_tails_written),
             split_tails_taken_back: g(&self.split_tails_taken_back),
+            native_atomics: g(&self.native_atomics),
+            emulated_atomics: g(&self.emulated_atomics),
             // (Kept by the udp transport; see `Fabric::stats`.)
             udp_gso_sends: 0,
             udp_gro_receives: 0,
@@ -228,6 +232,11 @@ pub struct Stats {
     /// Offered tails the sender did not take in time (or could not write),
     /// which we then copied ourselves.
     pub split_tails_taken_back: u64,
+    /// Remote atomics the transport carried natively (a hardware atomic on
+    /// a peer's region mapped here).
+    pub native_atomics: u64,
+    /// Remote atomics emulated over messages (applied by the target).
+    pub emulated_atomics: u64,
     /// UDP sends that left as one segmentation-offload (GSO) packet of
     /// several datagrams.
     pub udp_gso_sends: u64,

@@ -6,11 +6,11 @@
 //! put/get, barriers, completion bookkeeping) lives once in the core:
 //! [`crate::dispatch`], [`crate::rma`], [`crate::fabric`].
 //!
-//! `sm` implements it today; `udp` (emulated put/get on messages), `smcuda`
-//! (GPU regions through IPC handles: `map_remote` returns a device mapping)
-//! and `rdma` (verbs keys: a `put`/`get` entry point that posts RDMA
-//! write/read) plug in by the same trait: the optional one-sided entry points
-//! default to "not offered" and the core falls back to messages.
+//! One-sided operations (put, get, atomics) are offered to the link first
+//! ([`Link::post`]): `sm` carries them itself into a region the peer shares
+//! (one copy, or one hardware atomic, through its mapping); a transport
+//! without native one-sided support keeps the default, and the core emulates
+//! them over its messages ([`crate::rma`]), checked at the target.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::completion::Completion;
-use crate::region::{MappedRegion, RemoteKey};
+use crate::mem::{AtomicOp, RawBuf};
+use crate::region::RemoteKey;
 use crate::{Rank, Result};
 
 /// Names of the transports this build knows.
@@ -80,6 +81,13 @@ pub(crate) enum Kind {
     /// nothing), the part's place in it, and its data. Only the last part
     /// is answered (as [`Kind::PutAck`]).
     PutPart = 15,
+    /// Emulated atomic: key, offset, the operation and its operands. Id 0
+    /// (a non-fetching `atomic_add_nbi`) gets no answer of its own; the
+    /// next [`Kind::FlushReq`] covers it, as for implicit puts.
+    AtomicReq = 16,
+    /// The target's answer to [`Kind::AtomicReq`]: status, then the word's
+    /// previous value.
+    AtomicResp = 17,
 }
 
 impl Kind {
@@ -102,6 +110,8 @@ impl Kind {
             13 => Kind::FlushReq,
             14 => Kind::FlushAck,
             15 => Kind::PutPart,
+            16 => Kind::AtomicReq,
+            17 => Kind::AtomicResp,
             _ => return None,
         })
     }
@@ -119,6 +129,48 @@ pub(crate) fn submit_filled<L: Link + ?Sized>(
     let mut v = Vec::with_capacity(len);
     fill(&mut v)?;
     link.submit_gathered(kind, tag, Bytes::from(v)).map(drop)
+}
+
+/// A one-sided operation offered to [`Link::post`].
+#[derive(Clone, Copy)]
+pub(crate) enum OneSided<'a> {
+    /// Write `src` into the peer's region `key` at `offset`.
+    Put {
+        /// The local bytes (already range-checked).
+        src: RawBuf,
+        /// The target region's key.
+        key: &'a RemoteKey,
+        /// Where in it.
+        offset: u64,
+    },
+    /// Read the peer's region `key` at `offset` into `dst`.
+    Get {
+        /// The local bytes to fill (already range-checked).
+        dst: RawBuf,
+        /// The source region's key.
+        key: &'a RemoteKey,
+        /// Where in it.
+        offset: u64,
+    },
+    /// Apply `op` to the 8-byte word at `offset` of the peer's region.
+    Atomic {
+        /// The target region's key.
+        key: &'a RemoteKey,
+        /// The word's offset (8-aligned: checked by the initiator).
+        offset: u64,
+        /// What to do to it.
+        op: AtomicOp,
+    },
+}
+
+/// What a transport did with a [`OneSided`] operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Native {
+    /// Done (remote completion) before returning; for an atomic, the
+    /// word's previous value (0 otherwise).
+    Done(u64),
+    /// Not offered for this operation: the core emulates it.
+    Emulate,
 }
 
 /// How a peer was lost.
@@ -193,11 +245,16 @@ pub(crate) trait Link: Send + Sync {
         false
     }
 
-    /// Direct load/store access to the peer's region behind `key`, when this
-    /// transport can map it (shared memory): the mapping the key keeps
-    /// (made on its first use). `None`: not offered, use messages.
-    fn map_remote<'k>(&self, _key: &'k RemoteKey) -> Option<Result<&'k MappedRegion>> {
-        None
+    /// Carry a one-sided operation natively, if this transport can for
+    /// this key (`sm`: a region the peer shares, through its mapping; a
+    /// NIC: RDMA write/read/atomic). [`Native::Emulate`] (the default):
+    /// not offered here, and the core emulates it over messages, where the
+    /// target checks the key. The initiator checked the local range, the
+    /// key's owner and its stated bounds before this call; a transport
+    /// checks what only it can see (the real size of what it maps, a
+    /// revocation).
+    fn post(&self, _op: OneSided<'_>) -> Result<Native> {
+        Ok(Native::Emulate)
     }
 
     /// The peer's pid when it and we may copy each other's memory with

@@ -36,6 +36,10 @@ fn rank_main() {
             "alltoall" => alltoall(f).await,
             "alltoall_paths" => alltoall_paths(f).await,
             "putget" => putget(f).await,
+            "atomics" => {
+                let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
+                atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
+            }
             "stall" => stall(f).await,
             "kill" => kill(f).await,
             "bigput" => bigput(f).await,
@@ -651,6 +655,40 @@ fn four_processes_all_to_all_through_every_path() {
             rndv >= 3 * 120,
             "every large message went by rendezvous: {rndv}"
         );
+    }
+}
+
+/// 4 ranks × 100,000 `fetch_add` (and as many `atomic_add_nbi`) on one
+/// word of rank 0's region, a `compare_swap` spin lock around a non-atomic
+/// update, and refused atomics; `region`: `shared` (native on the mapping
+/// for ranks 1-3) or `heap` (emulated at the target).
+fn atomics_on(region: &str) -> Vec<std::process::Output> {
+    let env = [
+        ("BTL_TEST_REGION", region),
+        ("BTL_TEST_ADDS", "100000"),
+        ("BTL_TEST_LOCKED", "2000"),
+    ];
+    let outs = spawn_job(4, "atomics", &env).wait(Duration::from_secs(180));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "atomics_ok").as_deref(), Some("1"));
+    outs
+}
+
+#[test]
+fn four_ranks_fetch_add_and_a_cas_lock_on_a_shared_region() {
+    let outs = atomics_on("shared");
+    // Ranks 1-3 reach rank 0's shared region through their mapping.
+    for out in &outs[1..] {
+        let native: u64 = value(out, "native_atomics").unwrap().parse().unwrap();
+        assert!(native >= 200_000, "native atomics: {native}");
+    }
+}
+
+#[test]
+fn four_ranks_fetch_add_and_a_cas_lock_on_a_registered_buffer() {
+    let outs = atomics_on("heap");
+    for out in &outs {
+        assert_eq!(value(out, "native_atomics").as_deref(), Some("0"));
     }
 }
 

@@ -90,6 +90,10 @@ fn rank_main() {
             "order" => order(f).await,
             "alltoall" => alltoall(f).await,
             "putget" => putget(f).await,
+            "atomics" => {
+                let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
+                atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
+            }
             "stall" => stall(f).await,
             "kill" => kill(f).await,
             "foreign" => foreign(f).await,
@@ -572,6 +576,19 @@ fn udp_per_tag_order() {
 #[test]
 fn udp_four_processes_all_to_all() {
     assert_ok(&job(4, "alltoall", &[]).wait(Duration::from_secs(120)));
+}
+
+#[test]
+fn udp_four_ranks_fetch_add_and_a_cas_lock_emulated_at_the_target() {
+    // Every atomic is a round trip through rank 0's progress over loopback
+    // datagrams: fewer than the sm test's 100,000 per rank keeps it short.
+    let env = [("BTL_TEST_ADDS", "20000"), ("BTL_TEST_LOCKED", "500")];
+    let outs = job(4, "atomics", &env).wait(Duration::from_secs(180));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "atomics_ok").as_deref(), Some("1"));
+    for out in &outs {
+        assert_eq!(value(out, "native_atomics").as_deref(), Some("0"));
+    }
 }
 
 #[test]

@@ -103,7 +103,7 @@ mod tests {
         }
 
         #[test]
-        fn round_trip(kind in 0u8..16, flags in 0u8..4, len in 0u32..4096, tag: u64, extra in 0u64..1_000_000) {
+        fn round_trip(kind in 0u8..18, flags in 0u8..4, len in 0u32..4096, tag: u64, extra in 0u64..1_000_000) {
             let total = if flags == FIRST | LAST { u64::from(len) } else { u64::from(len) + extra };
             let h = FragHeader { kind: Kind::from_u8(kind).unwrap(), flags, len, tag, total };
             prop_assert_eq!(FragHeader::decode(&h.encode(), 4096), Ok(h));

@@ -976,15 +976,34 @@ impl Link for SmLink {
             .with_tx(|tx| tx.submit(&self.t, &self.peer, kind, tag, data))
     }
 
-    fn map_remote<'k>(
-        &self,
-        key: &'k crate::region::RemoteKey,
-    ) -> Option<Result<&'k crate::region::MappedRegion>> {
-        key.shm_pid?;
-        if self.peer.is_lost() {
-            return Some(Err(self.peer.lost_error()));
+    fn post(&self, op: crate::transport::OneSided<'_>) -> Result<crate::transport::Native> {
+        use crate::transport::{Native, OneSided};
+        let key = match op {
+            OneSided::Put { key, .. }
+            | OneSided::Get { key, .. }
+            | OneSided::Atomic { key, .. } => key,
+        };
+        if !key.is_shared() {
+            return Ok(Native::Emulate);
         }
-        Some(key.mapping(self.t.core.job_tag, || self.t.map_cached(key)))
+        if self.peer.is_lost() {
+            return Err(self.peer.lost_error());
+        }
+        // The mapping the key keeps (made on its first use), checked live:
+        // bounds below are the real file's, not the key's claim.
+        let m = key.mapping(self.t.core.job_tag, || self.t.map_cached(key))?;
+        let remote = m.data();
+        Ok(match op {
+            OneSided::Put { src, offset, .. } => {
+                remote.copy_from(offset, &src, 0, src.len())?;
+                Native::Done(0)
+            }
+            OneSided::Get { dst, offset, .. } => {
+                dst.copy_from(0, &remote, offset, dst.len())?;
+                Native::Done(0)
+            }
+            OneSided::Atomic { offset, op, .. } => Native::Done(remote.atomic(offset, op)?),
+        })
     }
 
     fn cma_pid(&self) -> Option<u32> {

@@ -468,3 +468,124 @@ pub async fn assert_implicit_ops(
     let e = ep.put_nbi(&src, 0..total + 1, key, base).unwrap_err();
     assert!(matches!(e, Error::Misuse(_)), "local range: {e}");
 }
+
+/// Remote atomics among all ranks on rank 0's region (`BTL_TEST_REGION`
+/// `heap`: a registered buffer, emulated at the target; else a
+/// fabric-allocated region, native where the transport maps it):
+/// - every rank adds 1 to word 0 `adds` times with `fetch_add` (each rank's
+///   results strictly rising), and `adds` times with `atomic_add_nbi` to
+///   word 3 before one `flush`;
+/// - a `compare_swap` spin lock on word 1 guards a non-atomic read-modify-
+///   write of word 2 (a `get`, then a `put`), `locked` times per rank;
+/// - misaligned, out-of-range and forged-key atomics fail with
+///   `Error::Access`.
+///
+/// Rank 0 checks the totals exactly (prints `atomics_ok=1`), and that the
+/// refused atomics changed nothing.
+pub async fn atomics_scenario(f: async_btl::Fabric, adds: u64, locked: u64) {
+    use async_btl::{Error, RemoteKey};
+    let (me, n) = (f.rank(), u64::from(f.size()));
+    let heap = std::env::var("BTL_TEST_REGION").as_deref() == Ok("heap");
+    let region = (me == 0).then(|| {
+        if heap {
+            f.register(vec![0u8; 4096])
+        } else {
+            f.alloc_region(4096).unwrap()
+        }
+    });
+    if let Some(r) = &region {
+        let key = r.remote_key().to_bytes();
+        for p in 1..f.size() {
+            f.endpoint(p).unwrap().send(9, key.clone()).await.unwrap();
+        }
+    }
+    let key = match &region {
+        Some(r) => r.remote_key(),
+        None => {
+            let mut rx = f.receiver(9).unwrap();
+            RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap()
+        }
+    };
+    let ep = f.endpoint(0).unwrap();
+    f.barrier().await.unwrap();
+
+    let mut last = None;
+    for _ in 0..adds {
+        let old = ep.fetch_add(&key, 0, 1).await.unwrap();
+        assert!(last.map_or(true, |l| old > l), "fetch_add results rise");
+        last = Some(old);
+        ep.atomic_add_nbi(&key, 24, 1).unwrap();
+    }
+    ep.flush().await.unwrap();
+
+    let word = f.register(vec![0u8; 8]);
+    for _ in 0..locked {
+        while ep
+            .compare_swap(&key, 8, 0, u64::from(me) + 1)
+            .await
+            .unwrap()
+            != 0
+        {
+            tokio::task::yield_now().await;
+        }
+        ep.get(&word, 0..8, &key, 16).await.unwrap();
+        let mut v = [0u8; 8];
+        word.read(0, &mut v).unwrap();
+        word.write(0, &(u64::from_le_bytes(v) + 1).to_le_bytes())
+            .unwrap();
+        ep.put(&word, 0..8, &key, 16).await.unwrap();
+        let held = ep.swap(&key, 8, 0).await.unwrap();
+        assert_eq!(held, u64::from(me) + 1, "the lock was ours while held");
+    }
+
+    // Refused: nothing may change (checked by rank 0 below).
+    let access = |r: Result<u64, Error>, what: &str| match r {
+        Err(Error::Access(_)) => {}
+        other => panic!("{what}: expected Error::Access, got {other:?}"),
+    };
+    access(ep.fetch_add(&key, 4, 1).await, "misaligned fetch_add");
+    access(ep.compare_swap(&key, 4089, 0, 1).await, "misaligned cas");
+    access(ep.swap(&key, 4096, 1).await, "swap past the end");
+    access(ep.fetch_add(&key, u64::MAX - 7, 1).await, "offset overflow");
+    let e = ep.atomic_add_nbi(&key, 12, 1).unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "misaligned nbi: {e}");
+    let mut bad = key.to_bytes();
+    bad[5] ^= 0x55;
+    let forged = RemoteKey::from_bytes(&bad).unwrap();
+    access(ep.fetch_add(&forged, 0, 1000).await, "forged key");
+    access(ep.compare_swap(&forged, 8, 0, 77).await, "forged key cas");
+    match ep.atomic_add_nbi(&forged, 0, 1000) {
+        Err(e) => assert!(matches!(e, Error::Access(_)), "forged nbi: {e}"),
+        Ok(()) => {
+            let e = ep.flush().await.expect_err("flush reports the refused add");
+            assert!(matches!(e, Error::Access(_)), "forged nbi: {e}");
+        }
+    }
+    ep.flush().await.unwrap();
+    let s = f.stats();
+    println!(
+        "native_atomics={}\nemulated_atomics={}",
+        s.native_atomics, s.emulated_atomics
+    );
+    f.barrier().await.unwrap();
+
+    if let Some(r) = &region {
+        let w = |i: usize| {
+            let mut v = [0u8; 8];
+            r.read(i * 8, &mut v).unwrap();
+            u64::from_le_bytes(v)
+        };
+        assert_eq!(w(0), n * adds, "fetch_add total");
+        assert_eq!(w(1), 0, "lock free at the end");
+        assert_eq!(w(2), n * locked, "lock-protected counter");
+        assert_eq!(w(3), n * adds, "atomic_add_nbi total");
+        let rest = r.to_vec();
+        assert!(
+            rest[32..].iter().all(|b| *b == 0),
+            "refused atomics wrote nothing"
+        );
+        println!("atomics_ok=1");
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
