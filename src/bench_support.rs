@@ -7,8 +7,8 @@
 
 use crate::ring::{ConsumerState, ProducerState, Ring};
 use crate::sm::frag::{FragHeader, FIRST, LAST};
+use crate::sm::kind::Kind;
 use crate::sync::AtomicU64;
-use crate::transport::Kind;
 
 /// A FIFO ring of `u64` in ordinary memory, used by one thread as both
 /// producer and consumer (what a push/pop costs without contention).

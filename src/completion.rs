@@ -73,6 +73,25 @@ impl Completion {
         }
     }
 
+    /// Whether the result is in (taken or not).
+    pub(crate) fn is_done(&self) -> bool {
+        !matches!(&*lock(&self.state), State::Waiting(_))
+    }
+
+    /// The result, if it is in and nobody took it yet (for an operation
+    /// no future waits on); `None` while pending.
+    pub(crate) fn take_done(&self) -> Option<Result<()>> {
+        let mut st = lock(&self.state);
+        match std::mem::replace(&mut *st, State::Taken) {
+            State::Done(r) => Some(r),
+            State::Taken => Some(Ok(())),
+            w @ State::Waiting(_) => {
+                *st = w;
+                None
+            }
+        }
+    }
+
     /// Poll for the result; registers the task's waker while pending.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let mut st = lock(&self.state);

@@ -14,7 +14,7 @@ use crate::fabric::Core;
 use crate::mem::AtomicOp;
 use crate::region::{MemoryRegion, RemoteKey};
 use crate::stats::{Counters, Hot};
-use crate::transport::{Kind, Link, Native, OneSided};
+use crate::transport::{Kind, Link, Local, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
 
 /// The way to one peer: cheap to clone, `Send + Sync`.
@@ -162,52 +162,52 @@ impl Endpoint {
         self.check_key(key, offset, len)?;
         let c = &self.0.core.counters;
         let lraw = local.inner.raw().slice(range.start as u64, len)?;
+        let at = Local {
+            region: &local.inner,
+            offset: range.start as u64,
+            raw: lraw,
+        };
         let op = if put {
             OneSided::Put {
-                src: lraw,
+                src: at,
                 key,
                 offset,
             }
         } else {
             OneSided::Get {
-                dst: lraw,
+                dst: at,
                 key,
                 offset,
             }
         };
-        if let Native::Done(_) = self.0.link.post(op)? {
-            c.add(if put {
-                Hot::DirectPuts
-            } else {
-                Hot::DirectGets
-            });
-            return Ok(None);
-        }
         let (link, rma) = (&*self.0.link, &self.0.core.rma);
+        match link.post(op)? {
+            Native::Done(_) => {
+                c.add(if put {
+                    Hot::DirectPuts
+                } else {
+                    Hot::DirectGets
+                });
+                return Ok(None);
+            }
+            Native::Posted(done) => {
+                rma.track(self.0.peer, done.clone(), implicit);
+                return Ok((!implicit).then_some(done));
+            }
+            Native::Emulate => {}
+        }
         let done = (!implicit).then(Completion::new);
-        let ours = (local.inner.clone(), range.start as u64, len);
-        let cma = link.cma_pid().is_some() && len >= self.0.core.config.sm_cma_min;
-        match (cma, put) {
-            (true, true) => {
-                c.add(Hot::CmaPuts);
-                rma.start_put_cma(link, &key.id, offset, ours, done.clone())?;
+        if put {
+            c.add(Hot::EmulatedPuts);
+            let src = (local.inner.raw(), range.start as u64, len);
+            match &done {
+                Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
+                None => rma.put_implicit(link, &key.id, offset, src)?,
             }
-            (true, false) => {
-                c.add(Hot::CmaGets);
-                rma.start_get_cma(link, &key.id, offset, ours, done.clone())?;
-            }
-            (false, true) => {
-                c.add(Hot::EmulatedPuts);
-                let src = (local.inner.raw(), range.start as u64, len);
-                match &done {
-                    Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
-                    None => rma.put_implicit(link, &key.id, offset, src)?,
-                }
-            }
-            (false, false) => {
-                c.add(Hot::EmulatedGets);
-                rma.start_get(link, &key.id, offset, ours, done.clone())?;
-            }
+        } else {
+            c.add(Hot::EmulatedGets);
+            let dst = (local.inner.clone(), range.start as u64, len);
+            rma.start_get(link, &key.id, offset, dst, done.clone())?;
         }
         Ok(done)
     }
@@ -279,14 +279,14 @@ impl Endpoint {
     }
 
     /// Check an atomic's key and word, then offer it to the transport:
-    /// `Ok(Ok(old))` when it was done natively, `Ok(Err(()))` when it must
-    /// be emulated.
+    /// `Ok(Ok(old))` when it was done natively, `Ok(Err(Some(slot)))` when
+    /// the transport posted it, `Ok(Err(None))` when it must be emulated.
     fn start_atomic(
         &self,
         key: &RemoteKey,
         offset: u64,
         op: AtomicOp,
-    ) -> Result<std::result::Result<u64, ()>> {
+    ) -> Result<std::result::Result<u64, Option<Arc<Completion>>>> {
         self.check_key(key, offset, 8)?;
         if offset % 8 != 0 {
             return Err(AccessError::Misaligned { offset }.into());
@@ -297,9 +297,13 @@ impl Endpoint {
                 Counters::bump(&c.native_atomics);
                 Ok(Ok(old))
             }
+            Native::Posted(done) => {
+                Counters::bump(&c.native_atomics);
+                Ok(Err(Some(done)))
+            }
             Native::Emulate => {
                 Counters::bump(&c.emulated_atomics);
-                Ok(Err(()))
+                Ok(Err(None))
             }
         }
     }
@@ -308,14 +312,20 @@ impl Endpoint {
         AtomicFetch(match self.start_atomic(key, offset, op) {
             Err(e) => AtomicState::Ready(Some(Err(e))),
             Ok(Ok(old)) => AtomicState::Ready(Some(Ok(old))),
-            Ok(Err(())) => {
-                let done = Completion::new();
+            Ok(Err(posted)) => {
                 let link = &*self.0.link;
-                self.0
-                    .core
-                    .rma
-                    .start_atomic(link, &key.id, offset, op, done.clone());
-                let gathered = link.gathers().then(|| self.0.link.clone());
+                let (done, gathered) = match posted {
+                    Some(done) => {
+                        self.0.core.rma.track(self.0.peer, done.clone(), false);
+                        (done, None)
+                    }
+                    None => {
+                        let done = Completion::new();
+                        let rma = &self.0.core.rma;
+                        rma.start_atomic(link, &key.id, offset, op, done.clone());
+                        (done, link.gathers().then(|| self.0.link.clone()))
+                    }
+                };
                 AtomicState::Wait(OpState::Wait(
                     done,
                     self.0.core.clone(),
@@ -397,13 +407,18 @@ impl Endpoint {
     /// and no answer.
     pub fn atomic_add_nbi(&self, remote: &RemoteKey, offset: u64, value: u64) -> Result<()> {
         let op = AtomicOp::Add(value);
-        if self.start_atomic(remote, offset, op)?.is_ok() {
-            return Ok(());
+        match self.start_atomic(remote, offset, op)? {
+            Ok(_) => Ok(()),
+            Err(Some(done)) => {
+                self.0.core.rma.track(self.0.peer, done, true);
+                Ok(())
+            }
+            Err(None) => self
+                .0
+                .core
+                .rma
+                .atomic_implicit(&*self.0.link, &remote.id, offset, op),
         }
-        self.0
-            .core
-            .rma
-            .atomic_implicit(&*self.0.link, &remote.id, offset, op)
     }
 
     /// Resolves once every send queued to this peer has been handed over and

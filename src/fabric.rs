@@ -96,8 +96,6 @@ impl Core {
             | Kind::PutAck
             | Kind::GetReq
             | Kind::GetResp
-            | Kind::PutCma
-            | Kind::GetCma
             | Kind::FlushReq
             | Kind::FlushAck
             | Kind::PutPart
@@ -111,16 +109,19 @@ impl Core {
                 lock(&self.sync).byes.insert(src);
                 self.sync_notify.notify_waiters();
             }
-            Kind::UserCma | Kind::CmaDone | Kind::CmaData | Kind::CmaSplit => {
-                // The shared-memory rendezvous handles these itself; over any
-                // other transport they are a peer's mistake.
-                Counters::bump(&self.counters.bad_frames);
-                tracing::warn!(
-                    peer = src,
-                    "dropped a rendezvous message of another transport"
-                );
-            }
         }
+    }
+
+    /// The live region of ours behind key id `key` if `off..off+len` is
+    /// inside it (a refusal is counted): for a transport that serves a
+    /// one-sided request itself.
+    pub(crate) fn target_region(
+        &self,
+        key: &crate::region::KeyId,
+        off: u64,
+        len: usize,
+    ) -> std::result::Result<Arc<crate::region::RegionInner>, crate::AccessError> {
+        self.rma.target(key, off, len)
     }
 
     /// A peer is gone: fail everything pending on it. Receivers hear of it
@@ -130,7 +131,7 @@ impl Core {
             Counters::bump(&self.counters.peers_lost);
         }
         lock(&self.sync).lost.insert(rank, reason.to_string());
-        self.rma.peer_lost(rank, reason, how);
+        self.rma.peer_lost(rank, reason);
         if how != Loss::Closed {
             self.dispatcher.peer_lost(rank, reason);
         }

@@ -1,12 +1,16 @@
-//! put and get, transport-independent.
+//! Emulated one-sided operations: put, get and atomics over messages, for
+//! every operation a transport does not carry natively
+//! ([`Link::post`](crate::transport::Link::post) answered `Emulate`).
 //!
-//! Fastest path first: a transport that can map the target region
-//! ([`Link::map_remote`], shared memory) copies directly and the operation
-//! completes at once. Otherwise put/get are emulated on messages: the
-//! initiator sends a request naming the key id and offset, the *target* looks
-//! the id up in its own table, checks the range, then writes or reads and
-//! answers. A forged, stale or out-of-range key is refused by the target with
-//! its memory untouched, and counted.
+//! The initiator sends a request naming the key id and offset; the *target*
+//! looks the id up in its own table, checks the range, then writes, reads
+//! or applies the atomic (with the same hardware instruction a native
+//! atomic uses, so both kinds are atomic with each other) and answers. A
+//! forged, stale or out-of-range key is refused by the target with its
+//! memory untouched, and counted.
+//!
+//! It also follows the operations a transport posted natively
+//! ([`Rma::track`]), so that `flush` waits for those too.
 //!
 //! Ownership: an emulated get keeps the destination region alive (an `Arc`)
 //! in the pending table until the answer lands or the peer is lost, so
@@ -21,32 +25,18 @@ use bytes::{BufMut, Bytes, BytesMut};
 use crate::bufpool::BufPool;
 use crate::completion::Completion;
 use crate::mem::{AtomicOp, RawBuf};
-use crate::os::Cma;
 use crate::region::{KeyId, RegionInner, RegionTable};
 use crate::stats::Counters;
 use crate::sync::lock;
-use crate::transport::{Kind, Link, Loss};
+use crate::transport::{Kind, Link};
 use crate::{AccessError, Error, Rank, Result};
 
-/// Where an operation goes at the target (kept to retry a refused
-/// single-copy transfer through messages).
-#[derive(Clone, Copy)]
-struct Remote {
-    key: KeyId,
-    offset: u64,
-}
-
 enum Pending {
-    /// `cma`: the source the target reads by CMA, kept alive until answered.
-    Put {
-        cma: Option<(Arc<RegionInner>, u64, usize, Remote)>,
-    },
+    Put,
     Get {
         dst: Arc<RegionInner>,
         offset: u64,
         len: usize,
-        /// The target writes `dst` itself (CMA): the answer carries no data.
-        cma: Option<Remote>,
         /// A part of a large get other than its last: a refusal is left to
         /// the last part to report (it is refused too: same key, later
         /// range).
@@ -54,24 +44,11 @@ enum Pending {
     },
     /// A flush request: once answered, every implicit put to the peer
     /// numbered up to `upto` is done (or its refusal is in the answer).
-    Flush { upto: u64 },
+    Flush {
+        upto: u64,
+    },
     /// An emulated fetching atomic: the answer carries the previous value.
     Atomic,
-}
-
-impl Pending {
-    /// The region a peer may still touch by CMA, if any.
-    fn exposed(self) -> Option<Arc<RegionInner>> {
-        match self {
-            Pending::Put {
-                cma: Some((src, ..)),
-            } => Some(src),
-            Pending::Get {
-                dst, cma: Some(_), ..
-            } => Some(dst),
-            _ => None,
-        }
-    }
 }
 
 struct Op {
@@ -100,9 +77,11 @@ pub(crate) struct Rma {
     /// Where emulated put requests are built (pooled: a fresh buffer per
     /// large put faulted its pages in every time).
     buffers: Arc<BufPool>,
-    /// Regions a peer that is gone from our view (cut off, or closed) may
-    /// still write by CMA: never freed while this process runs.
-    quarantine: Mutex<Vec<Arc<RegionInner>>>,
+    /// One-sided operations a transport carries natively
+    /// ([`crate::transport::Native::Posted`]), until `outstanding` sees
+    /// them complete: their peer, their slot, and whether they are
+    /// implicit (whose failure goes to the next flush).
+    native: Mutex<Vec<(Rank, Arc<Completion>, bool)>>,
     /// Per peer rank: implicit puts sent and covered by a flush.
     implicit: Vec<Implicit>,
     /// Initiator side: the first failure of an implicit operation to each
@@ -131,19 +110,6 @@ impl Drop for Settling<'_> {
     }
 }
 
-impl Drop for Rma {
-    fn drop(&mut self) {
-        // Operations still pending when the fabric goes away may be answered
-        // by a peer's kernel copy into their regions later: leak those
-        // regions rather than free memory a peer may write.
-        let ops = std::mem::take(&mut *lock(&self.ops));
-        for op in ops.into_values() {
-            std::mem::forget(op.what.exposed());
-        }
-        std::mem::forget(std::mem::take(&mut *lock(&self.quarantine)));
-    }
-}
-
 const REQ_HEADER: usize = 16 + 8;
 
 /// Puts larger than this go as parts whose requests are this many bytes
@@ -160,9 +126,6 @@ const PART_HEADER: usize = REQ_HEADER + 16;
 /// Implicit puts up to this many bytes are written into the request by
 /// the transport ([`Link::submit_gathered_with`]), where it bundles them.
 const IMPLICIT_INLINE_MAX: usize = 1024;
-
-/// Start of the refusal text that makes the initiator fall back to messages.
-const CMA_REFUSED: &str = "single-copy transfers are refused";
 
 /// A request's header: the key id, then the offset (little-endian).
 fn req_header(key: &KeyId, offset: u64) -> [u8; REQ_HEADER] {
@@ -222,7 +185,7 @@ impl Rma {
             regions,
             counters,
             buffers,
-            quarantine: Mutex::new(Vec::new()),
+            native: Mutex::new(Vec::new()),
             implicit: (0..size).map(|_| Implicit::default()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
@@ -299,7 +262,7 @@ impl Rma {
         src: (RawBuf, u64, usize),
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
-        let id = self.register(link.peer(), Pending::Put { cma: None }, done);
+        let id = self.register(link.peer(), Pending::Put, done);
         self.send_put(link, key, offset, src, id)
     }
 
@@ -452,25 +415,6 @@ impl Rma {
         (dst, dst_offset, len): (Arc<RegionInner>, u64, usize),
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
-        self.get_with(
-            link,
-            Remote { key: *key, offset },
-            dst,
-            dst_offset,
-            len,
-            done,
-        )
-    }
-
-    fn get_with(
-        &self,
-        link: &dyn Link,
-        r: Remote,
-        dst: Arc<RegionInner>,
-        dst_offset: u64,
-        len: usize,
-        done: Option<Arc<Completion>>,
-    ) -> Result<()> {
         // Above PUT_PART, parts whose answers (a status byte, then the
         // data) fill one buffer class each; answered in order, so when the
         // last part's answer lands every part's data is in `dst`.
@@ -483,11 +427,10 @@ impl Rma {
                 dst: dst.clone(),
                 offset: dst_offset + at as u64,
                 len: n,
-                cma: None,
                 quiet: !last,
             };
             let id = self.register(link.peer(), pending, done.clone().filter(|_| last));
-            let mut req = encode_req(&r.key, r.offset + at as u64, 8);
+            let mut req = encode_req(key, offset + at as u64, 8);
             req.put_u64_le(n as u64);
             if let Err(e) = self.send(link, Kind::GetReq, id, Ok(req.freeze())) {
                 // A part that could not be sent fails the get: through its
@@ -507,73 +450,48 @@ impl Rma {
         }
     }
 
-    /// Start a single-copy put: the target reads `src[src_off..+len]` out of
-    /// our memory after checking its key. `src` stays alive until answered.
-    pub(crate) fn start_put_cma(
-        &self,
-        link: &dyn Link,
-        key: &KeyId,
-        offset: u64,
-        (src, src_off, len): (Arc<RegionInner>, u64, usize),
-        done: Option<Arc<Completion>>,
-    ) -> Result<()> {
-        let ours = src.raw().slice(src_off, len);
-        let remote = Remote { key: *key, offset };
-        let pending = Pending::Put {
-            cma: Some((src, src_off, len, remote)),
-        };
-        self.start_cma(link, Kind::PutCma, remote, ours, pending, done)
+    /// Follow a one-sided operation a transport posted natively, so that
+    /// `flush` waits for it; an `implicit` one's failure goes to the next
+    /// flush.
+    pub(crate) fn track(&self, peer: Rank, done: Arc<Completion>, implicit: bool) {
+        lock(&self.native).push((peer, done, implicit));
     }
 
-    /// Start a single-copy get: the target writes into `dst[dst_off..+len]`
-    /// after checking its key. `dst` stays alive until answered.
-    pub(crate) fn start_get_cma(
-        &self,
-        link: &dyn Link,
-        key: &KeyId,
-        offset: u64,
-        (dst, dst_off, len): (Arc<RegionInner>, u64, usize),
-        done: Option<Arc<Completion>>,
-    ) -> Result<()> {
-        let ours = dst.raw().slice(dst_off, len);
-        let remote = Remote { key: *key, offset };
-        let pending = Pending::Get {
-            dst,
-            offset: dst_off,
-            len,
-            cma: Some(remote),
-            quiet: false,
-        };
-        self.start_cma(link, Kind::GetCma, remote, ours, pending, done)
-    }
-
-    /// Register `pending` and ask the target to copy between its region and
-    /// our range `ours` (address and length travel; the pid does not).
-    fn start_cma(
-        &self,
-        link: &dyn Link,
-        kind: Kind,
-        r: Remote,
-        ours: Result<RawBuf, AccessError>,
-        pending: Pending,
-        done: Option<Arc<Completion>>,
-    ) -> Result<()> {
-        let id = self.register(link.peer(), pending, done);
-        let body = ours.map_err(Error::from).map(|ours| {
-            let mut req = encode_req(&r.key, r.offset, 16);
-            req.put_u64_le(ours.addr() as u64);
-            req.put_u64_le(ours.len() as u64);
-            req.freeze()
+    /// Natively posted operations on `peer` still running; the finished
+    /// ones are dropped from the list (an implicit one's failure kept for
+    /// the next flush).
+    fn native_running(&self, peer: Rank) -> usize {
+        let mut native = lock(&self.native);
+        let mut running = 0;
+        native.retain(|(p, c, implicit)| {
+            if *p != peer {
+                return true;
+            }
+            if *implicit {
+                match c.take_done() {
+                    None => {}
+                    Some(Ok(())) => return false,
+                    Some(Err(e)) => {
+                        lock(&self.failed).entry(peer).or_insert(e);
+                        return false;
+                    }
+                }
+            } else if c.is_done() {
+                return false;
+            }
+            running += 1;
+            true
         });
-        self.send(link, kind, id, body)
+        running
     }
 
     /// Number of operations still waiting on `peer` (or being settled).
     pub(crate) fn outstanding(&self, peer: Rank) -> usize {
+        let native = self.native_running(peer);
         let ops = lock(&self.ops);
         // Acquire: pairs with `Settling`'s release.
         let settling = self.settling_of(peer).load(Ordering::Acquire) as usize;
-        ops.values().filter(|o| o.peer == peer).count() + settling
+        ops.values().filter(|o| o.peer == peer).count() + settling + native
     }
 
     fn settling_of(&self, peer: Rank) -> &AtomicU64 {
@@ -608,33 +526,29 @@ impl Rma {
             .collect()
     }
 
-    /// Fail `ops` with `err`; regions a live peer may still write by CMA go
-    /// to quarantine unless its process is known to be gone.
-    fn fail(&self, ops: Vec<(Op, Settling<'_>)>, err: impl Fn() -> Error, exited: bool) {
+    /// Fail `ops` with `err`.
+    fn fail(&self, ops: Vec<(Op, Settling<'_>)>, err: impl Fn() -> Error) {
         for (op, _settling) in ops {
             // Implicit operations: the peer's next `flush` reports it.
             self.settle(op.peer, op.done, Err(err()));
-            if let (false, Some(r)) = (exited, op.what.exposed()) {
-                lock(&self.quarantine).push(r);
-            }
         }
     }
 
     /// Fail everything pending on a lost peer.
-    pub(crate) fn peer_lost(&self, peer: Rank, reason: &str, how: Loss) {
+    pub(crate) fn peer_lost(&self, peer: Rank, reason: &str) {
         lock(&self.refused).remove(&peer);
         let ops = self.take_ops(|o| o.peer == peer);
         let err = || Error::PeerLost {
             rank: peer,
             reason: reason.to_string(),
         };
-        self.fail(ops, err, how == Loss::Crashed);
+        self.fail(ops, err);
     }
 
     /// Fail everything pending (the fabric is closing).
     pub(crate) fn close(&self) {
         let ops = self.take_ops(|_| true);
-        self.fail(ops, || Error::Closed, false);
+        self.fail(ops, || Error::Closed);
     }
 
     /// Handle an RMA message from `src` (request or answer). Requests are
@@ -698,49 +612,6 @@ impl Rma {
                 };
                 self.answer(link, Kind::GetResp, id, resp);
             }
-            Kind::PutCma | Kind::GetCma => {
-                let (key, off, addr, len) = match decode_req(&data) {
-                    Some((k, o, rest)) if rest.len() == 16 => {
-                        let w = |i: usize| {
-                            u64::from_le_bytes(rest[i..i + 8].try_into().unwrap_or_default())
-                        };
-                        (k, o, w(0), w(8))
-                    }
-                    _ => return self.bad(src, "malformed single-copy request"),
-                };
-                // The pid comes from our own connection to the peer, never
-                // from the request: a peer cannot make us touch a third
-                // process.
-                let r = match (link.cma_pid(), usize::try_from(len)) {
-                    (Some(pid), Ok(len)) => self.target(&key, off, len).and_then(|reg| {
-                        let local = reg.raw().slice(off, len)?;
-                        let dir = if kind == Kind::PutCma {
-                            Cma::Read
-                        } else {
-                            Cma::Write
-                        };
-                        crate::os::cma_copy(dir, pid, local, addr).map_err(|e| {
-                            match e.raw_os_error() {
-                                Some(libc::EPERM | libc::ENOSYS | libc::EACCES) => {
-                                    AccessError::NotPermitted(format!("{CMA_REFUSED}: {e}"))
-                                }
-                                _ => AccessError::NotPermitted(format!(
-                                    "single-copy transfer failed: {e}"
-                                )),
-                            }
-                        })
-                    }),
-                    _ => Err(AccessError::NotPermitted(format!(
-                        "{CMA_REFUSED}: not allowed with this peer"
-                    ))),
-                };
-                let answer = if kind == Kind::PutCma {
-                    Kind::PutAck
-                } else {
-                    Kind::GetResp
-                };
-                self.answer(link, answer, id, encode_status(&r, 0));
-            }
             Kind::AtomicReq => {
                 let Some((key, off, op)) = decode_req(&data)
                     .and_then(|(k, o, rest)| Some((k, o, AtomicOp::decode(rest)?)))
@@ -771,7 +642,7 @@ impl Rma {
                 self.answer(link, Kind::AtomicResp, id, body);
             }
             Kind::PutAck | Kind::GetResp | Kind::FlushAck | Kind::AtomicResp => {
-                self.finish(link, src, kind, id, &data)
+                self.finish(src, kind, id, &data)
             }
             _ => {}
         }
@@ -820,7 +691,14 @@ impl Rma {
         Some((r, at == 0, end == len))
     }
 
-    fn target(&self, key: &KeyId, off: u64, len: usize) -> Result<Arc<RegionInner>, AccessError> {
+    /// The live region behind `key` if `off..off+len` is inside it; a
+    /// refusal is counted.
+    pub(crate) fn target(
+        &self,
+        key: &KeyId,
+        off: u64,
+        len: usize,
+    ) -> Result<Arc<RegionInner>, AccessError> {
         let r = self.check_target(key, off, len);
         if r.is_err() {
             Counters::bump(&self.counters.access_refused);
@@ -865,7 +743,7 @@ impl Rma {
         tracing::warn!(peer = src, "dropped bad RMA message: {what}");
     }
 
-    fn finish(&self, link: &dyn Link, src: Rank, kind: Kind, id: u64, data: &[u8]) {
+    fn finish(&self, src: Rank, kind: Kind, id: u64, data: &[u8]) {
         let (op, _settling) = {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
@@ -889,36 +767,6 @@ impl Rma {
             return;
         }
         let r = match (status, op.what, kind) {
-            // The target could not copy our memory (ptrace rules, seccomp):
-            // stop using CMA with it and redo the operation with messages.
-            (
-                Err(AccessError::NotPermitted(why)),
-                Pending::Put {
-                    cma: Some((src_r, off, len, remote)),
-                },
-                _,
-            ) if why.starts_with(CMA_REFUSED) => {
-                link.disable_cma();
-                let raw = (src_r.raw(), off, len);
-                // A failure to send it fails the operation (see `send`).
-                let r = self.put_with(link, &remote.key, remote.offset, raw, op.done);
-                return self.settle(src, None, r);
-            }
-            (
-                Err(AccessError::NotPermitted(why)),
-                Pending::Get {
-                    dst,
-                    offset,
-                    len,
-                    cma: Some(remote),
-                    ..
-                },
-                _,
-            ) if why.starts_with(CMA_REFUSED) => {
-                link.disable_cma();
-                let r = self.get_with(link, remote, dst, offset, len, op.done);
-                return self.settle(src, None, r);
-            }
             (r, Pending::Flush { upto }, Kind::FlushAck) if payload.is_empty() => {
                 if let Some(i) = self.implicit.get(src as usize) {
                     i.covered.fetch_max(upto, Ordering::AcqRel);
@@ -937,18 +785,11 @@ impl Rma {
                 }
                 return;
             }
-            (Ok(()), Pending::Put { .. }, Kind::PutAck) => Ok(()),
-            (Ok(()), Pending::Get { cma: Some(_), .. }, Kind::GetResp) if payload.is_empty() => {
-                Ok(())
-            }
+            (Ok(()), Pending::Put, Kind::PutAck) => Ok(()),
             (
                 Ok(()),
                 Pending::Get {
-                    dst,
-                    offset,
-                    len,
-                    cma: None,
-                    ..
+                    dst, offset, len, ..
                 },
                 Kind::GetResp,
             ) if payload.len() == len => dst.raw().write(offset, payload).map_err(Error::from),

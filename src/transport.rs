@@ -20,7 +20,7 @@ use bytes::Bytes;
 
 use crate::completion::Completion;
 use crate::mem::{AtomicOp, RawBuf};
-use crate::region::RemoteKey;
+use crate::region::{RegionInner, RemoteKey};
 use crate::{Rank, Result};
 
 /// Names of the transports this build knows.
@@ -31,7 +31,10 @@ pub(crate) const KNOWN: &[&str] = &["self", "sm", "udp", "smcuda", "rdma"];
 /// others as not built).
 pub(crate) const BUILT: &[&str] = &["self", "sm", "udp"];
 
-/// What a message is for. Travels in every transport's frame header.
+/// What a message is for, as the core sees it. Travels in every
+/// transport's frame header; a transport may carry kinds of its own beside
+/// these (numbers from 64 up), which never reach the core (`sm`'s
+/// rendezvous and single-copy requests: `sm::kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Kind {
@@ -49,45 +52,24 @@ pub(crate) enum Kind {
     Barrier = 5,
     /// Orderly goodbye at close.
     Bye = 6,
-    /// put by single copy: the target checks the key, then reads the data
-    /// straight from the initiator's memory (`process_vm_readv`).
-    PutCma = 7,
-    /// get by single copy: the target checks the key, then writes into the
-    /// initiator's memory (`process_vm_writev`).
-    GetCma = 8,
-    /// A large user message announced, not carried (`sm` rendezvous): where
-    /// the receiver reads it from the sender's memory by single copy.
-    /// Travels in order with user messages.
-    UserCma = 9,
-    /// The receiver's answer to [`Kind::UserCma`]: copied, or refused (then
-    /// the sender sends the data as [`Kind::CmaData`]). `sm` itself answers
-    /// a copy that worked through the pair's done word, so on its wire this
-    /// carries refusals.
-    CmaDone = 10,
-    /// The data of a refused [`Kind::UserCma`], carried after all.
-    CmaData = 11,
-    /// The receiver of a [`Kind::UserCma`] asks the sender to write the
-    /// message's tail into its buffer while it reads the head (`sm`'s split
-    /// copy): handle, destination address, offset and length.
-    CmaSplit = 12,
     /// The initiator asks the target to confirm the implicit puts it sent
     /// before (those with id 0, which get no answer of their own).
-    FlushReq = 13,
+    FlushReq = 7,
     /// The target's answer to [`Kind::FlushReq`]: the status of the first
     /// implicit put it refused since the last one, else success.
-    FlushAck = 14,
+    FlushAck = 8,
     /// A part of a large emulated put: the key, the whole put's extent
     /// (which the target checks for every part, so a refused put writes
     /// nothing), the part's place in it, and its data. Only the last part
     /// is answered (as [`Kind::PutAck`]).
-    PutPart = 15,
+    PutPart = 9,
     /// Emulated atomic: key, offset, the operation and its operands. Id 0
     /// (a non-fetching `atomic_add_nbi`) gets no answer of its own; the
     /// next [`Kind::FlushReq`] covers it, as for implicit puts.
-    AtomicReq = 16,
+    AtomicReq = 10,
     /// The target's answer to [`Kind::AtomicReq`]: status, then the word's
     /// previous value.
-    AtomicResp = 17,
+    AtomicResp = 11,
 }
 
 impl Kind {
@@ -101,17 +83,11 @@ impl Kind {
             4 => Kind::GetResp,
             5 => Kind::Barrier,
             6 => Kind::Bye,
-            7 => Kind::PutCma,
-            8 => Kind::GetCma,
-            9 => Kind::UserCma,
-            10 => Kind::CmaDone,
-            11 => Kind::CmaData,
-            12 => Kind::CmaSplit,
-            13 => Kind::FlushReq,
-            14 => Kind::FlushAck,
-            15 => Kind::PutPart,
-            16 => Kind::AtomicReq,
-            17 => Kind::AtomicResp,
+            7 => Kind::FlushReq,
+            8 => Kind::FlushAck,
+            9 => Kind::PutPart,
+            10 => Kind::AtomicReq,
+            11 => Kind::AtomicResp,
             _ => return None,
         })
     }
@@ -131,13 +107,25 @@ pub(crate) fn submit_filled<L: Link + ?Sized>(
     link.submit_gathered(kind, tag, Bytes::from(v)).map(drop)
 }
 
+/// The local side of a put or get: a range of a registered region.
+#[derive(Clone, Copy)]
+pub(crate) struct Local<'a> {
+    /// The region (a transport that finishes the operation later keeps a
+    /// clone, so its memory outlives the operation).
+    pub(crate) region: &'a Arc<RegionInner>,
+    /// Where the range starts in it.
+    pub(crate) offset: u64,
+    /// The range itself (already checked against the region).
+    pub(crate) raw: RawBuf,
+}
+
 /// A one-sided operation offered to [`Link::post`].
 #[derive(Clone, Copy)]
 pub(crate) enum OneSided<'a> {
     /// Write `src` into the peer's region `key` at `offset`.
     Put {
-        /// The local bytes (already range-checked).
-        src: RawBuf,
+        /// The local bytes.
+        src: Local<'a>,
         /// The target region's key.
         key: &'a RemoteKey,
         /// Where in it.
@@ -145,8 +133,8 @@ pub(crate) enum OneSided<'a> {
     },
     /// Read the peer's region `key` at `offset` into `dst`.
     Get {
-        /// The local bytes to fill (already range-checked).
-        dst: RawBuf,
+        /// The local bytes to fill.
+        dst: Local<'a>,
         /// The source region's key.
         key: &'a RemoteKey,
         /// Where in it.
@@ -164,11 +152,14 @@ pub(crate) enum OneSided<'a> {
 }
 
 /// What a transport did with a [`OneSided`] operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Native {
     /// Done (remote completion) before returning; for an atomic, the
     /// word's previous value (0 otherwise).
     Done(u64),
+    /// Started: the transport completes the slot at remote completion (or
+    /// with the error that stopped it, a lost peer's included), from its
+    /// progress; for an atomic, with [`Completion::complete_value`].
+    Posted(Arc<Completion>),
     /// Not offered for this operation: the core emulates it.
     Emulate,
 }
@@ -256,15 +247,6 @@ pub(crate) trait Link: Send + Sync {
     fn post(&self, _op: OneSided<'_>) -> Result<Native> {
         Ok(Native::Emulate)
     }
-
-    /// The peer's pid when it and we may copy each other's memory with
-    /// `process_vm_readv/writev` (same node, same user, ptrace rules allow).
-    fn cma_pid(&self) -> Option<u32> {
-        None
-    }
-
-    /// Stop using single-copy transfers with this peer (one was refused).
-    fn disable_cma(&self) {}
 
     /// Whether anything is still queued towards the peer.
     fn has_queued(&self) -> bool;

@@ -23,6 +23,8 @@
 pub(crate) mod doorbell;
 pub(crate) mod fbox;
 pub(crate) mod frag;
+pub(crate) mod kind;
+pub(crate) mod rma;
 pub(crate) mod rx;
 pub(crate) mod segment;
 pub(crate) mod split;
@@ -126,6 +128,8 @@ pub(crate) struct SmTransport {
     pub(crate) rx: Mutex<rx::RxState>,
     /// Peers' shared regions we mapped, by key id.
     maps: Mutex<HashMap<KeyId, MappedRegion>>,
+    /// Single-copy puts and gets we started (`rma.rs`).
+    pub(crate) cma: rma::CmaOps,
 }
 
 impl SmTransport {
@@ -174,6 +178,7 @@ impl SmTransport {
             tx_busy: AtomicBool::new(false),
             rx: Mutex::new(rx),
             maps: Mutex::new(HashMap::new()),
+            cma: rma::CmaOps::default(),
         }))
     }
 
@@ -299,6 +304,7 @@ impl SmTransport {
         }
         self.with_tx(|tx| tx.peer_lost(peer, how == Loss::Crashed));
         lock(&self.rx).peer_lost(peer.local);
+        self.cma.peer_lost(peer.rank, reason, how == Loss::Crashed);
         if how == Loss::Crashed {
             peer.seg.unlink();
             crate::shm::remove_of_pid(peer.seg.pid);
@@ -416,5 +422,6 @@ impl Transport for SmTransport {
             .store(segment::STATE_CLOSED, Ordering::Release);
         self.seg.unlink();
         self.with_tx(tx::TxState::fail_all);
+        self.cma.close();
     }
 }

@@ -6,13 +6,13 @@ use bytes::Bytes;
 
 use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::kind::Kind;
 use super::segment::CHANNELS;
 use super::split::{self, Tail};
 use super::tx::{channel, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
-use crate::transport::Kind;
 
 /// Fragments taken from one sender's ring per progress call, so one busy
 /// sender cannot starve the others.
@@ -392,13 +392,22 @@ impl RxState {
                 return self.rendezvous_data(t, p, part.tag, data);
             } else if part.kind == Kind::CmaSplit {
                 return self.split_write(t, p, part.tag, &data);
+            } else if part.kind == Kind::PutCma || part.kind == Kind::GetCma {
+                let put = part.kind == Kind::PutCma;
+                if let Err(what) = super::rma::CmaOps::serve(t, p, put, part.tag, &data) {
+                    return Step::Bad(what);
+                }
+            } else if part.kind == Kind::CmaAck {
+                if let Err(what) = t.cma.answered(t, p, part.tag, &data) {
+                    return Step::Bad(what);
+                }
             } else if part.kind == Kind::CmaDone {
                 if data.len() != 1 {
                     return Step::Bad("malformed rendezvous answer");
                 }
                 t.with_tx(|tx| tx.rendezvous_done(t, p, part.tag, data[0] == 1));
-            } else if let Some(link) = t.core.link(p.rank) {
-                t.core.on_message(&*link, p.rank, part.kind, part.tag, data);
+            } else if let (Some(kind), Some(link)) = (part.kind.core(), t.core.link(p.rank)) {
+                t.core.on_message(&*link, p.rank, kind, part.tag, data);
             }
         }
         Step::Took
@@ -809,15 +818,14 @@ impl RxState {
 /// Ask the sender of rendezvous `handle` to write `n` bytes of it, from
 /// offset `at`, to `dst` in our memory (split copy).
 fn ask_split(t: &SmTransport, p: &SmPeer, handle: u64, dst: u64, at: usize, n: usize) {
-    if let Some(link) = t.core.link(p.rank) {
-        let mut req = [0u8; 24];
-        req[..8].copy_from_slice(&dst.to_le_bytes());
-        req[8..16].copy_from_slice(&(at as u64).to_le_bytes());
-        req[16..].copy_from_slice(&(n as u64).to_le_bytes());
-        // A failure means the peer is gone; its loss is reported elsewhere
-        // (and the offer is taken back when we look at it).
-        let _ = link.submit(Kind::CmaSplit, handle, Bytes::copy_from_slice(&req));
-    }
+    let mut req = [0u8; 24];
+    req[..8].copy_from_slice(&dst.to_le_bytes());
+    req[8..16].copy_from_slice(&(at as u64).to_le_bytes());
+    req[16..].copy_from_slice(&(n as u64).to_le_bytes());
+    // A failure means the peer is gone; its loss is reported elsewhere
+    // (and the offer is taken back when we look at it).
+    let data = Bytes::copy_from_slice(&req);
+    let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaSplit, handle, data));
 }
 
 /// Tell the sender of a rendezvous that we could not copy its data (a copy

@@ -25,7 +25,7 @@ use crate::sync::AtomicU32;
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
-pub(crate) const VERSION: u32 = 5;
+pub(crate) const VERSION: u32 = 6;
 pub(crate) const HEADER_LEN: usize = 4096;
 const STATE_OFF: usize = 256;
 const ARMED_OFF: usize = 320;

@@ -16,13 +16,14 @@ use bytes::Bytes;
 
 use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::kind::Kind;
 use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
 use crate::completion::Completion;
 use crate::ring::{ConsumerState, ProducerState};
 use crate::stats::Counters;
 use crate::sync::lock;
-use crate::transport::{Kind, Link};
+use crate::transport::{Kind as CoreKind, Link};
 use crate::{Error, Rank, Result};
 
 const FREE: u32 = u32::MAX;
@@ -966,14 +967,14 @@ impl Link for SmLink {
     // A peer caught misbehaving here stays in `misbehaved` until the next
     // progress call cuts it off: these entry points may run inside the
     // receive path (answers to RMA requests), where `rx` is held.
-    fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
+    fn try_send(&self, kind: CoreKind, tag: u64, data: &[u8]) -> Result<bool> {
         self.t
-            .with_tx(|tx| tx.try_send(&self.t, &self.peer, kind, tag, data))
+            .with_tx(|tx| tx.try_send(&self.t, &self.peer, kind.into(), tag, data))
     }
 
-    fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
+    fn submit(&self, kind: CoreKind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
         self.t
-            .with_tx(|tx| tx.submit(&self.t, &self.peer, kind, tag, data))
+            .with_tx(|tx| tx.submit(&self.t, &self.peer, kind.into(), tag, data))
     }
 
     fn post(&self, op: crate::transport::OneSided<'_>) -> Result<crate::transport::Native> {
@@ -984,7 +985,25 @@ impl Link for SmLink {
             | OneSided::Atomic { key, .. } => key,
         };
         if !key.is_shared() {
-            return Ok(Native::Emulate);
+            // A registered buffer: single copy from BTL_SM_CMA_MIN bytes
+            // where the kernel lets the target copy our memory, else the
+            // core's emulation over messages.
+            let (put, local, offset) = match op {
+                OneSided::Put { src, offset, .. } => (true, src, offset),
+                OneSided::Get { dst, offset, .. } => (false, dst, offset),
+                OneSided::Atomic { .. } => return Ok(Native::Emulate),
+            };
+            if local.raw.len() < self.t.core.config.sm_cma_min || !self.peer.cma_ok() {
+                return Ok(Native::Emulate);
+            }
+            if self.peer.is_lost() {
+                return Err(self.peer.lost_error());
+            }
+            let done = self
+                .t
+                .cma
+                .start(&self.t, &self.peer, put, local, &key.id, offset)?;
+            return Ok(Native::Posted(done));
         }
         if self.peer.is_lost() {
             return Err(self.peer.lost_error());
@@ -995,25 +1014,15 @@ impl Link for SmLink {
         let remote = m.data();
         Ok(match op {
             OneSided::Put { src, offset, .. } => {
-                remote.copy_from(offset, &src, 0, src.len())?;
+                remote.copy_from(offset, &src.raw, 0, src.raw.len())?;
                 Native::Done(0)
             }
             OneSided::Get { dst, offset, .. } => {
-                dst.copy_from(0, &remote, offset, dst.len())?;
+                dst.raw.copy_from(0, &remote, offset, dst.raw.len())?;
                 Native::Done(0)
             }
             OneSided::Atomic { offset, op, .. } => Native::Done(remote.atomic(offset, op)?),
         })
-    }
-
-    fn cma_pid(&self) -> Option<u32> {
-        self.peer.cma_ok().then_some(self.peer.seg.pid)
-    }
-
-    fn disable_cma(&self) {
-        self.peer
-            .cma
-            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn has_queued(&self) -> bool {

@@ -31,7 +31,7 @@ use crate::Rank;
 /// The four magic bytes every datagram starts with.
 pub const MAGIC: [u8; 4] = *b"BTLu";
 /// The wire-format version this code speaks.
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 /// Length of the header every datagram carries.
 pub const COMMON_LEN: usize = 44;
 /// Length of a DATA datagram's headers (common header plus chunk header).
