@@ -492,18 +492,45 @@ impl Fabric {
         self.core.dispatcher.take(tag, self.core.closed.clone())
     }
 
-    /// Register a buffer: peers can put into / get from it with its key.
-    pub fn register(&self, buffer: Vec<u8>) -> MemoryRegion {
+    /// Register memory the application owns — a `Vec<u8>`, `Box<[u8]>`,
+    /// `BytesMut`, [`PageBuf`](crate::PageBuf), `memmap2::MmapMut`, or any
+    /// [`RegisterMemory`](crate::RegisterMemory) — so that peers can put
+    /// into, get from and apply atomics to it with its
+    /// [`remote_key`](MemoryRegion::remote_key). The region owns the buffer
+    /// from now on, and its memory lives until the last clone of the
+    /// region *and* every operation using it are gone; a `Vec` can be
+    /// taken back with [`MemoryRegion::try_into_vec`].
+    ///
+    /// Peers reach a registered buffer through the target's progress
+    /// (emulated over messages, or by single copy on `sm` from
+    /// `BTL_SM_CMA_MIN` bytes); [`alloc_region`](Self::alloc_region)
+    /// memory is mapped by same-node peers instead. Atomics need 8-byte
+    /// aligned words: a `PageBuf` guarantees it, a `Vec` in practice
+    /// (the system allocator aligns to 16), other types may not.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) {
+    /// let window = f.register(async_btl::PageBuf::zeroed(1 << 20));
+    /// let scratch = f.register(vec![0u8; 4096]);
+    /// let from_bytes = f.register(bytes::BytesMut::zeroed(512));
+    /// # let _ = (window, scratch, from_bytes); }
+    /// ```
+    pub fn register<B: crate::RegisterMemory>(&self, buffer: B) -> MemoryRegion {
         self.core.rma.regions.register(self.core.rank, buffer)
     }
 
     /// Allocate a zeroed region in shared memory: same-node peers map it, so
-    /// put/get to it are a single copy.
+    /// put and get to it are a single copy and atomics one hardware
+    /// instruction. Its data is page-aligned.
     pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion> {
-        self.core
+        let id = crate::os::random_bytes::<16>();
+        let (raw, keep, handle) =
+            crate::sm::region::create(&id, len, self.core.rank, self.core.job_tag)?;
+        Ok(self
+            .core
             .rma
             .regions
-            .alloc_shared(self.core.rank, len, self.core.job_tag)
+            .add_shared(self.core.rank, id, raw, Box::new(keep), handle))
     }
 
     /// Counters.

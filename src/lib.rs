@@ -58,7 +58,7 @@ pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use fabric::{Fabric, FabricBuilder};
 pub use mem::CopyChoice;
-pub use region::{MemoryRegion, RemoteKey};
+pub use region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};
 pub use stats::Stats;
 
 /// A process's index in the job, `0..size`.

@@ -3,49 +3,80 @@
 //!
 //! A key names a region by a 128-bit random id, never by an address; the
 //! owner looks the id up in its own table and checks the range on every
-//! access, so a forged or stale key reaches nothing. Regions made by
-//! [`Fabric::alloc_region`](crate::Fabric::alloc_region) live in a shared
-//! file that same-node peers map, so `put`/`get` to them are one copy.
+//! access, so a forged or stale key reaches nothing. Beside the id and the
+//! bounds, a key carries one packed, versioned handle per transport that
+//! registered the region (`sm`: what a same-node peer needs to map a
+//! fabric-allocated region), which only that transport reads.
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 
 use crate::mem::{HeapBuf, RawBuf};
-use crate::shm::ShmFile;
 use crate::sync::{lock, Ordering};
 use crate::{AccessError, Error, Rank, Result};
 
 /// The 128-bit random identity of a region.
 pub(crate) type KeyId = [u8; 16];
 
-/// What a peer needs to `put` into or `get` from a region: serde-serialisable,
-/// send it to peers in a message. Unguessable (128 random bits) and carrying
-/// its bounds; the owner checks both on every access.
+/// Most transport handles one key may carry (a decoded key with more is
+/// refused).
+const MAX_HANDLES: usize = 8;
+/// Longest transport name in a handle.
+const MAX_NAME: usize = 32;
+/// Most bytes of one handle.
+const MAX_HANDLE: usize = 1024;
+
+/// One transport's packed handle for a region, inside a [`RemoteKey`]:
+/// the transport's name, the version of its format, and its bytes (only
+/// that transport reads them, and checks them before use).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct KeyHandle {
+    pub(crate) transport: String,
+    pub(crate) version: u16,
+    pub(crate) data: Vec<u8>,
+}
+
+impl KeyHandle {
+    pub(crate) fn new(transport: &str, version: u16, data: Vec<u8>) -> KeyHandle {
+        KeyHandle {
+            transport: transport.to_string(),
+            version,
+            data,
+        }
+    }
+}
+
+/// What a peer needs to `put` into, `get` from, or apply atomics to a
+/// region: serde-serialisable, send it to peers in a message (or as bytes:
+/// [`RemoteKey::to_bytes`]). Unguessable (128 random bits) and carrying
+/// its bounds; the owner checks both on every access it serves, and a
+/// transport that reaches the memory itself checks the real size.
 ///
 /// A key to a region the peer shares (`Fabric::alloc_region`) on this node
-/// keeps the mapping its first `put` or `get` made, like UCX's unpacked
-/// remote key: later operations through it (and its clones) skip the
-/// lookup and are one bounds check, one revocation check and one copy. The
-/// mapping goes when the last clone of the key is dropped. (It is not part
-/// of the key's value: not serialised, not compared.)
+/// keeps the mapping its first operation made, like UCX's unpacked remote
+/// key: later operations through it (and its clones) skip the lookup and
+/// are one bounds check, one revocation check and one copy. The mapping
+/// goes when the last clone of the key is dropped. (It is not part of the
+/// key's value: not serialised, not compared.)
 #[derive(Clone, Serialize, Deserialize)]
 pub struct RemoteKey {
     pub(crate) owner: Rank,
     pub(crate) id: KeyId,
     pub(crate) len: u64,
-    /// Owner's pid when the region is a shared file peers can map.
-    pub(crate) shm_pid: Option<u32>,
+    /// One handle per transport that registered the region.
+    pub(crate) handles: Vec<KeyHandle>,
     /// The mapping made on first use, with the job it was checked against.
     #[serde(skip)]
-    mapped: std::sync::OnceLock<([u64; 2], MappedRegion)>,
+    mapped: std::sync::OnceLock<([u64; 2], Mapped)>,
 }
 
 impl PartialEq for RemoteKey {
     fn eq(&self, other: &Self) -> bool {
-        (self.owner, self.id, self.len, self.shm_pid)
-            == (other.owner, other.id, other.len, other.shm_pid)
+        (self.owner, self.id, self.len, &self.handles)
+            == (other.owner, other.id, other.len, &other.handles)
     }
 }
 
@@ -56,7 +87,14 @@ impl std::fmt::Debug for RemoteKey {
         f.debug_struct("RemoteKey")
             .field("owner", &self.owner)
             .field("len", &self.len)
-            .field("shared", &self.shm_pid.is_some())
+            .field(
+                "transports",
+                &self
+                    .handles
+                    .iter()
+                    .map(|h| &h.transport)
+                    .collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -78,9 +116,44 @@ impl RemoteKey {
     pub fn to_bytes(&self) -> Vec<u8> {
         postcard::to_allocvec(self).unwrap_or_default()
     }
-    /// Decode what [`RemoteKey::to_bytes`] produced.
+    /// Decode what [`RemoteKey::to_bytes`] produced, exactly: anything else
+    /// (trailing bytes, more than 8 transport handles, a handle name over
+    /// 32 bytes or a handle over 1 KiB) is an error, never a panic.
     pub fn from_bytes(b: &[u8]) -> Result<RemoteKey> {
-        postcard::from_bytes(b).map_err(|e| Error::Misuse(format!("not a remote key: {e}")))
+        let bad = |why: String| Error::Misuse(format!("not a remote key: {why}"));
+        let (key, rest): (RemoteKey, _) =
+            postcard::take_from_bytes(b).map_err(|e| bad(e.to_string()))?;
+        if !rest.is_empty() {
+            return Err(bad(format!("{} bytes after the key", rest.len())));
+        }
+        key.validate().map_err(bad)?;
+        Ok(key)
+    }
+    /// Refuse what no honest key holds.
+    fn validate(&self) -> std::result::Result<(), String> {
+        if self.handles.len() > MAX_HANDLES {
+            return Err(format!("{} transport handles", self.handles.len()));
+        }
+        match self
+            .handles
+            .iter()
+            .find(|h| h.transport.len() > MAX_NAME || h.data.len() > MAX_HANDLE)
+        {
+            Some(h) => Err(format!(
+                "a transport handle of {} bytes named {} bytes long",
+                h.data.len(),
+                h.transport.len()
+            )),
+            None => Ok(()),
+        }
+    }
+    /// The names of the transports that registered the region.
+    pub fn transports(&self) -> impl Iterator<Item = &str> {
+        self.handles.iter().map(|h| h.transport.as_str())
+    }
+    /// `transport`'s handle, if it registered the region.
+    pub(crate) fn handle(&self, transport: &str) -> Option<&KeyHandle> {
+        self.handles.iter().find(|h| h.transport == transport)
     }
     /// The peer's region mapped into this process for the fabric of job
     /// `job_tag`: the mapping this key made on first use, or a new one from
@@ -91,8 +164,8 @@ impl RemoteKey {
     pub(crate) fn mapping(
         &self,
         job_tag: [u64; 2],
-        open: impl FnOnce() -> Result<MappedRegion>,
-    ) -> Result<&MappedRegion> {
+        open: impl FnOnce() -> Result<Mapped>,
+    ) -> Result<&Mapped> {
         if let Some((tag, m)) = self.mapped.get() {
             if *tag == job_tag {
                 m.check_live()?;
@@ -116,9 +189,10 @@ impl RemoteKey {
         }
     }
 
-    /// Whether the region lives in a shared file that same-node peers map.
+    /// Whether a transport registered the region for peers to map
+    /// (`sm`'s shared files).
     pub(crate) fn is_shared(&self) -> bool {
-        self.shm_pid.is_some()
+        !self.handles.is_empty()
     }
 
     /// Check `offset..offset+len` against the key's stated bounds.
@@ -134,18 +208,21 @@ impl RemoteKey {
     }
 }
 
-/// Layout of a shared region file: a page of header, then the data.
-pub(crate) const REGION_DATA_OFFSET: usize = 4096;
-const REGION_MAGIC: u64 = u64::from_le_bytes(*b"ABTLRGN1");
-const REVOKED_OFF: usize = 64;
-
+/// What keeps a region's memory: a `Vec` (which [`MemoryRegion::try_into_vec`]
+/// can give back), or any other owner (a registered buffer of another
+/// type, a transport's shared file).
 enum Backing {
     Heap(HeapBuf),
-    Shm(ShmFile),
+    /// Kept only to be dropped with the region.
+    Owned {
+        _keep: Box<dyn Any + Send + Sync>,
+    },
 }
 
 pub(crate) struct RegionInner {
     pub(crate) id: KeyId,
+    /// The key peers use (handed out by `MemoryRegion::remote_key`).
+    key: RemoteKey,
     raw: RawBuf,
     backing: Option<Backing>,
     table: Weak<RegionTable>,
@@ -162,13 +239,6 @@ impl Drop for RegionInner {
         if let Some(t) = self.table.upgrade() {
             lock(&t.map).remove(&self.id);
         }
-        if let Some(Backing::Shm(f)) = &self.backing {
-            if let Some(a) = f.raw().atomic_u32(REVOKED_OFF) {
-                // Release pairs with the Acquire load in MappedRegion::check:
-                // peers that still map the file see the revocation.
-                a.store(1, Ordering::Release);
-            }
-        }
     }
 }
 
@@ -181,14 +251,13 @@ impl Drop for RegionInner {
 #[derive(Clone)]
 pub struct MemoryRegion {
     pub(crate) inner: Arc<RegionInner>,
-    key: RemoteKey,
 }
 
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryRegion")
             .field("len", &self.len())
-            .field("shared", &self.key.shm_pid.is_some())
+            .field("shared", &self.inner.key.is_shared())
             .finish()
     }
 }
@@ -204,11 +273,12 @@ impl MemoryRegion {
     }
     /// The key peers use to reach this region.
     pub fn remote_key(&self) -> RemoteKey {
-        self.key.clone()
+        self.inner.key.clone()
     }
-    /// Whether peers on this node can map the region (one-copy put/get).
+    /// Whether peers on this node can map the region (one-copy put/get,
+    /// hardware atomics).
     pub fn is_shared(&self) -> bool {
-        self.key.shm_pid.is_some()
+        self.inner.key.is_shared()
     }
     /// Copy `dst.len()` bytes from `offset` out of the region.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
@@ -227,19 +297,20 @@ impl MemoryRegion {
     /// Take a heap region's buffer back, if this is the only handle and no
     /// operation is using it; otherwise the region is returned unchanged.
     pub fn try_into_vec(self) -> Result<Vec<u8>, MemoryRegion> {
-        let key = self.key;
+        if !matches!(self.inner.backing, Some(Backing::Heap(_))) {
+            return Err(self);
+        }
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => match inner.backing.take() {
                 Some(Backing::Heap(h)) => Ok(h.into_vec()),
+                // (Checked above: never reached.)
                 other => {
                     inner.backing = other;
-                    Err(MemoryRegion {
-                        inner: Arc::new(inner),
-                        key,
-                    })
+                    let table = inner.table.upgrade().unwrap_or_default();
+                    Err(table.insert(inner))
                 }
             },
-            Err(inner) => Err(MemoryRegion { inner, key }),
+            Err(inner) => Err(MemoryRegion { inner }),
         }
     }
 }
@@ -251,64 +322,80 @@ pub(crate) struct RegionTable {
 }
 
 impl RegionTable {
-    fn insert(self: &Arc<Self>, inner: RegionInner, key: RemoteKey) -> MemoryRegion {
+    fn insert(self: &Arc<Self>, inner: RegionInner) -> MemoryRegion {
         let inner = Arc::new(inner);
         lock(&self.map).insert(inner.id, Arc::downgrade(&inner));
-        MemoryRegion { inner, key }
+        MemoryRegion { inner }
     }
 
-    /// Register a heap buffer.
-    pub(crate) fn register(self: &Arc<Self>, owner: Rank, buf: Vec<u8>) -> MemoryRegion {
-        let heap = HeapBuf::from_vec(buf);
-        let id = crate::os::random_bytes::<16>();
-        let key = RemoteKey {
-            owner,
-            id,
-            len: heap.raw().len() as u64,
-            shm_pid: None,
-            mapped: Default::default(),
-        };
-        let inner = RegionInner {
-            id,
-            raw: heap.raw(),
-            backing: Some(Backing::Heap(heap)),
-            table: Arc::downgrade(self),
-        };
-        self.insert(inner, key)
-    }
-
-    /// Allocate a zeroed region in a shared file.
-    pub(crate) fn alloc_shared(
+    /// Register memory of `len` bytes at `raw`, kept by `backing`, with
+    /// the transports' `handles`.
+    fn add(
         self: &Arc<Self>,
         owner: Rank,
-        len: usize,
-        job_tag: [u64; 2],
-    ) -> Result<MemoryRegion> {
-        let id = crate::os::random_bytes::<16>();
-        let file = ShmFile::create(&id, REGION_DATA_OFFSET + len)?;
-        let hdr = file.raw();
-        let mut h = [0u8; 40];
-        h[0..8].copy_from_slice(&REGION_MAGIC.to_le_bytes());
-        h[8..16].copy_from_slice(&job_tag[0].to_le_bytes());
-        h[16..24].copy_from_slice(&job_tag[1].to_le_bytes());
-        h[24..32].copy_from_slice(&(len as u64).to_le_bytes());
-        h[32..36].copy_from_slice(&owner.to_le_bytes());
-        hdr.write(0, &h)?;
-        let raw = hdr.slice(REGION_DATA_OFFSET as u64, len)?;
+        id: KeyId,
+        raw: RawBuf,
+        backing: Backing,
+        handles: Vec<KeyHandle>,
+    ) -> MemoryRegion {
         let key = RemoteKey {
             owner,
             id,
-            len: len as u64,
-            shm_pid: Some(crate::os::pid()),
+            len: raw.len() as u64,
+            handles,
             mapped: Default::default(),
         };
         let inner = RegionInner {
             id,
+            key,
             raw,
-            backing: Some(Backing::Shm(file)),
+            backing: Some(backing),
             table: Arc::downgrade(self),
         };
-        Ok(self.insert(inner, key))
+        self.insert(inner)
+    }
+
+    /// Register a buffer the application owns.
+    pub(crate) fn register<B: RegisterMemory>(
+        self: &Arc<Self>,
+        owner: Rank,
+        buf: B,
+    ) -> MemoryRegion {
+        let id = crate::os::random_bytes::<16>();
+        // A `Vec` keeps its own form, so that `try_into_vec` can give it
+        // back.
+        let mut buf = buf;
+        let (raw, backing) = match (&mut buf as &mut dyn Any).downcast_mut::<Vec<u8>>() {
+            Some(v) => {
+                let heap = HeapBuf::from_vec(std::mem::take(v));
+                (heap.raw(), Backing::Heap(heap))
+            }
+            None => {
+                let mut buf = Box::new(buf);
+                let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+                // SAFETY: the `RegisterMemory` contract: `ptr..ptr+len`
+                // stays valid for reads and writes, at this address, until
+                // `buf` is dropped, and is touched only through the region
+                // meanwhile; `buf` is kept beside `raw` in the region and
+                // dropped no earlier (see `RawBuf`).
+                let raw = unsafe { RawBuf::new(ptr, len) };
+                (raw, Backing::Owned { _keep: buf })
+            }
+        };
+        self.add(owner, id, raw, backing, Vec::new())
+    }
+
+    /// Register memory a transport allocated for peers to map: `keep` owns
+    /// it, `handle` says how to reach it.
+    pub(crate) fn add_shared(
+        self: &Arc<Self>,
+        owner: Rank,
+        id: KeyId,
+        raw: RawBuf,
+        keep: Box<dyn Any + Send + Sync>,
+        handle: KeyHandle,
+    ) -> MemoryRegion {
+        self.add(owner, id, raw, Backing::Owned { _keep: keep }, vec![handle])
     }
 
     /// Look a live region up by id.
@@ -317,60 +404,175 @@ impl RegionTable {
     }
 }
 
-/// A peer's shared region mapped into this process.
+/// A peer's region that a transport mapped into this process (UCX's
+/// `rkey_ptr`): its bytes, bounded by what the mapping really holds; the
+/// word its owner sets when it drops the region; and whatever keeps the
+/// mapping alive.
 #[derive(Clone)]
-pub(crate) struct MappedRegion {
-    file: Arc<ShmFile>,
+pub(crate) struct Mapped {
     data: RawBuf,
+    revoked: RawBuf,
+    _keep: Arc<dyn Any + Send + Sync>,
 }
 
-impl MappedRegion {
-    /// Map the shared region behind `key`; checks magic, job and owner.
-    pub(crate) fn open(key: &RemoteKey, job_tag: [u64; 2]) -> Result<MappedRegion> {
-        let pid = key
-            .shm_pid
-            .ok_or(AccessError::NotPermitted("direct mapping".into()))?;
-        let path = crate::shm::shm_dir().join(crate::shm::name_for(pid, &key.id));
-        let file = match ShmFile::open(&path, REGION_DATA_OFFSET) {
-            Ok(f) => f,
-            Err(Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-                return Err(AccessError::UnknownKey.into())
-            }
-            Err(e) => return Err(e),
-        };
-        let mut h = [0u8; 40];
-        file.raw().read(0, &mut h)?;
-        let word = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap_or_default());
-        let owner = u32::from_le_bytes(h[32..36].try_into().unwrap_or_default());
-        let len = word(24);
-        if word(0) != REGION_MAGIC || [word(8), word(16)] != job_tag || owner != key.owner {
-            return Err(AccessError::UnknownKey.into());
-        }
-        let avail = (file.len() - REGION_DATA_OFFSET) as u64;
-        if len > avail {
-            return Err(Error::PeerMisbehaved {
-                rank: key.owner,
-                what: format!("region file claims {len} bytes but holds {avail}"),
-            });
-        }
-        let data = file.raw().slice(REGION_DATA_OFFSET as u64, len as usize)?;
-        Ok(MappedRegion {
-            file: Arc::new(file),
+impl Mapped {
+    /// `data` and the 4-byte `revoked` word, both inside the memory `keep`
+    /// maps.
+    pub(crate) fn new(data: RawBuf, revoked: RawBuf, keep: Arc<dyn Any + Send + Sync>) -> Mapped {
+        Mapped {
             data,
-        })
+            revoked,
+            _keep: keep,
+        }
     }
 
     /// Fail if the owner has dropped the region since we mapped it.
     pub(crate) fn check_live(&self) -> Result<(), AccessError> {
-        match self.file.raw().atomic_u32(REVOKED_OFF) {
-            // Acquire pairs with the Release store in RegionInner::drop.
+        match self.revoked.atomic_u32(0) {
+            // Acquire pairs with the owner's Release store when it revokes.
             Some(a) if a.load(Ordering::Acquire) == 0 => Ok(()),
             _ => Err(AccessError::UnknownKey),
         }
     }
 
-    /// The data range (bounds: the real file, not the key's claim).
+    /// The data range (bounds: the real mapping, not the key's claim).
     pub(crate) fn data(&self) -> RawBuf {
         self.data
+    }
+}
+
+/// Memory an application owns that [`Fabric::register`](crate::Fabric::register)
+/// can register: `Vec<u8>`, `Box<[u8]>`, `bytes::BytesMut`, [`PageBuf`]
+/// (page-aligned), `memmap2::MmapMut` (a file or huge-page mapping), or a
+/// type of your own.
+///
+/// # Safety
+/// From the moment `register` takes the value until the region drops it,
+/// `as_mut_ptr()..as_mut_ptr() + len()` must stay valid for reads and
+/// writes at the same address (moving the value must not move the bytes),
+/// and nothing may access those bytes except through the region. `len`
+/// must not change.
+pub unsafe trait RegisterMemory: Send + Sync + 'static {
+    /// The start of the bytes (called once, at registration).
+    fn as_mut_ptr(&mut self) -> *mut u8;
+    /// How many bytes.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: a Vec's heap buffer does not move when the Vec does; the region
+// never grows it.
+unsafe impl RegisterMemory for Vec<u8> {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        Vec::as_mut_ptr(self)
+    }
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
+// SAFETY: a boxed slice's buffer does not move when the box does.
+unsafe impl RegisterMemory for Box<[u8]> {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        <[u8]>::as_mut_ptr(self)
+    }
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+}
+
+// SAFETY: a `BytesMut`'s buffer does not move when the handle does, and
+// the region never reserves, splits or freezes it.
+unsafe impl RegisterMemory for bytes::BytesMut {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        <[u8]>::as_mut_ptr(self)
+    }
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+}
+
+// SAFETY: a mapping stays at its address until it is unmapped, which
+// happens when it is dropped.
+unsafe impl RegisterMemory for memmap2::MmapMut {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        <[u8]>::as_mut_ptr(self)
+    }
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+}
+
+// SAFETY: the allocation belongs to the `PageBuf` until it is dropped, and
+// does not move with it.
+unsafe impl RegisterMemory for PageBuf {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// A zeroed, page-aligned (4 KiB) heap buffer to register: every 8-byte
+/// word of it can take an atomic, and a NIC or GPU driver that pins whole
+/// pages pins nothing else with it.
+pub struct PageBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `PageBuf` owns its allocation alone (no aliasing handle exists);
+// sending it moves that ownership.
+unsafe impl Send for PageBuf {}
+// SAFETY: no method hands out access through `&PageBuf` but its length.
+unsafe impl Sync for PageBuf {}
+
+impl PageBuf {
+    /// The page size it aligns to.
+    pub const ALIGN: usize = 4096;
+
+    /// `len` zeroed bytes (rounded to no size: exactly `len`), page-aligned.
+    pub fn zeroed(len: usize) -> PageBuf {
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size (at least one page).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(p) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        PageBuf { ptr, len }
+    }
+
+    fn layout(len: usize) -> std::alloc::Layout {
+        // At least a page, so a zero-length buffer still has a real
+        // allocation to free.
+        std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
+            .unwrap_or_else(|_| panic!("PageBuf of {len} bytes is larger than memory"))
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this very layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+impl std::fmt::Debug for PageBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageBuf").field("len", &self.len).finish()
     }
 }

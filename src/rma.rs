@@ -984,7 +984,7 @@ mod tests {
     fn implicit_gets_wait_in_the_table_and_fail_into_the_next_flush() {
         let (ini, ini_regions) = rma(2);
         let (tgt, regions) = rma(2);
-        let region = regions.register(1, (0..=255).collect());
+        let region = regions.register(1, (0..=255).collect::<Vec<u8>>());
         let key = region.remote_key().id;
         let dst = ini_regions.register(0, vec![0u8; 32]);
         let (to_tgt, to_ini) = (Wire::new(1), Wire::new(0));

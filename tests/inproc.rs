@@ -199,6 +199,7 @@ fn operation_futures_are_send_and_static() {
     check::<async_btl::Put>();
     check::<async_btl::Get>();
     check::<async_btl::Flush>();
+    check::<async_btl::AtomicFetch>();
     check::<async_btl::Receiver>();
     check::<async_btl::Endpoint>();
     fn check_sync<T: Send + Sync>() {}
@@ -216,6 +217,130 @@ async fn self_path_and_barrier_and_close() {
     assert_eq!(&rx.recv().await.unwrap().data[..], b"me");
     let bars = f.iter().map(|x| x.barrier());
     futures::future::try_join_all(bars).await.unwrap();
+    let closes = f.into_iter().map(|x| x.close());
+    futures::future::try_join_all(closes).await.unwrap();
+}
+
+/// Every owned buffer type `register` takes is reachable by put, get and
+/// atomics from a peer, and a `Vec` comes back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_every_owned_buffer_type() {
+    let f = job(2, Config::default()).await;
+    let ep = f[0].endpoint(1).unwrap();
+    let len = 4096;
+    let regions = [
+        f[1].register(vec![0u8; len]),
+        f[1].register(vec![0u8; len].into_boxed_slice()),
+        f[1].register(bytes::BytesMut::zeroed(len)),
+        f[1].register(async_btl::PageBuf::zeroed(len)),
+        f[1].register(memmap2::MmapMut::map_anon(len).unwrap()),
+    ];
+    let src = f[0].register(pattern(len, 9).to_vec());
+    let back = f[0].register(vec![0u8; len]);
+    for (i, r) in regions.iter().enumerate() {
+        let key = r.remote_key();
+        ep.put(&src, 0..len, &key, 0).await.unwrap();
+        ep.get(&back, 0..len, &key, 0).await.unwrap();
+        assert!(back.to_vec() == pattern(len, 9).to_vec(), "region {i}");
+        // 8-byte words of a Vec, a boxed slice and a page buffer are
+        // aligned here; the counter starts from the pattern's word.
+        let start = u64::from_le_bytes(pattern(len, 9)[64..72].try_into().unwrap());
+        if let Ok(old) = ep.fetch_add(&key, 64, 5).await {
+            assert_eq!(old, start, "region {i}");
+            let mut w = [0u8; 8];
+            r.read(64, &mut w).unwrap();
+            assert_eq!(u64::from_le_bytes(w), start.wrapping_add(5), "region {i}");
+        }
+    }
+    let page = f[1].register(async_btl::PageBuf::zeroed(100));
+    assert!(ep.fetch_add(&page.remote_key(), 88, 1).await.is_ok());
+    assert!(ep.fetch_add(&page.remote_key(), 96, 1).await.is_err());
+    let [vec_region, ..] = regions;
+    let v = vec_region.try_into_vec().expect("only handle");
+    assert_eq!(v.len(), len);
+    drop(page);
+    let closes = f.into_iter().map(|x| x.close());
+    futures::future::try_join_all(closes).await.unwrap();
+}
+
+/// Atomics to one's own rank go through the self path (emulated at the
+/// target, which is this process) on shared and registered regions, and
+/// refuse what they must with memory unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn atomics_on_the_self_path() {
+    let f = Fabric::single().await.unwrap();
+    let ep = f.endpoint(0).unwrap();
+    for r in [
+        f.alloc_region(64).unwrap(),
+        f.register(async_btl::PageBuf::zeroed(64)),
+    ] {
+        let k = r.remote_key();
+        assert_eq!(ep.fetch_add(&k, 8, 3).await.unwrap(), 0);
+        assert_eq!(ep.fetch_add(&k, 8, 4).await.unwrap(), 3);
+        assert_eq!(ep.compare_swap(&k, 8, 6, 1).await.unwrap(), 7, "no swap");
+        assert_eq!(ep.compare_swap(&k, 8, 7, 1).await.unwrap(), 7, "swap");
+        assert_eq!(ep.swap(&k, 8, 42).await.unwrap(), 1);
+        for _ in 0..10 {
+            ep.atomic_add_nbi(&k, 16, u64::MAX).unwrap(); // wraps: -1
+        }
+        ep.flush().await.unwrap();
+        for (off, what) in [
+            (4u64, "misaligned"),
+            (64, "past the end"),
+            (60, "straddling"),
+        ] {
+            let e = ep.fetch_add(&k, off, 1).await.unwrap_err();
+            assert!(matches!(e, Error::Access(_)), "{what}: {e}");
+        }
+        let w = |i: usize| {
+            let mut b = [0u8; 8];
+            r.read(i, &mut b).unwrap();
+            u64::from_le_bytes(b)
+        };
+        assert_eq!(w(8), 42);
+        assert_eq!(w(16), 0u64.wrapping_sub(10));
+        assert!([0, 24, 32, 40, 48, 56].iter().all(|i| w(*i) == 0));
+    }
+    assert!(f.stats().emulated_atomics >= 2 * 15);
+    f.close().await.unwrap();
+}
+
+/// `RemoteKey::from_bytes` takes exactly what `to_bytes` gives: trailing
+/// bytes are refused, and random or truncated bytes are errors, not panics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_key_bytes_decode_exactly() {
+    let f = job(2, Config::default()).await;
+    for r in [
+        f[1].alloc_region(100).unwrap(),
+        f[1].register(vec![1u8; 10]),
+    ] {
+        let b = r.remote_key().to_bytes();
+        let k = async_btl::RemoteKey::from_bytes(&b).unwrap();
+        assert_eq!(k, r.remote_key());
+        let mut extra = b.clone();
+        extra.push(0);
+        assert!(async_btl::RemoteKey::from_bytes(&extra).is_err());
+        for n in 0..b.len() {
+            assert!(
+                async_btl::RemoteKey::from_bytes(&b[..n]).is_err(),
+                "{n} bytes"
+            );
+        }
+    }
+    let shared = f[1].alloc_region(8).unwrap().remote_key();
+    assert_eq!(shared.transports().collect::<Vec<_>>(), ["sm"]);
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    for len in 0..2000usize {
+        let junk: Vec<u8> = (0..len % 97)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed as u8
+            })
+            .collect();
+        let _ = async_btl::RemoteKey::from_bytes(&junk);
+    }
     let closes = f.into_iter().map(|x| x.close());
     futures::future::try_join_all(closes).await.unwrap();
 }

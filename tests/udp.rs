@@ -304,7 +304,7 @@ async fn bursts(f: Fabric) {
         let src = f.register(
             (0..PUTS + DROPPED)
                 .flat_map(|i| pattern(SLOT, i as u64))
-                .collect(),
+                .collect::<Vec<u8>>(),
         );
         for window in (0..PUTS).collect::<Vec<_>>().chunks(100) {
             let puts = window.iter().map(|&i| {

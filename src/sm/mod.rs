@@ -24,6 +24,7 @@ pub(crate) mod doorbell;
 pub(crate) mod fbox;
 pub(crate) mod frag;
 pub(crate) mod kind;
+pub(crate) mod region;
 pub(crate) mod rma;
 pub(crate) mod rx;
 pub(crate) mod segment;
@@ -43,7 +44,7 @@ pub(crate) use frag::FRAG_HEADER;
 
 use crate::fabric::Core;
 use crate::os::ProcWatch;
-use crate::region::{KeyId, MappedRegion, RemoteKey};
+use crate::region::{KeyId, Mapped, RemoteKey};
 use crate::sync::{lock, Ordering};
 use crate::transport::{Link, Loss, Transport};
 use crate::{Error, Rank, Result};
@@ -127,7 +128,7 @@ pub(crate) struct SmTransport {
     tx_busy: AtomicBool,
     pub(crate) rx: Mutex<rx::RxState>,
     /// Peers' shared regions we mapped, by key id.
-    maps: Mutex<HashMap<KeyId, MappedRegion>>,
+    maps: Mutex<HashMap<KeyId, Mapped>>,
     /// Single-copy puts and gets we started (`rma.rs`).
     pub(crate) cma: rma::CmaOps,
 }
@@ -325,13 +326,13 @@ impl SmTransport {
     }
 
     /// Map (or reuse a mapping of) a peer's shared region.
-    pub(crate) fn map_cached(&self, key: &RemoteKey) -> Result<MappedRegion> {
+    pub(crate) fn map_cached(&self, key: &RemoteKey) -> Result<Mapped> {
         if let Some(m) = lock(&self.maps).get(&key.id) {
             if m.check_live().is_ok() {
                 return Ok(m.clone());
             }
         }
-        let m = MappedRegion::open(key, self.core.job_tag);
+        let m = region::open(key, self.core.job_tag);
         let mut maps = lock(&self.maps);
         maps.retain(|_, m| m.check_live().is_ok());
         if let Ok(m) = &m {
