@@ -209,6 +209,15 @@ pub fn cma() -> Check {
     }
 }
 
+/// The logical CPUs the calling thread may run on (`sched_getaffinity`),
+/// ascending: the process's binding unless the thread was pinned itself.
+///
+/// # Errors
+/// The OS error when the kernel refuses to say.
+pub fn cpu_affinity() -> std::io::Result<Vec<u32>> {
+    crate::os::cpu_affinity()
+}
+
 /// The cargo feature a transport needs, if any.
 fn feature_of(name: &str) -> Option<&'static str> {
     match name {

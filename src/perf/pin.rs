@@ -80,7 +80,7 @@ pub fn pin_current_thread(core: usize) -> Result<()> {
 /// The cores the calling thread may run on, lowest first (empty if the
 /// kernel will not say).
 pub fn allowed_cores() -> Vec<usize> {
-    crate::os::cpu_affinity()
+    crate::info::cpu_affinity()
         .map(|v| v.into_iter().map(|c| c as usize).collect())
         .unwrap_or_default()
 }
