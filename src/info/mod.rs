@@ -1,22 +1,17 @@
-//! What this host offers async-btl, as `btl-info` reports it: which
-//! transports work here and why the others do not, whether single-copy
-//! (CMA) access between processes is allowed, the limits in force, and the
-//! CPU topology.
+//! What this host offers async-btl: which transports work here and why
+//! the others do not, whether single-copy (CMA) access between processes
+//! is allowed, and the limits in force. `btl-info` (in the `btl-tools`
+//! package) prints it, with the CPU topology beside it.
 //!
 //! Everything here only looks: it creates and removes one small file in the
 //! shared-memory directory and binds (and closes) one UDP socket, nothing
 //! more. Every item is serialisable, so a report prints as JSON as it is.
 
-#[cfg(feature = "hwloc")]
-mod hwloc;
-mod topology;
-
 use serde::Serialize;
 
 use crate::config::{Config, ProgressMode};
-pub use topology::{format_cpu_list, from_sysfs, parse_cpu_list, topology, NumaNode, Topology};
 
-/// Everything `btl-info` prints.
+/// What this host offers: everything [`report`] finds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// This crate's version.
@@ -31,8 +26,6 @@ pub struct Report {
     pub limits: Limits,
     /// Why the `BTL_*` environment is invalid, if it is: a job would fail to start.
     pub config_error: Option<String>,
-    /// NUMA nodes, cores and this process's CPU binding.
-    pub topology: Topology,
 }
 
 /// One transport on this host.
@@ -149,7 +142,7 @@ impl From<&Config> for Limits {
     }
 }
 
-/// Look at this host: transports, CMA, limits from the environment, topology.
+/// Look at this host: transports, CMA, limits from the environment.
 pub fn report() -> Report {
     let (config, config_error) = match Config::from_env() {
         Ok(c) => (c, None),
@@ -163,7 +156,6 @@ pub fn report() -> Report {
         cma: cma(),
         limits: Limits::from(&config),
         config_error,
-        topology: topology(),
     }
 }
 

@@ -19,8 +19,8 @@ use super::report::Report;
 use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
 use super::{btl_label, Baseline, Sample, Test};
 use super::{ompi, ucx};
-use crate::bootstrap::JobInfo;
-use crate::{Config, CopyChoice, Error, Fabric, ProgressMode, RemoteKey, Result};
+use async_btl::bootstrap::JobInfo;
+use async_btl::{Config, CopyChoice, Error, Fabric, ProgressMode, RemoteKey, Result};
 
 /// Tag of benchmark messages.
 const TAG_DATA: u64 = 0x7065_7266_0001;
