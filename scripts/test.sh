@@ -23,18 +23,29 @@ fi
 
 before=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
 
+# The workspace: the library (this directory) and btl-tools/ (btl-run,
+# btl-info, btl-perf).
 cargo fmt --all -- --check
-cargo clippy --all-targets -- -D warnings
+cargo clippy --workspace --all-targets -- -D warnings
 # Public docs build without broken links or other rustdoc warnings.
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps
-# The example tests run the example binaries (target/debug/examples/NAME),
-# which a test build alone does not leave there on a fresh checkout.
-cargo build --examples --bins
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+# The library stays lean: command-line, plotting and benchmark crates are
+# the tools' alone.
+lib_deps=$(cargo tree -p async-btl -e normal --prefix none)
+if grep -E '^(clap|plotters|indicatif|console|hwlocality|serde_json|tracing-subscriber) ' <<<"$lib_deps"; then
+  echo "test.sh: the library depends on a crate that only the tools need (above)" >&2
+  exit 1
+fi
+# The example tests run the example binaries (target/debug/examples/NAME)
+# and btl-run (target/debug/btl-run), which a test build alone does not
+# leave there on a fresh checkout.
+cargo build --workspace --examples --bins
 # A watchdog, not a speed limit: a hung test fails the run in bounded time
 # (the whole suite takes a few minutes).
-timeout -k 30 1500 cargo test --all-targets
-timeout -k 30 600 cargo test --doc
-RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test --lib loom
+timeout -k 30 1500 cargo test --workspace --all-targets
+timeout -k 30 600 cargo test --workspace --doc
+# The loom models are the library's (btl-tools has none).
+RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test -p async-btl --lib loom
 # The cargo-fuzz targets (run with `cargo +nightly fuzz run NAME` in fuzz/)
 # must at least build, so that they follow the protocol's API.
 cargo check --manifest-path fuzz/Cargo.toml --bins

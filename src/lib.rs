@@ -29,8 +29,6 @@ pub mod error;
 pub mod exchange;
 pub mod info;
 pub mod launch;
-#[cfg(feature = "perf")]
-pub mod perf;
 pub mod udp;
 
 mod bufpool;

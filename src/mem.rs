@@ -8,8 +8,8 @@ use std::ptr::NonNull;
 use crate::AccessError;
 
 mod copy;
+pub(crate) use copy::choose as choose_copy;
 pub use copy::CopyChoice;
-pub(crate) use copy::{choose as choose_copy, chosen as copy_chosen};
 
 /// A pointer and a length, valid for as long as its owner keeps the memory.
 ///

@@ -4,49 +4,73 @@
 //! openmpi-bin`). Each run must exit 0, print its result line, and leave no
 //! `abtl.*` file in its shared-memory directory.
 //!
-//! The example binaries are not built by this test: run it with `cargo test`
-//! or `cargo test --all-targets`, which build `target/<profile>/examples/*`
-//! before running any test. A filtered `cargo test --test examples` does not
-//! build them; the tests then stop with a message saying so, and refuse
-//! binaries older than their source.
+//! Neither the example binaries nor `btl-run` (of the workspace's
+//! `btl-tools` package) are built by this test: run it with `cargo test`
+//! or `cargo test --all-targets` from the workspace root, which build
+//! `target/<profile>/examples/*` and `target/<profile>/btl-run` before
+//! running any test. A filtered `cargo test --test examples` does not build
+//! them; the tests then stop with a message saying so, and refuse binaries
+//! older than their source.
 //!
 //! Each run gets its own shared-memory directory under `/dev/shm`
 //! (`BTL_SHM_DIR`), so that jobs running at the same time on the machine
 //! cannot hide or cause a leftover file.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const BTL_RUN: &str = env!("CARGO_BIN_EXE_btl-run");
 /// Watchdog for one job (seconds); never a speed assertion.
 const LIMIT: &str = "60";
 
-/// `target/<profile>/examples/<name>`, next to this test's `deps/` folder.
-fn example(name: &str) -> PathBuf {
+/// `target/<profile>/<path>`, next to this test's `deps/` folder, checked
+/// built and not older than any of `sources` (relative to the workspace
+/// root); `build` says how to build it.
+fn built(path: &str, sources: &[&str], build: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("test binary lives in target/<profile>/deps");
-    let bin = dir.join("examples").join(name);
+    let bin = dir.join(path);
     let built = std::fs::metadata(&bin).and_then(|m| m.modified());
     let Ok(built) = built else {
         panic!(
-            "{} is not built: run `cargo test` or `cargo test --all-targets` (they build the \
-             examples), or `cargo build --examples` before a filtered run",
+            "{} is not built: run `cargo test` or `cargo test --all-targets` (they build it), \
+             or `{build}` before a filtered run",
             bin.display()
         );
     };
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("examples/{name}.rs"));
-    if let Ok(edited) = std::fs::metadata(&source).and_then(|m| m.modified()) {
-        assert!(
-            edited <= built,
-            "{} is older than {}: rebuild the examples (cargo build --examples)",
-            bin.display(),
-            source.display()
-        );
+    for source in sources {
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(source);
+        if let Ok(edited) = std::fs::metadata(&source).and_then(|m| m.modified()) {
+            assert!(
+                edited <= built,
+                "{} is older than {}: rebuild it ({build})",
+                bin.display(),
+                source.display()
+            );
+        }
     }
     bin
+}
+
+/// `target/<profile>/examples/<name>`.
+fn example(name: &str) -> PathBuf {
+    built(
+        &format!("examples/{name}"),
+        &[&format!("examples/{name}.rs")],
+        "cargo build --examples",
+    )
+}
+
+/// The launcher, `target/<profile>/btl-run`.
+fn btl_run() -> PathBuf {
+    built(
+        "btl-run",
+        &["btl-tools/src/bin/btl-run.rs", "src/launch/mod.rs"],
+        "cargo build -p btl-tools --bins",
+    )
 }
 
 /// A private shared-memory directory for one job, checked empty on drop.
@@ -81,9 +105,9 @@ impl Drop for ShmDir {
 
 /// A command under a watchdog, with a clean environment: no launcher
 /// variables inherited from whatever runs the tests.
-fn command(shm: &ShmDir, program: &str) -> Command {
+fn command(shm: &ShmDir, program: impl AsRef<OsStr>) -> Command {
     let mut cmd = Command::new("timeout");
-    cmd.args(["--kill-after=5", LIMIT, program]);
+    cmd.args(["--kill-after=5", LIMIT]).arg(program);
     for (k, _) in std::env::vars() {
         let launcher = ["BTL_", "OMPI_", "PMIX_", "PMI_", "SLURM_"];
         if launcher.iter().any(|p| k.starts_with(p)) || ["RANK", "WORLD_SIZE"].contains(&&*k) {
@@ -135,7 +159,7 @@ impl Example {
     fn under_btl_run(&self, ranks: u32) {
         let label = format!("{} under btl-run -n {ranks}", self.name);
         let shm = ShmDir::new(&format!("{}-btl{ranks}", self.name));
-        let out = command(&shm, BTL_RUN)
+        let out = command(&shm, btl_run())
             .args(["-n", &ranks.to_string()])
             .arg(example(self.name))
             .output()
@@ -147,9 +171,7 @@ impl Example {
         let label = format!("{} with no launcher", self.name);
         let shm = ShmDir::new(&format!("{}-self", self.name));
         let bin = example(self.name);
-        let out = command(&shm, &bin.to_string_lossy())
-            .output()
-            .expect("example starts");
+        let out = command(&shm, &bin).output().expect("example starts");
         let ranks = self.default_ranks;
         check(&label, out, &shm, self.expect, self.lines(ranks));
     }
@@ -233,12 +255,12 @@ fn processes_with(entry: &str) -> Vec<u32> {
 /// A rank that panics with the fabric open (and peers waiting on it) makes
 /// btl-run exit with the panic's code (101), stops the others, and leaves
 /// neither processes nor shared memory behind. (Exit codes and killing of
-/// plain programs are covered in `tests/launch.rs`.)
+/// plain programs are covered in `btl-tools/tests/launch.rs`.)
 #[test]
 fn a_panicking_rank_fails_the_job_and_leaves_nothing_behind() {
     let shm = ShmDir::new("panic");
     let marker = format!("ABTL_PANIC_TEST={}", std::process::id());
-    let out = command(&shm, BTL_RUN)
+    let out = command(&shm, btl_run())
         .args(["-n", "3", "--grace", "2", "--env", &marker, "--"])
         .arg(std::env::current_exe().expect("test binary"))
         .args([
@@ -287,7 +309,7 @@ fn panicking_rank() {
 fn an_example_short_of_ranks_says_why_and_fails() {
     for name in ["pingpong", "tokio_service"] {
         let shm = ShmDir::new(&format!("{name}-alone"));
-        let out = command(&shm, BTL_RUN)
+        let out = command(&shm, btl_run())
             .args(["-n", "1"])
             .arg(example(name))
             .output()

@@ -1,22 +1,17 @@
-//! What this host offers async-btl, as `btl-info` reports it: which
-//! transports work here and why the others do not, whether single-copy
-//! (CMA) access between processes is allowed, the limits in force, and the
-//! CPU topology.
+//! What this host offers async-btl: which transports work here and why
+//! the others do not, whether single-copy (CMA) access between processes
+//! is allowed, and the limits in force. `btl-info` (in the `btl-tools`
+//! package) prints it, with the CPU topology beside it.
 //!
 //! Everything here only looks: it creates and removes one small file in the
 //! shared-memory directory and binds (and closes) one UDP socket, nothing
 //! more. Every item is serialisable, so a report prints as JSON as it is.
 
-#[cfg(feature = "hwloc")]
-mod hwloc;
-mod topology;
-
 use serde::Serialize;
 
 use crate::config::{Config, ProgressMode};
-pub use topology::{format_cpu_list, from_sysfs, parse_cpu_list, topology, NumaNode, Topology};
 
-/// Everything `btl-info` prints.
+/// What this host offers: everything [`report`] finds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// This crate's version.
@@ -31,8 +26,6 @@ pub struct Report {
     pub limits: Limits,
     /// Why the `BTL_*` environment is invalid, if it is: a job would fail to start.
     pub config_error: Option<String>,
-    /// NUMA nodes, cores and this process's CPU binding.
-    pub topology: Topology,
 }
 
 /// One transport on this host.
@@ -149,7 +142,7 @@ impl From<&Config> for Limits {
     }
 }
 
-/// Look at this host: transports, CMA, limits from the environment, topology.
+/// Look at this host: transports, CMA, limits from the environment.
 pub fn report() -> Report {
     let (config, config_error) = match Config::from_env() {
         Ok(c) => (c, None),
@@ -163,7 +156,6 @@ pub fn report() -> Report {
         cma: cma(),
         limits: Limits::from(&config),
         config_error,
-        topology: topology(),
     }
 }
 
@@ -207,6 +199,15 @@ pub fn cma() -> Check {
             detail: format!("{why}; set it to 0 (sysctl) or run as root for single-copy transfers"),
         },
     }
+}
+
+/// The logical CPUs the calling thread may run on (`sched_getaffinity`),
+/// ascending: the process's binding unless the thread was pinned itself.
+///
+/// # Errors
+/// The OS error when the kernel refuses to say.
+pub fn cpu_affinity() -> std::io::Result<Vec<u32>> {
+    crate::os::cpu_affinity()
 }
 
 /// The cargo feature a transport needs, if any.

@@ -1,6 +1,7 @@
-//! The local launcher behind `btl-run`: start N ranks of a program on this
-//! node, serve their rendezvous, forward their output, and stop them all as
-//! soon as one fails.
+//! The local launcher behind `btl-run` (of the `btl-tools` package) and
+//! [`run_self_if_unlaunched`]: start N ranks of a program on this node,
+//! serve their rendezvous, forward their output, and stop them all as soon
+//! as one fails.
 //!
 //! Each rank gets `BTL_RANK`, `BTL_SIZE`, `BTL_LOCAL_RANK`,
 //! `BTL_LOCAL_SIZE`, `BTL_RENDEZVOUS=tcp:127.0.0.1:PORT`,

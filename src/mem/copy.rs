@@ -112,11 +112,6 @@ fn bulk_max() -> usize {
     }
 }
 
-/// The choice made, if a fabric has made it.
-pub(crate) fn chosen() -> Option<&'static CopyChoice> {
-    CHOICE.get()
-}
-
 fn decide(mode: CopyMode) -> CopyChoice {
     let pick = |routine, why: &str| CopyChoice {
         routine,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use super::plan::Plan;
 use super::wire::Wire;
 use super::{Test, Unit};
-use crate::{Endpoint, MemoryRegion, RemoteKey, Result};
+use async_btl::{Endpoint, MemoryRegion, RemoteKey, Result};
 
 /// Length of an acknowledgement.
 pub const ACK: usize = 4;

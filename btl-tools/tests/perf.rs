@@ -1,7 +1,6 @@
 //! `btl-perf` end to end: alone (it starts its own two ranks), under
 //! `btl-run -n 2`, and under Open MPI's `mpirun -np 2` where installed.
 //! Tiny sizes and few iterations; output is parsed, speed never asserted.
-#![cfg(feature = "perf")]
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

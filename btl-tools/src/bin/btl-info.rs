@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use async_btl::info::{format_cpu_list, report, Report};
+use btl_tools::info::{format_cpu_list, report, Report};
 use clap::Parser;
 
 /// Command-line arguments of btl-info.
@@ -42,7 +42,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
-    if report.config_error.is_some() {
+    if report.host.config_error.is_some() {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
@@ -58,10 +58,11 @@ fn yes_no(ok: bool) -> &'static str {
 }
 
 fn render_text(r: &Report) -> String {
+    let h = &r.host;
     let mut out: Vec<String> = Vec::new();
-    out.push(format!("async-btl {} on {}", r.version, r.host));
+    out.push(format!("async-btl {} on {}", h.version, h.host));
     out.push("\ntransports (usable, what was found):".to_string());
-    for t in &r.transports {
+    for t in &h.transports {
         out.push(format!(
             "  {:<8} {:<4} {}",
             t.name,
@@ -72,13 +73,13 @@ fn render_text(r: &Report) -> String {
     out.push(format!(
         "  {:<8} {:<4} {}",
         "cma",
-        yes_no(r.cma.ok),
-        r.cma.detail
+        yes_no(h.cma.ok),
+        h.cma.detail
     ));
 
-    let l = &r.limits;
+    let l = &h.limits;
     out.push("\nlimits (BTL_* environment):".to_string());
-    if let Some(e) = &r.config_error {
+    if let Some(e) = &h.config_error {
         out.push(format!("  INVALID: {e}"));
         out.push("  (showing the defaults)".to_string());
     }

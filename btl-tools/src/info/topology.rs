@@ -95,7 +95,7 @@ pub fn from_sysfs() -> Topology {
             (None, None)
         }
     };
-    let binding = crate::os::cpu_affinity().unwrap_or_else(|e| {
+    let binding = async_btl::info::cpu_affinity().unwrap_or_else(|e| {
         notes.push(format!("sched_getaffinity failed: {e}"));
         Vec::new()
     });

@@ -1,7 +1,7 @@
 //! Pinning a rank to a core (`sched_setaffinity`), so that runs repeat and
 //! the baselines run on the same cores as async-btl.
 
-use crate::{Error, Result};
+use async_btl::{Error, Result};
 
 /// Which cores the ranks run on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,7 +80,7 @@ pub fn pin_current_thread(core: usize) -> Result<()> {
 /// The cores the calling thread may run on, lowest first (empty if the
 /// kernel will not say).
 pub fn allowed_cores() -> Vec<usize> {
-    crate::os::cpu_affinity()
+    async_btl::info::cpu_affinity()
         .map(|v| v.into_iter().map(|c| c as usize).collect())
         .unwrap_or_default()
 }

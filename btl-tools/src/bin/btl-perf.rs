@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use async_btl::bootstrap::JobInfo;
 use async_btl::launch::LocalJob;
-use async_btl::perf::machine::Machine;
-use async_btl::perf::pin::{pin_current_thread, Pinning};
-use async_btl::perf::plan::Counts;
-use async_btl::perf::report::{Pick, Report};
-use async_btl::perf::session::{run, Settings};
-use async_btl::perf::{plot, Baseline, Test};
 use async_btl::ProgressMode;
+use btl_tools::perf::machine::Machine;
+use btl_tools::perf::pin::{pin_current_thread, Pinning};
+use btl_tools::perf::plan::Counts;
+use btl_tools::perf::report::{Pick, Report};
+use btl_tools::perf::session::{run, Settings};
+use btl_tools::perf::{plot, Baseline, Test};
 use clap::Parser;
 
 const LONG_ABOUT: &str = "Point-to-point benchmarks of async-btl between two ranks, in the manner

@@ -15,7 +15,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{tcp, unix, TcpListener, TcpStream, UdpSocket, UnixListener, UnixStream};
 
 use super::Baseline;
-use crate::{Endpoint, Error, Fabric, Rank, Receiver, Result, Tag};
+use async_btl::{Endpoint, Error, Fabric, Rank, Receiver, Result, Tag};
 
 /// Payload bytes of one UDP datagram: the largest an IPv4 datagram can
 /// carry, just under 64 KiB. Longer messages are cut into datagrams this

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 
 use super::report::{is_btl, Report};
 use super::{Test, Unit};
-use crate::{Error, Result};
+use async_btl::{Error, Result};
 
 /// Which tests go into the latency panel and the bandwidth panel: the
 /// first latency test and the first bandwidth test present.

@@ -19,8 +19,8 @@ use super::report::Report;
 use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
 use super::{btl_label, Baseline, Sample, Test};
 use super::{ompi, ucx};
-use crate::bootstrap::JobInfo;
-use crate::{Config, Error, Fabric, ProgressMode, RemoteKey, Result};
+use async_btl::bootstrap::JobInfo;
+use async_btl::{Config, CopyChoice, Error, Fabric, ProgressMode, RemoteKey, Result};
 
 /// Tag of benchmark messages.
 const TAG_DATA: u64 = 0x7065_7266_0001;
@@ -147,8 +147,11 @@ pub async fn run(
     let mut sockets = Vec::new();
     let mut samples = Vec::new();
     let mut names = Vec::new();
+    // The bulk copy routine: the first fabric of the process chooses it.
+    let mut copy = None;
     for (i, cfg) in runs.into_iter().enumerate() {
         let fabric = Fabric::from_job(job.clone(), cfg).await?;
+        copy.get_or_insert(fabric.copy_routine());
         if i == 0 {
             let socket: Vec<Baseline> = s
                 .baselines
@@ -194,7 +197,7 @@ pub async fn run(
     if s.baselines.contains(&Baseline::Ucx) {
         notes.push(measure_ucx(s, &mut samples, tick).await);
     }
-    let mut header = header(s, &config, &transport, &launcher, core);
+    let mut header = header(s, &config, &transport, &launcher, core, copy);
     header.notes.extend(notes);
     // After everything, the external baselines included (rank 1 is done).
     if let Some(cores) = floor_cores {
@@ -325,6 +328,7 @@ fn header(
     transport: &str,
     launcher: &str,
     core: Option<usize>,
+    copy: Option<&CopyChoice>,
 ) -> Header {
     let mut m = BTreeMap::new();
     let mut set = |k: &str, v: String| {
@@ -391,7 +395,7 @@ fn header(
             c.sm_eager_size, c.sm_eager_count, c.sm_max_size, c.sm_max_count
         ),
     );
-    if let Some(c) = crate::mem::copy_chosen() {
+    if let Some(c) = copy {
         set("copy", format!("bulk copies by {c}"));
     }
     set(

@@ -4,7 +4,7 @@
 //!
 //! Every measurement is written once against [`wire::Wire`]: a way to send
 //! and receive messages of a known length. [`wire::BtlWire`] sends through
-//! an [`Endpoint`](crate::Endpoint); [`wire::StreamWire`] over a tokio
+//! an [`Endpoint`](async_btl::Endpoint); [`wire::StreamWire`] over a tokio
 //! `UnixStream` or `TcpStream`; [`wire::UdpWire`] over a pair of connected
 //! tokio `UdpSocket`s (messages above 64 KiB are cut into datagrams of
 //! [`wire::UDP_CHUNK`] bytes, under a credit window so loopback never drops).

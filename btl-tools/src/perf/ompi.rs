@@ -28,9 +28,9 @@ use super::plan::Plan;
 use super::tool::{free_cores, run_tool};
 use super::{Baseline, Test};
 
-/// The benchmark program, `benches/baseline/mpi_pp.c`, built into btl-perf
+/// The benchmark program, `btl-tools/baseline/mpi_pp.c`, built into btl-perf
 /// so that an installed binary needs only Open MPI.
-pub const SOURCE: &str = include_str!("../../benches/baseline/mpi_pp.c");
+pub const SOURCE: &str = include_str!("../../baseline/mpi_pp.c");
 
 /// Environment variables that MPI launchers (Open MPI, PMIx, PMI-1/2,
 /// MPICH's Hydra) set in the processes they start. Running `mpirun` from
