@@ -341,10 +341,10 @@ impl Config {
             }
         }
         for t in &self.transports {
-            if !crate::transport::KNOWN.contains(&t.as_str()) {
+            if crate::transport::registry::find(t).is_none() {
                 return Err(Error::Config(format!(
                     "BTL_TRANSPORTS names unknown transport {t:?}; known: {:?}",
-                    crate::transport::KNOWN
+                    crate::transport::registry::names()
                 )));
             }
         }

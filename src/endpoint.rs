@@ -24,7 +24,12 @@ pub struct Endpoint(Arc<Inner>);
 /// What an endpoint and its futures share: one reference count to touch
 /// per operation instead of two.
 struct Inner {
+    /// Carries messages (and the one-sided operations the `rma` link
+    /// leaves to emulation).
     link: Arc<dyn Link>,
+    /// Carries one-sided operations on host memory first
+    /// ([`Link::post`]); usually the same link.
+    rma: Arc<dyn Link>,
     core: Arc<Core>,
     /// `link.peer()`, kept here: every put and get checks its key's owner
     /// against it, and a dynamic call per operation showed in profiles of
@@ -42,9 +47,14 @@ impl std::fmt::Debug for Endpoint {
 }
 
 impl Endpoint {
-    pub(crate) fn new(link: Arc<dyn Link>, core: Arc<Core>) -> Self {
+    pub(crate) fn new(link: Arc<dyn Link>, rma: Arc<dyn Link>, core: Arc<Core>) -> Self {
         let peer = link.peer();
-        Endpoint(Arc::new(Inner { link, core, peer }))
+        Endpoint(Arc::new(Inner {
+            link,
+            rma,
+            core,
+            peer,
+        }))
     }
 
     /// The peer's rank.
@@ -52,9 +62,18 @@ impl Endpoint {
         self.0.peer
     }
 
-    /// The transport carrying this endpoint ("sm", "self", ...).
+    /// The transport carrying this endpoint's messages ("sm", "self",
+    /// "udp").
     pub fn transport(&self) -> &'static str {
         self.0.link.transport()
+    }
+
+    /// The transport carrying this endpoint's one-sided operations on host
+    /// memory: the messages' transport unless another reaches the peer and
+    /// carries them natively (see
+    /// [`Fabric::rma_transport_for`](crate::Fabric::rma_transport_for)).
+    pub fn rma_transport(&self) -> &'static str {
+        self.0.rma.transport()
     }
 
     /// Send `data` on `tag`. Resolves at local completion: the message is in
@@ -181,7 +200,7 @@ impl Endpoint {
             }
         };
         let (link, rma) = (&*self.0.link, &self.0.core.rma);
-        match link.post(op)? {
+        match self.0.rma.post(op)? {
             Native::Done(_) => {
                 c.add(if put {
                     Hot::DirectPuts
@@ -292,7 +311,7 @@ impl Endpoint {
             return Err(AccessError::Misaligned { offset }.into());
         }
         let c = &self.0.core.counters;
-        match self.0.link.post(OneSided::Atomic { key, offset, op })? {
+        match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
             Native::Done(old) => {
                 Counters::bump(&c.native_atomics);
                 Ok(Ok(old))

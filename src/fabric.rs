@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -17,12 +16,12 @@ use crate::endpoint::Endpoint;
 use crate::exchange::AddressExchange;
 use crate::region::{MemoryRegion, RegionTable};
 use crate::rma::Rma;
-use crate::selflink::SelfLink;
-use crate::sm::{SmAddr, SmTransport};
+
 use crate::stats::{Counters, Stats};
 use crate::sync::lock;
-use crate::transport::{Kind, Link, Loss, Transport};
-use crate::udp::{UdpAddr, UdpTransport};
+use crate::transport::registry::{self, Job};
+use crate::transport::{Kind, Link, Loss, Peer, Published, Transport};
+use crate::udp::UdpTransport;
 use crate::{Error, Rank, Result, Tag};
 
 /// How long `close` lets its goodbye messages be acknowledged.
@@ -53,7 +52,7 @@ pub(crate) struct Core {
     pub(crate) buffers: Arc<crate::bufpool::BufPool>,
     pub(crate) closed: Arc<AtomicBool>,
     pub(crate) closing: Arc<Notify>,
-    links: RwLock<Vec<Option<Arc<dyn Link>>>>,
+    links: RwLock<Vec<Option<Route>>>,
     sync: Mutex<SyncState>,
     sync_notify: Notify,
 }
@@ -70,7 +69,13 @@ impl Core {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// The link that carries messages to `rank`.
     pub(crate) fn link(&self, rank: Rank) -> Option<Arc<dyn Link>> {
+        self.route(rank).map(|r| r.msg)
+    }
+
+    /// The links to `rank`.
+    pub(crate) fn route(&self, rank: Rank) -> Option<Route> {
         self.links
             .read()
             .ok()
@@ -178,13 +183,22 @@ impl Core {
     }
 }
 
-/// What each rank publishes in the address exchange.
-#[derive(Debug, Serialize, Deserialize)]
-struct PeerAddr {
-    rank: Rank,
-    node: String,
-    sm: Option<SmAddr>,
-    udp: Option<UdpAddr>,
+/// The links to one peer: messages, and one-sided operations on host
+/// memory (the same link unless a transport carries those natively where
+/// another carries the messages).
+#[derive(Clone)]
+pub(crate) struct Route {
+    pub(crate) msg: Arc<dyn Link>,
+    pub(crate) rma: Arc<dyn Link>,
+}
+
+/// A kind of memory a region lives in; one-sided operations are routed
+/// per (peer, memory kind) ([`Fabric::rma_transport_for`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Host (CPU) memory.
+    Host,
 }
 
 /// Settings for building a [`Fabric`] by hand (no launcher).
@@ -239,13 +253,11 @@ impl FabricBuilder {
 pub struct Fabric {
     core: Arc<Core>,
     /// Also held by `poller`.
-    transports: Arc<Vec<Arc<dyn Transport>>>,
+    pub(crate) transports: Arc<Vec<Arc<dyn Transport>>>,
     /// Inline progress over `transports`, for receivers (the dispatcher
     /// holds it weakly); dropped at shutdown.
     poller: Option<crate::dispatch::Poller>,
     drivers: Vec<JoinHandle<()>>,
-    sm: Option<Arc<SmTransport>>,
-    udp: Option<Arc<UdpTransport>>,
     epoch: AtomicU64,
 }
 
@@ -295,21 +307,29 @@ impl Fabric {
             sync_notify: Notify::new(),
             config: b.config,
         });
-        let sm = if core.config.allows("sm") && local_size > 1 {
-            Some(SmTransport::new(core.clone(), local_rank, local_size)?)
-        } else {
-            None
+        let job = Job {
+            size: b.size,
+            local_rank,
+            local_size,
         };
-        let udp = if core.config.allows("udp") && b.size > 1 {
-            Some(UdpTransport::new(core.clone())?)
-        } else {
-            None
-        };
-        let me = PeerAddr {
+        // Every transport of the registry that this job allows and needs,
+        // in preference order.
+        let mut opened: Vec<Arc<dyn Transport>> = Vec::new();
+        for e in registry::entries() {
+            if e.not_built.is_some() || !(e.implicit || core.config.allows(e.name)) {
+                continue;
+            }
+            if let Some(t) = (e.open)(&core, &job)? {
+                opened.push(t);
+            }
+        }
+        let me = Published {
             rank: b.rank,
             node: crate::os::node_id(),
-            sm: sm.as_ref().map(|s| s.address()),
-            udp: udp.as_ref().map(|u| u.address()),
+            addrs: opened
+                .iter()
+                .map(|t| Ok((t.name().to_string(), t.address()?)))
+                .collect::<Result<_>>()?,
         };
         let blob = postcard::to_allocvec(&me)
             .map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
@@ -321,17 +341,14 @@ impl Fabric {
                 b.size
             )));
         }
-        let mut links: Vec<Option<Arc<dyn Link>>> = (0..b.size).map(|_| None).collect();
-        let mut sm_peers = Vec::new();
-        let mut udp_peers = Vec::new();
-        let mut unreachable = Vec::new();
-        let mut others = Vec::with_capacity(all.len().saturating_sub(1));
+        let mut table = Vec::with_capacity(all.len());
         for (r, raw) in all.iter().enumerate() {
             let r = r as Rank;
             if r == b.rank {
+                table.push(me.clone());
                 continue;
             }
-            let a: PeerAddr = postcard::from_bytes(raw).map_err(|e| {
+            let a: Published = postcard::from_bytes(raw).map_err(|e| {
                 Error::Bootstrap(format!("rank {r} published an unreadable address: {e}"))
             })?;
             if a.rank != r {
@@ -340,49 +357,104 @@ impl Fabric {
                     a.rank
                 )));
             }
-            others.push(a);
+            table.push(a);
         }
-        // One udp address family per job, checked on the whole table (ours
-        // included), so every rank of a mixed job fails here alike.
-        let mut families: Vec<_> = std::iter::once(&me)
-            .chain(&others)
-            .filter_map(|a| {
-                let node = a.sm.as_ref().map(|_| a.node.as_str());
-                a.udp.as_ref().map(|u| (a.rank, u.ip, node))
-            })
-            .collect();
-        crate::udp::check_families(&mut families)?;
-        for a in others {
-            let r = a.rank;
-            match (&sm, a.sm, &udp, a.udp) {
-                (Some(s), Some(sa), _, _) if s.reaches(&sa) => sm_peers.push((r, sa)),
-                (_, _, Some(u), Some(ua)) if u.reaches(&ua) => udp_peers.push((r, ua)),
-                _ => unreachable.push(r),
+        for t in &opened {
+            t.check_job(&table)?;
+        }
+        // Routes: per peer, messages over the first transport that reaches
+        // it and carries messages; one-sided operations on host memory over
+        // the first that reaches it and carries them natively, else with
+        // the messages.
+        let reaches = |t: &Arc<dyn Transport>, p: &Published| -> Result<bool> {
+            match p.addr(t.name()) {
+                Some(addr) => t.reaches(&Peer { rank: p.rank, addr }),
+                None => Ok(false),
+            }
+        };
+        let mut picks: Vec<Option<(usize, usize)>> = Vec::with_capacity(table.len());
+        let mut unreachable = Vec::new();
+        for p in &table {
+            let mut msg = None;
+            let mut rma = None;
+            for (i, t) in opened.iter().enumerate() {
+                if (msg.is_some() || !t.carries_messages()) && (rma.is_some() || !t.native_rma()) {
+                    continue;
+                }
+                if !reaches(t, p)? {
+                    continue;
+                }
+                if msg.is_none() && t.carries_messages() {
+                    msg = Some(i);
+                }
+                if rma.is_none() && t.native_rma() {
+                    rma = Some(i);
+                }
+            }
+            match msg {
+                Some(m) => picks.push(Some((m, rma.unwrap_or(m)))),
+                None => {
+                    unreachable.push(p.rank);
+                    picks.push(None);
+                }
             }
         }
         if !unreachable.is_empty() {
+            let allowed = if core.config.transports.is_empty() {
+                registry::names().join(", ")
+            } else {
+                core.config.transports.join(", ")
+            };
             return Err(Error::Config(format!(
-                "ranks {unreachable:?} cannot be reached with the allowed transports {:?} (sm needs the same node; udp needs an address they can reach: a loopback BTL_UDP_ADDR reaches only this host)",
-                if core.config.transports.is_empty() { vec!["sm".to_string(), "udp".to_string()] } else { core.config.transports.clone() }
+                "ranks {unreachable:?} cannot be reached with the allowed transports ({allowed}): sm needs the same node; udp needs an address they can reach (a loopback BTL_UDP_ADDR reaches only this host)"
             )));
         }
+        // Connect each transport to the peers routed to it; one that
+        // carries nobody is closed again.
+        let mut by_transport: Vec<HashMap<Rank, Arc<dyn Link>>> =
+            opened.iter().map(|_| HashMap::new()).collect();
         let mut transports: Vec<Arc<dyn Transport>> = Vec::new();
-        if let Some(s) = &sm {
-            for (r, l) in s.connect(&sm_peers)? {
-                links[r as usize] = Some(l);
+        for (i, t) in opened.iter().enumerate() {
+            let peers: Vec<Peer<'_>> = table
+                .iter()
+                .zip(&picks)
+                .filter(|(_, pick)| pick.is_some_and(|(m, r)| m == i || r == i))
+                .filter_map(|(p, _)| {
+                    Some(Peer {
+                        rank: p.rank,
+                        addr: p.addr(t.name())?,
+                    })
+                })
+                .collect();
+            if peers.is_empty() {
+                t.shutdown();
+                continue;
             }
-            transports.push(s.clone());
+            by_transport[i] = t.clone().connect(&peers)?.into_iter().collect();
+            transports.push(t.clone());
         }
-        let udp = udp.filter(|_| !udp_peers.is_empty());
-        if let Some(u) = &udp {
-            for (r, l) in u.connect(&udp_peers)? {
-                links[r as usize] = Some(l);
-            }
-            transports.push(u.clone());
+        let mut links: Vec<Option<Route>> = (0..b.size).map(|_| None).collect();
+        for (r, pick) in picks.iter().enumerate() {
+            let Some((m, x)) = *pick else { continue };
+            let link = |i: usize| {
+                by_transport[i].get(&(r as Rank)).cloned().ok_or_else(|| {
+                    Error::Bootstrap(format!(
+                        "{} did not connect rank {r}, which it reaches",
+                        opened[i].name()
+                    ))
+                })
+            };
+            links[r] = Some(Route {
+                msg: link(m)?,
+                rma: link(x)?,
+            });
+            tracing::debug!(
+                peer = r,
+                messages = opened[m].name(),
+                one_sided = opened[x].name(),
+                "route"
+            );
         }
-        let selfl = SelfLink::new(&core);
-        links[b.rank as usize] = Some(selfl.clone());
-        transports.push(selfl);
         *core
             .links
             .write()
@@ -420,8 +492,6 @@ impl Fabric {
             transports,
             poller: Some(poller),
             drivers,
-            sm,
-            udp,
             epoch: AtomicU64::new(0),
         })
     }
@@ -477,13 +547,13 @@ impl Fabric {
         if self.core.is_closed() {
             return Err(Error::Closed);
         }
-        let link = self.core.link(peer).ok_or_else(|| {
+        let route = self.core.route(peer).ok_or_else(|| {
             Error::Misuse(format!(
                 "rank {peer} is not in this job of {} ranks",
                 self.core.size
             ))
         })?;
-        Ok(Endpoint::new(link, self.core.clone()))
+        Ok(Endpoint::new(route.msg, route.rma, self.core.clone()))
     }
 
     /// The stream of messages on `tag`, from every peer. One receiver per tag
@@ -536,29 +606,36 @@ impl Fabric {
     /// Counters.
     pub fn stats(&self) -> Stats {
         let mut s = self.core.counters.snapshot();
-        if let Some(u) = &self.udp {
-            u.add_stats(&mut s);
+        for t in self.transports.iter() {
+            t.add_stats(&mut s);
         }
         s
+    }
+
+    /// The `udp` transport, if this process runs it.
+    fn udp(&self) -> Option<&UdpTransport> {
+        self.transports
+            .iter()
+            .find_map(|t| t.as_any().downcast_ref::<UdpTransport>())
     }
 
     /// The UDP protocol counters of the connection to `peer`, when `udp`
     /// reaches it.
     pub fn udp_stats(&self, peer: Rank) -> Option<crate::udp::proto::Stats> {
-        self.udp.as_ref()?.stats(peer)
+        self.udp()?.stats(peer)
     }
 
     /// The largest datagram (UDP payload, protocol header included) sent
     /// to `peer`, when `udp` reaches it: the path MTU less 28 bytes of IPv4
     /// and UDP headers, or 48 over IPv6 (at most 65507).
     pub fn udp_max_datagram(&self, peer: Rank) -> Option<usize> {
-        self.udp.as_ref()?.max_datagram(peer)
+        self.udp()?.max_datagram(peer)
     }
 
     /// The addresses of this process's UDP sockets (data, priority), when
     /// `udp` runs (it runs when some peer is reached through it).
     pub fn udp_addrs(&self) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
-        self.udp.as_ref().map(|u| u.local_addrs())
+        self.udp().map(|u| u.local_addrs())
     }
 
     /// The routine this process copies 32 KiB up to half the L2 with, and why
@@ -572,9 +649,19 @@ impl Fabric {
         self.transports.iter().map(|t| t.name()).collect()
     }
 
-    /// Which transport reaches `peer` ("self", "sm", ...).
+    /// Which transport carries messages to `peer` ("self", "sm", "udp").
     pub fn transport_for(&self, peer: Rank) -> Option<&'static str> {
         self.core.link(peer).map(|l| l.transport())
+    }
+
+    /// Which transport carries one-sided operations (put, get, atomics)
+    /// on `memory` to `peer`: the first in preference order that reaches
+    /// it and carries them natively, else the one that carries its
+    /// messages (and emulates them over those). Chosen once, at open.
+    pub fn rma_transport_for(&self, peer: Rank, memory: MemoryKind) -> Option<&'static str> {
+        match memory {
+            MemoryKind::Host => self.core.route(peer).map(|r| r.rma.transport()),
+        }
     }
 
     /// Wait until every rank has called `barrier` as many times as we have.
@@ -679,8 +766,6 @@ impl Fabric {
         if let Ok(mut l) = self.core.links.write() {
             l.clear();
         }
-        self.sm = None;
-        self.udp = None;
         self.poller = None;
     }
 }

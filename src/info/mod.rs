@@ -163,23 +163,20 @@ pub fn report() -> Report {
 /// outcome of its host check. A transport added to the crate shows up here
 /// by name even before it has a check.
 pub fn transports() -> Vec<TransportInfo> {
-    crate::transport::KNOWN
-        .iter()
-        .map(|&name| {
-            let built = crate::transport::BUILT.contains(&name);
-            let check = host_check(name);
-            let detail = match (built, feature_of(name)) {
-                (true, _) => check.detail.clone(),
-                (false, Some(f)) => format!(
-                    "not built in this version (needs the `{f}` feature); {}",
-                    check.detail
-                ),
-                (false, None) => format!("not built in this version yet; {}", check.detail),
+    crate::transport::registry::entries()
+        .into_iter()
+        .filter(|e| !cfg!(test) || e.name != "double")
+        .map(|e| {
+            let check = (e.probe)();
+            let ok = check.is_ok();
+            let detail = match (e.not_built, check) {
+                (None, Ok(d) | Err(d)) => d,
+                (Some(why), Ok(d) | Err(d)) => format!("{why}; {d}"),
             };
             TransportInfo {
-                name: name.to_string(),
-                built,
-                usable: built && check.ok,
+                name: e.name.to_string(),
+                built: e.not_built.is_none(),
+                usable: e.not_built.is_none() && ok,
                 detail,
             }
         })
@@ -208,74 +205,4 @@ pub fn cma() -> Check {
 /// The OS error when the kernel refuses to say.
 pub fn cpu_affinity() -> std::io::Result<Vec<u32>> {
     crate::os::cpu_affinity()
-}
-
-/// The cargo feature a transport needs, if any.
-fn feature_of(name: &str) -> Option<&'static str> {
-    match name {
-        "smcuda" => Some("cuda"),
-        "rdma" => Some("rdma"),
-        _ => None,
-    }
-}
-
-/// What the host offers a transport, whether or not it is built.
-fn host_check(name: &str) -> Check {
-    let result = match name {
-        "self" => Ok("always available: messages and put/get to this process".to_string()),
-        "sm" => shm_writable(),
-        "udp" => std::net::UdpSocket::bind("127.0.0.1:0")
-            .map(|s| {
-                let (ip, mtu) = crate::udp::UdpTransport::default_bind();
-                let at = match s.local_addr() {
-                    Ok(a) => a.to_string(),
-                    Err(_) => "127.0.0.1".to_string(),
-                };
-                format!(
-                    "a UDP socket binds on {at}; without BTL_UDP_ADDR udp binds {ip} (interface MTU {mtu})"
-                )
-            })
-            .map_err(|e| format!("cannot bind a UDP socket on 127.0.0.1: {e}")),
-        "smcuda" => Err("no host check for CUDA in this version".to_string()),
-        "rdma" => rdma_devices(),
-        other => Err(format!("btl-info has no host check for {other:?} yet")),
-    };
-    match result {
-        Ok(detail) => Check { ok: true, detail },
-        Err(detail) => Check { ok: false, detail },
-    }
-}
-
-/// Create, map and remove a small file where `sm` puts its segments.
-fn shm_writable() -> Result<String, String> {
-    let dir = crate::shm::shm_dir();
-    let id = crate::os::random_bytes::<16>();
-    match crate::shm::ShmFile::create(&id, 4096) {
-        // Dropping the file unlinks it.
-        Ok(_file) => Ok(format!(
-            "{} is writable: same-node peers share memory",
-            dir.display()
-        )),
-        Err(e) => Err(format!(
-            "{e}; sm needs a writable tmpfs there (or BTL_SHM_DIR)"
-        )),
-    }
-}
-
-/// The RDMA devices the kernel lists.
-fn rdma_devices() -> Result<String, String> {
-    const DIR: &str = "/sys/class/infiniband";
-    let mut names: Vec<String> = std::fs::read_dir(DIR)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    if names.is_empty() {
-        Err(format!("{DIR}: no device"))
-    } else {
-        Ok(format!("{DIR}: {}", names.join(", ")))
-    }
 }

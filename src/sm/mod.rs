@@ -46,7 +46,8 @@ use crate::fabric::Core;
 use crate::os::ProcWatch;
 use crate::region::{KeyId, Mapped, RemoteKey};
 use crate::sync::{lock, Ordering};
-use crate::transport::{Link, Loss, Transport};
+use crate::transport::registry::{Entry, Job};
+use crate::transport::{Link, Loss, Peer, Transport};
 use crate::{Error, Rank, Result};
 use doorbell::{Bell, Doorbell};
 use segment::{Expect, Params, Segment};
@@ -184,7 +185,7 @@ impl SmTransport {
     }
 
     /// Our address for the exchange.
-    pub(crate) fn address(&self) -> SmAddr {
+    fn sm_address(&self) -> SmAddr {
         SmAddr {
             node: crate::os::node_id(),
             pid: crate::os::pid(),
@@ -197,7 +198,7 @@ impl SmTransport {
     }
 
     /// Whether a peer with this address can be reached through shared memory.
-    pub(crate) fn reaches(&self, a: &SmAddr) -> bool {
+    fn reaches_addr(&self, a: &SmAddr) -> bool {
         a.node == crate::os::node_id()
             && a.local_size == self.seg.layout.p.local_size
             && a.local_rank < a.local_size
@@ -205,7 +206,7 @@ impl SmTransport {
     }
 
     /// Attach every reachable peer's segment; returns a link per peer rank.
-    pub(crate) fn connect(
+    fn connect_addrs(
         self: &Arc<Self>,
         peers: &[(Rank, SmAddr)],
     ) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
@@ -342,10 +343,77 @@ impl SmTransport {
     }
 }
 
+/// Decode a peer's `sm` address.
+fn decode_addr(peer: &Peer<'_>) -> Result<SmAddr> {
+    postcard::from_bytes(peer.addr).map_err(|e| {
+        Error::Bootstrap(format!(
+            "rank {} published an unreadable sm address: {e}",
+            peer.rank
+        ))
+    })
+}
+
+/// Create, map and remove a small file where `sm` puts its segments.
+fn probe() -> std::result::Result<String, String> {
+    let dir = crate::shm::shm_dir();
+    let id = crate::os::random_bytes::<16>();
+    match crate::shm::ShmFile::create(&id, 4096) {
+        // Dropping the file unlinks it.
+        Ok(_file) => Ok(format!(
+            "{} is writable: same-node peers share memory",
+            dir.display()
+        )),
+        Err(e) => Err(format!(
+            "{e}; sm needs a writable tmpfs there (or BTL_SHM_DIR)"
+        )),
+    }
+}
+
+/// The registry's entry: opened when this node runs more than one rank.
+pub(crate) static ENTRY: Entry = Entry {
+    name: "sm",
+    implicit: false,
+    node_local: true,
+    not_built: None,
+    probe,
+    open: |core, job: &Job| {
+        if job.local_size < 2 {
+            return Ok(None);
+        }
+        let t = SmTransport::new(core.clone(), job.local_rank, job.local_size)?;
+        Ok(Some(t as Arc<dyn Transport>))
+    },
+};
+
 #[async_trait]
 impl Transport for SmTransport {
     fn name(&self) -> &'static str {
         "sm"
+    }
+
+    fn address(&self) -> Result<Vec<u8>> {
+        postcard::to_allocvec(&self.sm_address())
+            .map_err(|e| Error::Bootstrap(format!("encoding our sm address: {e}")))
+    }
+
+    fn reaches(&self, peer: &Peer<'_>) -> Result<bool> {
+        Ok(self.reaches_addr(&decode_addr(peer)?))
+    }
+
+    fn connect(self: Arc<Self>, peers: &[Peer<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let addrs = peers
+            .iter()
+            .map(|p| Ok((p.rank, decode_addr(p)?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.connect_addrs(&addrs)
+    }
+
+    fn native_rma(&self) -> bool {
+        true
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn progress(&self) -> usize {

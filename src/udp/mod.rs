@@ -73,7 +73,8 @@ use tokio::sync::Notify;
 
 use crate::fabric::Core;
 use crate::sync::lock;
-use crate::transport::{Link, Transport};
+use crate::transport::registry::{Entry, Job};
+use crate::transport::{Link, Peer as PeerInfo, Published, Transport};
 use crate::{Error, Rank, Result};
 use peer::{Peer, PeerState, Sockets};
 use rx::RxState;
@@ -166,16 +167,17 @@ pub(crate) fn unusable_addr(ip: IpAddr) -> Option<&'static str> {
 }
 
 /// Check that ranks that would talk to each other over udp use one address
-/// family. `ranks` holds every rank that publishes a udp address: its rank,
-/// its address, and its node when it also runs `sm` (two ranks on one node
-/// that both run `sm` talk over shared memory, whatever their families).
+/// family. `ranks` holds every rank that publishes a udp address, with its
+/// address and what it published (two ranks on one node that both run a
+/// node-local transport such as `sm` talk over it, whatever their
+/// families).
 ///
 /// Every rank runs this on the same table (the whole address exchange), so
 /// on a mixed job all of them fail at open with the same message, naming
 /// the first such pair by rank; none is left waiting for a peer that gave
 /// up. (An IPv4 socket cannot reach an IPv6 address, and our IPv6 sockets
 /// are IPv6-only, so a mixed pair could never talk.)
-pub(crate) fn check_families(ranks: &mut [(Rank, IpAddr, Option<&str>)]) -> Result<()> {
+fn check_families(ranks: &mut [(Rank, IpAddr, &Published)]) -> Result<()> {
     if ranks
         .windows(2)
         .all(|w| w[0].1.is_ipv4() == w[1].1.is_ipv4())
@@ -185,8 +187,7 @@ pub(crate) fn check_families(ranks: &mut [(Rank, IpAddr, Option<&str>)]) -> Resu
     ranks.sort_by_key(|r| r.0);
     for (i, a) in ranks.iter().enumerate() {
         for b in &ranks[i + 1..] {
-            let by_sm = a.2.is_some() && a.2 == b.2;
-            if a.1.is_ipv4() != b.1.is_ipv4() && !by_sm {
+            if a.1.is_ipv4() != b.1.is_ipv4() && !a.2.share_node_transport(b.2) {
                 return Err(Error::Config(format!(
                     "udp: rank {} uses the {} address {} and rank {} the {} address {}: ranks that talk over udp must use one address family (set BTL_UDP_ADDR on every rank to addresses of one family; without it a host with a non-loopback IPv4 address uses IPv4)",
                     a.0,
@@ -201,6 +202,46 @@ pub(crate) fn check_families(ranks: &mut [(Rank, IpAddr, Option<&str>)]) -> Resu
     }
     Ok(())
 }
+
+/// Decode a peer's `udp` address.
+fn decode_addr(rank: Rank, addr: &[u8]) -> Result<UdpAddr> {
+    postcard::from_bytes(addr).map_err(|e| {
+        Error::Bootstrap(format!(
+            "rank {rank} published an unreadable udp address: {e}"
+        ))
+    })
+}
+
+/// Whether a UDP socket binds here, and what udp would bind.
+fn probe() -> std::result::Result<String, String> {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .map(|s| {
+            let (ip, mtu) = UdpTransport::default_bind();
+            let at = match s.local_addr() {
+                Ok(a) => a.to_string(),
+                Err(_) => "127.0.0.1".to_string(),
+            };
+            format!(
+                "a UDP socket binds on {at}; without BTL_UDP_ADDR udp binds {ip} (interface MTU {mtu})"
+            )
+        })
+        .map_err(|e| format!("cannot bind a UDP socket on 127.0.0.1: {e}"))
+}
+
+/// The registry's entry: opened in a job of more than one rank.
+pub(crate) static ENTRY: Entry = Entry {
+    name: "udp",
+    implicit: false,
+    node_local: false,
+    not_built: None,
+    probe,
+    open: |core, job: &Job| {
+        if job.size < 2 {
+            return Ok(None);
+        }
+        Ok(Some(UdpTransport::new(core.clone())? as Arc<dyn Transport>))
+    },
+};
 
 fn mix(isn: u64, rank: Rank) -> u64 {
     isn ^ (u64::from(rank) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -271,14 +312,14 @@ impl UdpTransport {
     }
 
     /// Our address for the exchange.
-    pub(crate) fn address(&self) -> UdpAddr {
+    fn udp_address(&self) -> UdpAddr {
         self.me.clone()
     }
 
     /// Whether a peer with this address can be reached: one of our family
     /// (a job that mixes families fails earlier, see `check_families`)
     /// that names one host; a loopback address reaches only this host.
-    pub(crate) fn reaches(&self, a: &UdpAddr) -> bool {
+    fn reaches_addr(&self, a: &UdpAddr) -> bool {
         let local = net::is_local(&self.ifs, a.ip);
         a.ip.is_ipv4() == self.me.ip.is_ipv4()
             && net::unusable(a.ip).is_none()
@@ -350,7 +391,7 @@ impl UdpTransport {
     }
 
     /// Create a connection per peer; returns a link per peer rank.
-    pub(crate) fn connect(
+    fn connect_addrs(
         self: &Arc<Self>,
         peers: &[(Rank, UdpAddr)],
     ) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
@@ -447,7 +488,7 @@ impl UdpTransport {
     }
 
     /// Add the transport's own counters to a fabric's.
-    pub(crate) fn add_stats(&self, s: &mut crate::Stats) {
+    fn add_stats(&self, s: &mut crate::Stats) {
         let g = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         s.udp_gso_sends = g(&self.io.off.gso_sends);
         s.udp_gro_receives = g(&self.io.off.gro_receives);
@@ -617,6 +658,41 @@ impl Transport for UdpTransport {
         "udp"
     }
 
+    fn address(&self) -> Result<Vec<u8>> {
+        postcard::to_allocvec(&self.udp_address())
+            .map_err(|e| Error::Bootstrap(format!("encoding our udp address: {e}")))
+    }
+
+    fn reaches(&self, peer: &PeerInfo<'_>) -> Result<bool> {
+        Ok(self.reaches_addr(&decode_addr(peer.rank, peer.addr)?))
+    }
+
+    fn check_job(&self, job: &[Published]) -> Result<()> {
+        let mut ranks = Vec::new();
+        for p in job {
+            if let Some(a) = p.addr("udp") {
+                ranks.push((p.rank, decode_addr(p.rank, a)?.ip, p));
+            }
+        }
+        check_families(&mut ranks)
+    }
+
+    fn connect(self: Arc<Self>, peers: &[PeerInfo<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let addrs = peers
+            .iter()
+            .map(|p| Ok((p.rank, decode_addr(p.rank, p.addr)?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.connect_addrs(&addrs)
+    }
+
+    fn add_stats(&self, s: &mut crate::Stats) {
+        UdpTransport::add_stats(self, s);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn progress(&self) -> usize {
         let mut work = 0;
         let mut timers = true;
@@ -782,24 +858,46 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// `check_families` on a table of (rank, udp address, the node when
+    /// the rank also runs sm).
+    fn families(ranks: &mut [(Rank, IpAddr, Option<&str>)]) -> Result<()> {
+        let published: Vec<Published> = ranks
+            .iter()
+            .map(|(r, _, node)| Published {
+                rank: *r,
+                node: node.map_or(format!("alone-{r}"), str::to_string),
+                addrs: node
+                    .map(|_| ("sm".to_string(), Vec::new()))
+                    .into_iter()
+                    .collect(),
+            })
+            .collect();
+        let mut table: Vec<(Rank, IpAddr, &Published)> = ranks
+            .iter()
+            .zip(&published)
+            .map(|((r, ip, _), p)| (*r, *ip, p))
+            .collect();
+        check_families(&mut table)
+    }
+
     #[test]
     fn one_family_per_job() {
         let v4 = ip("192.0.2.1");
         let v6 = ip("fd00::1");
         // One family: fine, whatever the nodes.
         let mut same = [(0, v4, None), (1, ip("192.0.2.2"), Some("a"))];
-        assert!(check_families(&mut same).is_ok());
+        assert!(families(&mut same).is_ok());
         let mut same6 = [(0, v6, None), (1, ip("::1"), None)];
-        assert!(check_families(&mut same6).is_ok());
+        assert!(families(&mut same6).is_ok());
         // Mixed, over udp: every rank gets the same message, naming the
         // first pair by rank, whatever order its table came in.
         let mut a = [(2, v4, None), (1, v6, None), (0, v4, None)];
         let mut b = [(0, v4, None), (2, v4, None), (1, v6, None)];
-        let ea = check_families(&mut a).unwrap_err().to_string();
-        let eb = check_families(&mut b).unwrap_err().to_string();
+        let ea = families(&mut a).unwrap_err().to_string();
+        let eb = families(&mut b).unwrap_err().to_string();
         assert_eq!(ea, eb);
         assert!(matches!(
-            check_families(&mut [(0, v4, None), (1, v6, None)]),
+            families(&mut [(0, v4, None), (1, v6, None)]),
             Err(Error::Config(_))
         ));
         for want in ["rank 0", "192.0.2.1", "IPv4", "rank 1", "fd00::1", "IPv6"] {
@@ -808,17 +906,17 @@ mod tests {
         // Mixed, but the pair talks over shared memory (one node, both
         // run sm): fine. Another node, or no sm on one side: not.
         let mut by_sm = [(0, v4, Some("n1")), (1, v6, Some("n1"))];
-        assert!(check_families(&mut by_sm).is_ok());
+        assert!(families(&mut by_sm).is_ok());
         let mut other_node = [(0, v4, Some("n1")), (1, v6, Some("n2"))];
-        assert!(check_families(&mut other_node).is_err());
+        assert!(families(&mut other_node).is_err());
         let mut no_sm = [(0, v4, Some("n1")), (1, v6, None)];
-        assert!(check_families(&mut no_sm).is_err());
+        assert!(families(&mut no_sm).is_err());
         let mut third = [
             (0, v4, Some("n1")),
             (1, v6, Some("n1")),
             (2, v4, Some("n2")),
         ];
-        let e = check_families(&mut third).unwrap_err().to_string();
+        let e = families(&mut third).unwrap_err().to_string();
         assert!(e.contains("rank 1") && e.contains("rank 2"), "{e}");
     }
 

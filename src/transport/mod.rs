@@ -23,13 +23,46 @@ use crate::mem::{AtomicOp, RawBuf};
 use crate::region::{RegionInner, RemoteKey};
 use crate::{Rank, Result};
 
-/// Names of the transports this build knows.
-pub(crate) const KNOWN: &[&str] = &["self", "sm", "udp", "smcuda", "rdma"];
+#[cfg(test)]
+pub(crate) mod double;
+pub(crate) mod registry;
+pub(crate) mod selflink;
 
-/// Names of the transports compiled into this build, a subset of [`KNOWN`]:
-/// a transport adds its name here when it lands (`btl-info` reports the
-/// others as not built).
-pub(crate) const BUILT: &[&str] = &["self", "sm", "udp"];
+/// What a rank publishes in the address exchange: its node and, per
+/// transport it opened, that transport's address bytes.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Published {
+    pub(crate) rank: Rank,
+    pub(crate) node: String,
+    pub(crate) addrs: Vec<(String, Vec<u8>)>,
+}
+
+impl Published {
+    /// The address `transport` published, if it did.
+    pub(crate) fn addr(&self, transport: &str) -> Option<&[u8]> {
+        self.addrs
+            .iter()
+            .find(|(n, _)| n == transport)
+            .map(|(_, a)| a.as_slice())
+    }
+
+    /// Whether `self` and `other` are on one node and both publish a
+    /// node-local transport (so no network transport carries the pair).
+    pub(crate) fn share_node_transport(&self, other: &Published) -> bool {
+        self.node == other.node
+            && self.addrs.iter().any(|(n, _)| {
+                registry::find(n).is_some_and(|e| e.node_local) && other.addr(n).is_some()
+            })
+    }
+}
+
+/// A peer as a transport sees it at connect time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Peer<'a> {
+    pub(crate) rank: Rank,
+    /// What the peer's instance of this transport published.
+    pub(crate) addr: &'a [u8],
+}
 
 /// What a message is for, as the core sees it. Travels in every
 /// transport's frame header; a transport may carry kinds of its own beside
@@ -257,6 +290,44 @@ pub(crate) trait Link: Send + Sync {
 pub(crate) trait Transport: Send + Sync {
     /// The transport's name.
     fn name(&self) -> &'static str;
+
+    /// Our address for the exchange: what a peer's [`connect`](Self::connect)
+    /// needs, packed by this transport.
+    fn address(&self) -> Result<Vec<u8>>;
+
+    /// Whether `peer` can be reached through this transport. `Err`: its
+    /// address cannot be read (a bootstrap error: the job cannot start).
+    fn reaches(&self, peer: &Peer<'_>) -> Result<bool>;
+
+    /// Check the whole job's table before any rank connects (every rank
+    /// runs the same check on the same table, so all of them fail alike).
+    fn check_job(&self, _job: &[Published]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Connect the peers the fabric routed here; a link per peer.
+    fn connect(self: Arc<Self>, peers: &[Peer<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>>;
+
+    /// Whether its links carry messages (a transport may offer only
+    /// one-sided operations, beside another that carries its peers'
+    /// messages).
+    fn carries_messages(&self) -> bool {
+        true
+    }
+
+    /// Whether its links carry one-sided operations natively
+    /// ([`Link::post`]), so that they should route them even when another
+    /// transport carries the messages.
+    fn native_rma(&self) -> bool {
+        false
+    }
+
+    /// Add this transport's counters to a snapshot.
+    fn add_stats(&self, _s: &mut crate::Stats) {}
+
+    /// The concrete transport, for accessors of one transport's own
+    /// (`Fabric::udp_stats`).
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// Make progress without blocking: receive, dispatch, push queued data.
     /// Returns the amount of work done (0 = nothing to do).

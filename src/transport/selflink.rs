@@ -13,7 +13,8 @@ use bytes::Bytes;
 use crate::completion::Completion;
 use crate::fabric::Core;
 use crate::sync::lock;
-use crate::transport::{Kind, Link, Transport};
+use crate::transport::registry::{Entry, Job};
+use crate::transport::{Kind, Link, Peer, Transport};
 use crate::{Error, Rank, Result};
 
 struct Queued {
@@ -104,10 +105,40 @@ impl Link for SelfLink {
     }
 }
 
+/// The registry's entry: always there, reaching this rank only.
+pub(crate) static ENTRY: Entry = Entry {
+    name: "self",
+    implicit: true,
+    node_local: false,
+    not_built: None,
+    probe: || Ok("always available: messages and one-sided operations to this process".into()),
+    open: |core, _job: &Job| Ok(Some(SelfLink::new(core) as Arc<dyn Transport>)),
+};
+
 #[async_trait]
 impl Transport for SelfLink {
     fn name(&self) -> &'static str {
         "self"
+    }
+
+    fn address(&self) -> Result<Vec<u8>> {
+        Ok(Vec::new())
+    }
+
+    fn reaches(&self, peer: &Peer<'_>) -> Result<bool> {
+        Ok(peer.rank == self.rank)
+    }
+
+    fn connect(self: Arc<Self>, peers: &[Peer<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        Ok(peers
+            .iter()
+            .filter(|p| p.rank == self.rank)
+            .map(|p| (p.rank, self.clone() as Arc<dyn Link>))
+            .collect())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn progress(&self) -> usize {

@@ -1,0 +1,117 @@
+//! The transports this build knows, in preference order, and what the
+//! fabric needs of each to use it: a name, a host check that says why not,
+//! and how to open it. `Fabric`, configuration (`BTL_TRANSPORTS`),
+//! `btl-info` and the address exchange learn about transports only here.
+//!
+//! Adding a transport: one folder that implements [`Transport`] and
+//! [`Link`](super::Link) and provides an [`Entry`], one line in
+//! [`entries`], and a cargo feature where it needs a system library.
+
+use std::sync::Arc;
+
+use super::Transport;
+use crate::fabric::Core;
+use crate::Result;
+
+/// Where this process stands in its job, for a transport that opens.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Job {
+    pub(crate) size: u32,
+    pub(crate) local_rank: u32,
+    pub(crate) local_size: u32,
+}
+
+/// How an [`Entry`] opens its transport.
+pub(crate) type Open = fn(&Arc<Core>, &Job) -> Result<Option<Arc<dyn Transport>>>;
+
+/// One transport of the registry.
+pub(crate) struct Entry {
+    /// Its name (`BTL_TRANSPORTS`, `btl-info`, `Endpoint::transport`).
+    pub(crate) name: &'static str,
+    /// Used whatever `BTL_TRANSPORTS` says (`self`).
+    pub(crate) implicit: bool,
+    /// Reaches only peers on this node: two ranks of one node that both
+    /// publish it need no network transport between them.
+    pub(crate) node_local: bool,
+    /// `None` when compiled into this build; else why not (the cargo
+    /// feature it needs, or that this version does not have it).
+    pub(crate) not_built: Option<&'static str>,
+    /// What this host offers it: `Ok(what works)` or `Err(why not)`.
+    /// Cheap, no side effects that outlive it.
+    pub(crate) probe: fn() -> std::result::Result<String, String>,
+    /// Open it in this process: `Ok(None)` when it has nothing to do in
+    /// this job (no peer it could reach), or when it only joins a fabric
+    /// that names it in `BTL_TRANSPORTS`.
+    pub(crate) open: Open,
+}
+
+/// A transport this version does not have yet: listed, never opened.
+const fn planned(
+    name: &'static str,
+    why: &'static str,
+    probe: fn() -> std::result::Result<String, String>,
+) -> Entry {
+    Entry {
+        name,
+        implicit: false,
+        node_local: false,
+        not_built: Some(why),
+        probe,
+        open: |_, _| Ok(None),
+    }
+}
+
+static RDMA: Entry = planned(
+    "rdma",
+    "not part of this version (it will need the `rdma` feature and libfabric)",
+    rdma_devices,
+);
+
+static SMCUDA: Entry = planned(
+    "smcuda",
+    "not part of this version (it will need the `cuda` feature)",
+    || Err("no host check for CUDA in this version".to_string()),
+);
+
+/// Every transport this build knows, in preference order: a peer's
+/// messages go over the first that reaches it and carries messages, its
+/// one-sided operations over the first that reaches it and carries them
+/// natively, else with its messages.
+pub(crate) fn entries() -> Vec<&'static Entry> {
+    #[allow(unused_mut)]
+    let mut v = vec![&super::selflink::ENTRY];
+    // The test double of a NIC, ahead of `sm` so that it takes the
+    // one-sided operations of the fabrics that name it.
+    #[cfg(test)]
+    v.push(&super::double::ENTRY);
+    v.extend([&crate::sm::ENTRY, &RDMA, &crate::udp::ENTRY, &SMCUDA]);
+    v
+}
+
+/// The entry named `name`.
+pub(crate) fn find(name: &str) -> Option<&'static Entry> {
+    entries().into_iter().find(|e| e.name == name)
+}
+
+/// The names of every transport this build knows.
+pub(crate) fn names() -> Vec<&'static str> {
+    entries().iter().map(|e| e.name).collect()
+}
+
+/// The RDMA devices the kernel lists.
+fn rdma_devices() -> std::result::Result<String, String> {
+    const DIR: &str = "/sys/class/infiniband";
+    let mut names: Vec<String> = std::fs::read_dir(DIR)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    if names.is_empty() {
+        Err(format!("{DIR}: no device"))
+    } else {
+        Ok(format!("{DIR}: {}", names.join(", ")))
+    }
+}
