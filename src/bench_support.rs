@@ -5,10 +5,10 @@
 //! Not part of the supported API: hidden from the docs, may change at any
 //! time.
 
-use crate::ring::{ConsumerState, ProducerState, Ring};
 use crate::sm::frag::{FragHeader, FIRST, LAST};
 use crate::sm::kind::Kind;
-use crate::sync::AtomicU64;
+use crate::sys::ring::{ConsumerState, ProducerState, Ring};
+use crate::sys::sync::AtomicU64;
 
 /// A FIFO ring of `u64` in ordinary memory, used by one thread as both
 /// producer and consumer (what a push/pop costs without contention).

@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::Notify;
 
-use crate::sync::lock;
+use crate::sys::sync::lock;
 use crate::{Error, Rank, Result};
 
 /// Every rank contributes a blob; every rank receives all blobs by rank.

@@ -31,32 +31,20 @@ pub mod info;
 pub mod launch;
 pub mod udp;
 
-mod bufpool;
-mod completion;
-mod dispatch;
-mod endpoint;
-mod fabric;
-mod mem;
-mod os;
-mod progress;
-mod region;
-mod ring;
-mod rma;
-mod shm;
+mod core;
 pub(crate) mod sm;
-mod stats;
-mod sync;
+mod sys;
 mod transport;
 
+pub use crate::core::dispatch::{Message, Receiver};
+pub use crate::core::endpoint::{AtomicFetch, Endpoint, Flush, Get, Put, Send, SendInline};
+pub use crate::core::fabric::{Fabric, FabricBuilder, MemoryKind};
+pub use crate::core::region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};
+pub use crate::core::stats::Stats;
+pub use crate::sys::mem::CopyChoice;
 pub use config::{Config, CopyMode, ProgressMode};
-pub use dispatch::{Message, Receiver};
-pub use endpoint::{AtomicFetch, Endpoint, Flush, Get, Put, Send, SendInline};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
-pub use fabric::{Fabric, FabricBuilder, MemoryKind};
-pub use mem::CopyChoice;
-pub use region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};
-pub use stats::Stats;
 
 /// A process's index in the job, `0..size`.
 pub type Rank = u32;

@@ -186,7 +186,7 @@ pub fn transports() -> Vec<TransportInfo> {
 /// Whether single-copy access (`process_vm_readv`/`writev`, CMA) between
 /// sibling processes is allowed here.
 pub fn cma() -> Check {
-    match crate::os::cma_status() {
+    match crate::sys::os::cma_status() {
         Ok(()) => Check {
             ok: true,
             detail: "process_vm_readv/writev between sibling processes is allowed".into(),
@@ -204,5 +204,5 @@ pub fn cma() -> Check {
 /// # Errors
 /// The OS error when the kernel refuses to say.
 pub fn cpu_affinity() -> std::io::Result<Vec<u32>> {
-    crate::os::cpu_affinity()
+    crate::sys::os::cpu_affinity()
 }

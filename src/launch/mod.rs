@@ -111,7 +111,7 @@ impl LocalJob {
     fn shm_dir(&self) -> std::path::PathBuf {
         match self.env.iter().rev().find(|(k, _)| k == "BTL_SHM_DIR") {
             Some((_, dir)) => dir.into(),
-            None => crate::shm::shm_dir(),
+            None => crate::sys::shm::shm_dir(),
         }
     }
 
@@ -198,7 +198,7 @@ impl LocalJob {
             .await;
         // Every rank is reaped: remove the shared memory of those a signal
         // killed before they could unlink it.
-        crate::shm::remove_of_dead_in(&self.shm_dir(), &pids);
+        crate::sys::shm::remove_of_dead_in(&self.shm_dir(), &pids);
         serving.abort();
         // Forward what the ranks wrote last; a pipe kept open by a process
         // that escaped the rank's group must not keep us waiting.

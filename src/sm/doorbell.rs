@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use tokio::net::UnixDatagram;
 
-use crate::{os, Error, Result};
+use crate::sys::os;
+use crate::{Error, Result};
 
 /// Our doorbell: the socket we sleep on.
 pub(crate) struct Doorbell {

@@ -48,8 +48,8 @@
 //! as the delivery, so the next message on the other path cannot be
 //! delivered first.
 
-use crate::mem::RawBuf;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sys::mem::RawBuf;
+use crate::sys::sync::{AtomicU64, Ordering};
 
 /// Slots per box in a segment (16 KiB of slots).
 pub(crate) const SLOTS: usize = 256;

@@ -42,10 +42,10 @@ use serde::{Deserialize, Serialize};
 
 pub(crate) use frag::FRAG_HEADER;
 
-use crate::fabric::Core;
-use crate::os::ProcWatch;
-use crate::region::{KeyId, Mapped, RemoteKey};
-use crate::sync::{lock, Ordering};
+use crate::core::fabric::Core;
+use crate::core::region::{KeyId, Mapped, RemoteKey};
+use crate::sys::os::ProcWatch;
+use crate::sys::sync::{lock, Ordering};
 use crate::transport::registry::{Entry, Job};
 use crate::transport::{Link, Loss, Peer, Transport};
 use crate::{Error, Rank, Result};
@@ -141,7 +141,7 @@ impl SmTransport {
         local_rank: u32,
         local_size: u32,
     ) -> Result<Arc<SmTransport>> {
-        let removed = crate::shm::remove_stale();
+        let removed = crate::sys::shm::remove_stale();
         if removed > 0 {
             tracing::info!("removed {removed} shared-memory files left by dead processes");
             core.counters
@@ -164,7 +164,7 @@ impl SmTransport {
             max_size: as_u32(c.sm_max_size, "sm max size")?,
             max_count: as_u32(c.sm_max_count, "sm max count")?,
         };
-        let id = crate::os::random_bytes::<16>();
+        let id = crate::sys::os::random_bytes::<16>();
         let seg = Segment::create(&id, params, core.job_tag, local_rank)?;
         let n = local_size as usize;
         let tx = tx::TxState::new(&seg.layout, n);
@@ -187,19 +187,19 @@ impl SmTransport {
     /// Our address for the exchange.
     fn sm_address(&self) -> SmAddr {
         SmAddr {
-            node: crate::os::node_id(),
-            pid: crate::os::pid(),
+            node: crate::sys::os::node_id(),
+            pid: crate::sys::os::pid(),
             local_rank: self.local_rank,
             local_size: self.seg.layout.p.local_size,
             segment: self.seg.file_name(),
             bell: self.bell.name().to_vec(),
-            cma: crate::os::cma_status().is_ok(),
+            cma: crate::sys::os::cma_status().is_ok(),
         }
     }
 
     /// Whether a peer with this address can be reached through shared memory.
     fn reaches_addr(&self, a: &SmAddr) -> bool {
-        a.node == crate::os::node_id()
+        a.node == crate::sys::os::node_id()
             && a.local_size == self.seg.layout.p.local_size
             && a.local_rank < a.local_size
             && a.local_rank != self.local_rank
@@ -221,8 +221,8 @@ impl SmTransport {
                     a.local_rank
                 )));
             }
-            let path = crate::shm::shm_dir().join(&a.segment);
-            if !a.segment.starts_with(crate::shm::PREFIX) || a.segment.contains('/') {
+            let path = crate::sys::shm::shm_dir().join(&a.segment);
+            if !a.segment.starts_with(crate::sys::shm::PREFIX) || a.segment.contains('/') {
                 return Err(Error::PeerMisbehaved {
                     rank: *rank,
                     what: format!("segment name {:?} is not ours", a.segment),
@@ -247,7 +247,7 @@ impl SmTransport {
                 seg,
                 bell: Bell::new(&a.bell)?,
                 watch: ProcWatch::new(a.pid),
-                cma: AtomicBool::new(a.cma && crate::os::cma_status().is_ok()),
+                cma: AtomicBool::new(a.cma && crate::sys::os::cma_status().is_ok()),
                 split: AtomicBool::new(true),
                 heard: AtomicBool::new(false),
                 lost: AtomicBool::new(false),
@@ -282,8 +282,8 @@ impl SmTransport {
 
     /// After making data visible to `peer`, ring its doorbell if it sleeps.
     pub(crate) fn notify(&self, peer: &SmPeer) {
-        // The protocol (and its loom model) lives in crate::ring.
-        if crate::ring::should_ring(peer.seg.armed()) {
+        // The protocol (and its loom model) lives in crate::sys::ring.
+        if crate::sys::ring::should_ring(peer.seg.armed()) {
             peer.bell.ring(&self.ringer);
         }
     }
@@ -309,7 +309,7 @@ impl SmTransport {
         self.cma.peer_lost(peer.rank, reason, how == Loss::Crashed);
         if how == Loss::Crashed {
             peer.seg.unlink();
-            crate::shm::remove_of_pid(peer.seg.pid);
+            crate::sys::shm::remove_of_pid(peer.seg.pid);
         }
         self.core.on_peer_lost(peer.rank, reason, how);
     }
@@ -355,9 +355,9 @@ fn decode_addr(peer: &Peer<'_>) -> Result<SmAddr> {
 
 /// Create, map and remove a small file where `sm` puts its segments.
 fn probe() -> std::result::Result<String, String> {
-    let dir = crate::shm::shm_dir();
-    let id = crate::os::random_bytes::<16>();
-    match crate::shm::ShmFile::create(&id, 4096) {
+    let dir = crate::sys::shm::shm_dir();
+    let id = crate::sys::os::random_bytes::<16>();
+    match crate::sys::shm::ShmFile::create(&id, 4096) {
         // Dropping the file unlinks it.
         Ok(_file) => Ok(format!(
             "{} is writable: same-node peers share memory",
@@ -438,7 +438,7 @@ impl Transport for SmTransport {
     }
 
     fn arm(&self) -> bool {
-        crate::ring::arm(self.seg.armed());
+        crate::sys::ring::arm(self.seg.armed());
         let rx_idle = lock(&self.rx).looks_idle(self);
         let tx_idle = lock(&self.tx).looks_idle(self);
         if rx_idle && tx_idle {

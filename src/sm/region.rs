@@ -14,10 +14,10 @@
 
 use std::sync::Arc;
 
-use crate::mem::RawBuf;
-use crate::region::{KeyHandle, Mapped, RemoteKey};
-use crate::shm::ShmFile;
-use crate::sync::Ordering;
+use crate::core::region::{KeyHandle, Mapped, RemoteKey};
+use crate::sys::mem::RawBuf;
+use crate::sys::shm::ShmFile;
+use crate::sys::sync::Ordering;
 use crate::{AccessError, Error, Rank, Result};
 
 /// Layout of a shared region file: a page of header, then the data.
@@ -62,7 +62,7 @@ pub(crate) fn create(
     let handle = KeyHandle::new(
         "sm",
         HANDLE_VERSION,
-        crate::os::pid().to_le_bytes().to_vec(),
+        crate::sys::os::pid().to_le_bytes().to_vec(),
     );
     Ok((raw, SharedFile(file), handle))
 }
@@ -79,7 +79,7 @@ pub(crate) fn owner_pid(key: &RemoteKey) -> Option<u32> {
 /// Map the shared region behind `key`; checks magic, job and owner.
 pub(crate) fn open(key: &RemoteKey, job_tag: [u64; 2]) -> Result<Mapped> {
     let pid = owner_pid(key).ok_or(AccessError::NotPermitted("direct mapping".into()))?;
-    let path = crate::shm::shm_dir().join(crate::shm::name_for(pid, &key.id));
+    let path = crate::sys::shm::shm_dir().join(crate::sys::shm::name_for(pid, &key.id));
     let file = match ShmFile::open(&path, DATA_OFFSET) {
         Ok(f) => f,
         Err(Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {

@@ -28,11 +28,11 @@ use bytes::{BufMut, BytesMut};
 
 use super::kind::Kind;
 use super::{SmPeer, SmTransport};
-use crate::completion::Completion;
-use crate::os::Cma;
-use crate::region::{KeyId, RegionInner};
-use crate::stats::Hot;
-use crate::sync::lock;
+use crate::core::completion::Completion;
+use crate::core::region::{KeyId, RegionInner};
+use crate::core::stats::Hot;
+use crate::sys::os::Cma;
+use crate::sys::sync::lock;
 use crate::transport::Local;
 use crate::{AccessError, Error, Rank, Result};
 
@@ -159,7 +159,7 @@ impl CmaOps {
                 }
                 Ok(local) => {
                     let dir = if put { Cma::Read } else { Cma::Write };
-                    match crate::os::cma_copy(dir, p.seg.pid, local, addr) {
+                    match crate::sys::os::cma_copy(dir, p.seg.pid, local, addr) {
                         Ok(()) => body.put_u8(OK),
                         Err(e) => match e.raw_os_error() {
                             Some(libc::EPERM | libc::ENOSYS | libc::EACCES) => {

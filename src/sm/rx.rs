@@ -11,8 +11,8 @@ use super::segment::CHANNELS;
 use super::split::{self, Tail};
 use super::tx::{channel, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
-use crate::ring::{ConsumerState, ProducerState};
-use crate::stats::Counters;
+use crate::core::stats::Counters;
+use crate::sys::ring::{ConsumerState, ProducerState};
 
 /// Fragments taken from one sender's ring per progress call, so one busy
 /// sender cannot starve the others.
@@ -68,7 +68,7 @@ struct SplitWait {
     addr: u64,
     /// The announcement (released on delivery).
     at: Held,
-    buf: crate::os::SplitBuf,
+    buf: crate::sys::os::SplitBuf,
 }
 
 struct Partial {
@@ -500,7 +500,7 @@ impl RxState {
         while copied.is_ok() && buf.len() < len {
             let n = (len - buf.len()).min(RESERVE_LIMIT);
             let from = addr.wrapping_add(buf.len() as u64);
-            copied = crate::os::cma_read_into(p.seg.pid, from, n, &mut buf);
+            copied = crate::sys::os::cma_read_into(p.seg.pid, from, n, &mut buf);
         }
         match copied {
             Ok(()) => self.rendezvous_copied(t, p, idx, at, (handle, tag), buf),
@@ -607,7 +607,8 @@ impl RxState {
         let backed = || {
             let mut last = Vec::with_capacity(1);
             let end = addr.wrapping_add(len as u64 - 1);
-            len <= RESERVE_LIMIT || crate::os::cma_read_into(p.seg.pid, end, 1, &mut last).is_ok()
+            len <= RESERVE_LIMIT
+                || crate::sys::os::cma_read_into(p.seg.pid, end, 1, &mut last).is_ok()
         };
         (ok && backed()).then_some(head)
     }
@@ -624,7 +625,7 @@ impl RxState {
         head: usize,
     ) -> Step {
         let l = p.local as usize;
-        let mut buf = crate::os::SplitBuf::new(t.core.buffers.take(len), len, head);
+        let mut buf = crate::sys::os::SplitBuf::new(t.core.buffers.take(len), len, head);
         let w = t.seg.fbox(p.local).split_word();
         self.offered[l] = handle;
         split::offer(w, handle);
@@ -739,7 +740,7 @@ impl RxState {
         // Without single copy (refused once) we leave the tail to the
         // receiver, which takes it back.
         if p.cma_ok() && split::claim(w, handle) {
-            let r = crate::os::cma_write_from(p.seg.pid, dst, &data[range]);
+            let r = crate::sys::os::cma_write_from(p.seg.pid, dst, &data[range]);
             if let Err(e) = &r {
                 tracing::info!(peer = p.rank, "split copy into the peer refused ({e})");
             }

@@ -18,10 +18,10 @@
 
 use std::path::Path;
 
-use crate::mem::RawBuf;
-use crate::ring::{ring_bytes, Ring, RING_HEADER};
-use crate::shm::ShmFile;
-use crate::sync::AtomicU32;
+use crate::sys::mem::RawBuf;
+use crate::sys::ring::{ring_bytes, Ring, RING_HEADER};
+use crate::sys::shm::ShmFile;
+use crate::sys::sync::AtomicU32;
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
@@ -95,7 +95,7 @@ impl Layout {
             .checked_add((p.max_count as usize).checked_mul(p.max_size as usize)?)?;
         let total = pool_off.checked_add(pool)?;
         // Ring slots carry fragment offsets in their low 40 bits.
-        if total as u64 > crate::ring::VALUE_MASK {
+        if total as u64 > crate::sys::ring::VALUE_MASK {
             return None;
         }
         Some(Layout {
@@ -286,7 +286,7 @@ impl Segment {
             Error::Config(format!("shared-memory sizes make no sense: {params:?}"))
         })?;
         let file = ShmFile::create(id, layout.total)?;
-        let pid = crate::os::pid();
+        let pid = crate::sys::os::pid();
         // A fresh file is zero-filled by the kernel: rings start empty.
         file.raw()
             .write(0, &encode(&params, job_tag, layout.total, pid, local_rank))?;
@@ -297,7 +297,7 @@ impl Segment {
             local_rank,
         };
         seg.state()
-            .store(STATE_READY, crate::sync::Ordering::Release);
+            .store(STATE_READY, crate::sys::sync::Ordering::Release);
         Ok(seg)
     }
 
@@ -428,9 +428,9 @@ mod tests {
 
     #[test]
     fn corrupted_or_foreign_segments_are_refused_with_clear_errors() {
-        let id = crate::os::random_bytes::<16>();
+        let id = crate::sys::os::random_bytes::<16>();
         let seg = Segment::create(&id, params(), [1, 2], 0).unwrap();
-        let path = crate::shm::shm_dir().join(seg.file_name());
+        let path = crate::sys::shm::shm_dir().join(seg.file_name());
         let exp = |tag| Expect {
             job_tag: tag,
             pid: seg.pid,
@@ -472,7 +472,7 @@ mod tests {
             "{e}"
         );
         // A file too small to be a segment.
-        let small = ShmFile::create(&crate::os::random_bytes::<16>(), 100).unwrap();
+        let small = ShmFile::create(&crate::sys::os::random_bytes::<16>(), 100).unwrap();
         let e = Segment::attach(small.path(), &exp([1, 2]))
             .err()
             .unwrap()

@@ -28,7 +28,7 @@
 //! the head of the user ring or of the fast box until its message is
 //! delivered.
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sys::sync::{AtomicU64, Ordering};
 
 const OFFERED: u64 = 1;
 const CLAIMED: u64 = 2;

@@ -19,10 +19,10 @@ use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::kind::Kind;
 use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
-use crate::completion::Completion;
-use crate::ring::{ConsumerState, ProducerState};
-use crate::stats::Counters;
-use crate::sync::lock;
+use crate::core::completion::Completion;
+use crate::core::stats::Counters;
+use crate::sys::ring::{ConsumerState, ProducerState};
+use crate::sys::sync::lock;
 use crate::transport::{Kind as CoreKind, Link};
 use crate::{Error, Rank, Result};
 

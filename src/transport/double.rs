@@ -20,11 +20,11 @@ use bytes::Bytes;
 
 use super::registry::{Entry, Job};
 use super::{Kind, Link, Local, Native, OneSided, Peer, Transport};
-use crate::completion::Completion;
-use crate::fabric::Core;
-use crate::mem::AtomicOp;
-use crate::region::{KeyId, RegionInner};
-use crate::sync::lock;
+use crate::core::completion::Completion;
+use crate::core::fabric::Core;
+use crate::core::region::{KeyId, RegionInner};
+use crate::sys::mem::AtomicOp;
+use crate::sys::sync::lock;
 use crate::{Error, Rank, Result};
 
 /// The fabrics of this process that run the double, by (job, rank).
@@ -177,7 +177,7 @@ impl Transport for Double {
     }
 
     fn address(&self) -> Result<Vec<u8>> {
-        let mut a = crate::os::pid().to_le_bytes().to_vec();
+        let mut a = crate::sys::os::pid().to_le_bytes().to_vec();
         a.extend(self.job[0].to_le_bytes());
         Ok(a)
     }

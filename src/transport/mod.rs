@@ -4,13 +4,13 @@
 //! between a pair of ranks, and may offer direct load/store access to a
 //! peer's shared region. Everything above that (tag dispatch, emulated
 //! put/get, barriers, completion bookkeeping) lives once in the core:
-//! [`crate::dispatch`], [`crate::rma`], [`crate::fabric`].
+//! [`crate::core::dispatch`], [`crate::core::rma`], [`crate::core::fabric`].
 //!
 //! One-sided operations (put, get, atomics) are offered to the link first
 //! ([`Link::post`]): `sm` carries them itself into a region the peer shares
 //! (one copy, or one hardware atomic, through its mapping); a transport
 //! without native one-sided support keeps the default, and the core emulates
-//! them over its messages ([`crate::rma`]), checked at the target.
+//! them over its messages ([`crate::core::rma`]), checked at the target.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +18,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::completion::Completion;
-use crate::mem::{AtomicOp, RawBuf};
-use crate::region::{RegionInner, RemoteKey};
+use crate::core::completion::Completion;
+use crate::core::region::{RegionInner, RemoteKey};
+use crate::sys::mem::{AtomicOp, RawBuf};
 use crate::{Rank, Result};
 
 #[cfg(test)]

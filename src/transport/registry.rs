@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use super::Transport;
-use crate::fabric::Core;
+use crate::core::fabric::Core;
 use crate::Result;
 
 /// Where this process stands in its job, for a transport that opens.

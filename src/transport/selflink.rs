@@ -10,9 +10,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::completion::Completion;
-use crate::fabric::Core;
-use crate::sync::lock;
+use crate::core::completion::Completion;
+use crate::core::fabric::Core;
+use crate::sys::sync::lock;
 use crate::transport::registry::{Entry, Job};
 use crate::transport::{Kind, Link, Peer, Transport};
 use crate::{Error, Rank, Result};

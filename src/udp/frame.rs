@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::bufpool::BufPool;
+use crate::core::bufpool::BufPool;
 
 use crate::transport::Kind;
 
@@ -361,7 +361,7 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bufpool::POOL_MIN;
+    use crate::core::bufpool::POOL_MIN;
     use proptest::prelude::*;
 
     fn kinds() -> impl Strategy<Value = Kind> {

@@ -8,8 +8,8 @@ use bytes::Bytes;
 use super::frame;
 use super::peer::{Peer, Queued};
 use super::UdpTransport;
-use crate::completion::Completion;
-use crate::sync::lock;
+use crate::core::completion::Completion;
+use crate::sys::sync::lock;
 use crate::transport::{Kind, Link};
 use crate::{Error, Rank, Result};
 

@@ -71,8 +71,8 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::fabric::Core;
-use crate::sync::lock;
+use crate::core::fabric::Core;
+use crate::sys::sync::lock;
 use crate::transport::registry::{Entry, Job};
 use crate::transport::{Link, Peer as PeerInfo, Published, Transport};
 use crate::{Error, Rank, Result};
@@ -144,7 +144,7 @@ fn publish_wake_at(wake_at: &AtomicU64, planned: u64, next: u64) {
 
 /// Large received messages are reassembled in the fabric's recycled
 /// buffers (no page faults for every message).
-struct Pool(Arc<crate::bufpool::BufPool>);
+struct Pool(Arc<crate::core::bufpool::BufPool>);
 
 impl proto::Buffers for Pool {
     fn take(&self, len: usize) -> Vec<u8> {
@@ -277,7 +277,7 @@ impl UdpTransport {
             ip,
             data_port: port(&data).map_err(os("reading the data port"))?,
             prio_port: port(&prio).map_err(os("reading the priority port"))?,
-            isn: u64::from_le_bytes(crate::os::random_bytes::<8>()),
+            isn: u64::from_le_bytes(crate::sys::os::random_bytes::<8>()),
             mtu: core.config.udp_mtu.unwrap_or_else(|| net::mtu_of(&ifs, ip)) as u32,
             rcvbuf: u32::try_from(rcv).unwrap_or(u32::MAX),
         };

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use super::frame::{self, Bundle};
 use super::io;
 use super::proto::{self, Connection, Event, SendError};
-use crate::completion::Completion;
+use crate::core::completion::Completion;
 use crate::{Error, Rank, Result};
 
 /// A message (one or two protocol messages) waiting for send budget.

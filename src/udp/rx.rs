@@ -31,8 +31,8 @@ use super::frame::{Decoder, Frames};
 use super::io::{self, RecvBatch};
 use super::proto::{self, Event};
 use super::UdpTransport;
-use crate::stats::Counters;
-use crate::sync::lock;
+use crate::core::stats::Counters;
+use crate::sys::sync::lock;
 use crate::transport::Kind;
 use crate::Rank;
 

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
-use crate::mem::RawBuf;
-use crate::{os, Error, Result};
+use crate::sys::mem::RawBuf;
+use crate::sys::os;
+use crate::{Error, Result};
 
 /// Where shared-memory files live (`BTL_SHM_DIR` overrides, for tests).
 pub(crate) fn shm_dir() -> PathBuf {

@@ -11,7 +11,7 @@ use std::task::{Context, Poll, Waker};
 
 use std::sync::Arc;
 
-use crate::sync::{lock_model as lock, ModelMutex as Mutex};
+use crate::sys::sync::{lock_model as lock, ModelMutex as Mutex};
 use crate::Result;
 
 enum State {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ProgressMode;
-use crate::fabric::Core;
+use crate::core::fabric::Core;
 use crate::transport::Transport;
 
 /// How recent an inline poll by a receiver makes the progress task stand back.

@@ -22,12 +22,12 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::bufpool::BufPool;
-use crate::completion::Completion;
-use crate::mem::{AtomicOp, RawBuf};
-use crate::region::{KeyId, RegionInner, RegionTable};
-use crate::stats::Counters;
-use crate::sync::lock;
+use crate::core::bufpool::BufPool;
+use crate::core::completion::Completion;
+use crate::core::region::{KeyId, RegionInner, RegionTable};
+use crate::core::stats::Counters;
+use crate::sys::mem::{AtomicOp, RawBuf};
+use crate::sys::sync::lock;
 use crate::transport::{Kind, Link};
 use crate::{AccessError, Error, Rank, Result};
 
@@ -805,7 +805,7 @@ impl Rma {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mem::HeapBuf;
+    use crate::sys::mem::HeapBuf;
     use std::sync::atomic::AtomicBool;
 
     /// A link that records what is submitted (a mock of a transport: the

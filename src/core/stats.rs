@@ -4,7 +4,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::sync::lock;
+use crate::sys::sync::lock;
 
 /// Live counters of one fabric (shared by its transports).
 #[derive(Debug, Default)]

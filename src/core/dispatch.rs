@@ -18,7 +18,7 @@ use futures::Stream;
 use tokio::sync::Notify;
 
 use crate::config::ProgressMode;
-use crate::sync::lock;
+use crate::sys::sync::lock;
 use crate::{Error, Rank, Result, Tag};
 
 /// A received message.

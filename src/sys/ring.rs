@@ -12,7 +12,7 @@
 //! ring, never read or write out of bounds: every index is masked and every
 //! distance checked against `cap`.
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sys::sync::{AtomicU64, Ordering};
 
 /// Bits of a slot that carry the value; the bits above carry the lap.
 pub(crate) const VALUE_MASK: u64 = (1 << 40) - 1;
@@ -195,19 +195,19 @@ impl Ring<'_> {
 
 /// The sleeper's half of the doorbell protocol: announce "asleep, ring me",
 /// then re-check the rings before actually sleeping.
-pub(crate) fn arm(flag: &crate::sync::AtomicU32) {
+pub(crate) fn arm(flag: &crate::sys::sync::AtomicU32) {
     flag.store(1, Ordering::SeqCst);
     // Pairs with the fence in `should_ring`: either the sleeper's re-check
     // sees the producer's data, or the producer sees this flag.
-    crate::sync::fence(Ordering::SeqCst);
+    crate::sys::sync::fence(Ordering::SeqCst);
 }
 
 /// The producer's half: after publishing data, whether the sleeper must be
 /// woken. Clears the flag so exactly one producer rings per arming.
-pub(crate) fn should_ring(flag: &crate::sync::AtomicU32) -> bool {
+pub(crate) fn should_ring(flag: &crate::sys::sync::AtomicU32) -> bool {
     // Orders our earlier Release store of the ring's tail before the load of
     // the flag (pairs with the fence in `arm`).
-    crate::sync::fence(Ordering::SeqCst);
+    crate::sys::sync::fence(Ordering::SeqCst);
     flag.load(Ordering::Relaxed) != 0 && flag.swap(0, Ordering::AcqRel) != 0
 }
 
@@ -407,7 +407,7 @@ mod loom_tests {
     fn parking_ahead_of_a_lagging_tail_loses_no_wake_up() {
         loom::model(|| {
             let o = Arc::new(OwnedRing::new(2));
-            let flag = Arc::new(crate::sync::AtomicU32::new(0));
+            let flag = Arc::new(crate::sys::sync::AtomicU32::new(0));
             let (po, pf) = (o.clone(), flag.clone());
             let producer = thread::spawn(move || {
                 let r = po.ring();
@@ -438,7 +438,7 @@ mod loom_tests {
     fn doorbell_protocol_loses_no_wake_up() {
         loom::model(|| {
             let o = Arc::new(OwnedRing::new(2));
-            let flag = Arc::new(crate::sync::AtomicU32::new(0));
+            let flag = Arc::new(crate::sys::sync::AtomicU32::new(0));
             let (po, pf) = (o.clone(), flag.clone());
             let producer = thread::spawn(move || {
                 let mut p = ProducerState::default();

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
 
-use crate::sync::lock;
+use crate::sys::sync::lock;
 
 /// Messages at least this large use pooled buffers.
 pub(crate) const POOL_MIN: usize = 4 * 1024;

@@ -11,14 +11,14 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
-use crate::dispatch::{Dispatcher, Message, Receiver};
-use crate::endpoint::Endpoint;
+use crate::core::dispatch::{Dispatcher, Message, Receiver};
+use crate::core::endpoint::Endpoint;
+use crate::core::region::{MemoryRegion, RegionTable};
+use crate::core::rma::Rma;
 use crate::exchange::AddressExchange;
-use crate::region::{MemoryRegion, RegionTable};
-use crate::rma::Rma;
 
-use crate::stats::{Counters, Stats};
-use crate::sync::lock;
+use crate::core::stats::{Counters, Stats};
+use crate::sys::sync::lock;
 use crate::transport::registry::{self, Job};
 use crate::transport::{Kind, Link, Loss, Peer, Published, Transport};
 use crate::udp::UdpTransport;
@@ -49,7 +49,7 @@ pub(crate) struct Core {
     pub(crate) rma: Rma,
     pub(crate) counters: Arc<Counters>,
     /// Recycled buffers for large received messages.
-    pub(crate) buffers: Arc<crate::bufpool::BufPool>,
+    pub(crate) buffers: Arc<crate::core::bufpool::BufPool>,
     pub(crate) closed: Arc<AtomicBool>,
     pub(crate) closing: Arc<Notify>,
     links: RwLock<Vec<Option<Route>>>,
@@ -89,7 +89,7 @@ impl Core {
 
     /// A complete user message arrived from `src` (no link needed).
     pub(crate) fn deliver(&self, src: Rank, tag: u64, data: Bytes) {
-        self.counters.add(crate::stats::Hot::Recvs);
+        self.counters.add(crate::core::stats::Hot::Recvs);
         self.dispatcher.deliver(Message { src, tag, data });
     }
 
@@ -122,10 +122,10 @@ impl Core {
     /// one-sided request itself.
     pub(crate) fn target_region(
         &self,
-        key: &crate::region::KeyId,
+        key: &crate::core::region::KeyId,
         off: u64,
         len: usize,
-    ) -> std::result::Result<Arc<crate::region::RegionInner>, crate::AccessError> {
+    ) -> std::result::Result<Arc<crate::core::region::RegionInner>, crate::AccessError> {
         self.rma.target(key, off, len)
     }
 
@@ -256,7 +256,7 @@ pub struct Fabric {
     pub(crate) transports: Arc<Vec<Arc<dyn Transport>>>,
     /// Inline progress over `transports`, for receivers (the dispatcher
     /// holds it weakly); dropped at shutdown.
-    poller: Option<crate::dispatch::Poller>,
+    poller: Option<crate::core::dispatch::Poller>,
     drivers: Vec<JoinHandle<()>>,
     epoch: AtomicU64,
 }
@@ -283,10 +283,10 @@ impl Fabric {
         let local_rank = b.local_rank.unwrap_or(b.rank);
         // Before any transport copies: the first fabric picks the bulk
         // copy routine for the process.
-        crate::mem::choose_copy(b.config.copy);
+        crate::sys::mem::choose_copy(b.config.copy);
         let counters = Arc::new(Counters::default());
         let regions = Arc::new(RegionTable::default());
-        let buffers: Arc<crate::bufpool::BufPool> = Arc::default();
+        let buffers: Arc<crate::core::bufpool::BufPool> = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
         let core = Arc::new(Core {
             rank: b.rank,
@@ -325,7 +325,7 @@ impl Fabric {
         }
         let me = Published {
             rank: b.rank,
-            node: crate::os::node_id(),
+            node: crate::sys::os::node_id(),
             addrs: opened
                 .iter()
                 .map(|t| Ok((t.name().to_string(), t.address()?)))
@@ -466,7 +466,7 @@ impl Fabric {
         // used it hold it strongly. One list for all transports.
         let transports = Arc::new(transports);
         let ts = transports.clone();
-        let poller: crate::dispatch::Poller = Arc::new(move |turns| {
+        let poller: crate::core::dispatch::Poller = Arc::new(move |turns| {
             for _ in 0..turns {
                 let work: usize = ts.iter().map(|t| t.progress()).sum();
                 if work > 0 {
@@ -485,7 +485,7 @@ impl Fabric {
         core.dispatcher.set_progress_hook(&poller);
         let drivers = transports
             .iter()
-            .map(|t| tokio::spawn(crate::progress::drive(t.clone(), core.clone())))
+            .map(|t| tokio::spawn(crate::core::progress::drive(t.clone(), core.clone())))
             .collect();
         Ok(Fabric {
             core,
@@ -593,7 +593,7 @@ impl Fabric {
     /// put and get to it are a single copy and atomics one hardware
     /// instruction. Its data is page-aligned.
     pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion> {
-        let id = crate::os::random_bytes::<16>();
+        let id = crate::sys::os::random_bytes::<16>();
         let (raw, keep, handle) =
             crate::sm::region::create(&id, len, self.core.rank, self.core.job_tag)?;
         Ok(self
@@ -641,7 +641,7 @@ impl Fabric {
     /// The routine this process copies 32 KiB up to half the L2 with, and why
     /// (chosen when the first fabric opened; see [`Config::copy`]).
     pub fn copy_routine(&self) -> &'static crate::CopyChoice {
-        crate::mem::choose_copy(self.core.config.copy)
+        crate::sys::mem::choose_copy(self.core.config.copy)
     }
 
     /// The transports this process runs, by name.

@@ -8,12 +8,12 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 
-use crate::completion::Completion;
-use crate::dispatch::OP_UNSEEN;
-use crate::fabric::Core;
-use crate::mem::AtomicOp;
-use crate::region::{MemoryRegion, RemoteKey};
-use crate::stats::{Counters, Hot};
+use crate::core::completion::Completion;
+use crate::core::dispatch::OP_UNSEEN;
+use crate::core::fabric::Core;
+use crate::core::region::{MemoryRegion, RemoteKey};
+use crate::core::stats::{Counters, Hot};
+use crate::sys::mem::AtomicOp;
 use crate::transport::{Kind, Link, Local, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
 

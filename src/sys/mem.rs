@@ -328,14 +328,14 @@ impl RawBuf {
     }
 
     /// The `AtomicU32` at `off` (must be 4-aligned and in range).
-    pub(crate) fn atomic_u32(&self, off: usize) -> Option<&crate::sync::AtomicU32> {
+    pub(crate) fn atomic_u32(&self, off: usize) -> Option<&crate::sys::sync::AtomicU32> {
         if off % 4 != 0 || off.checked_add(4)? > self.len || (self.ptr.as_ptr() as usize) % 4 != 0 {
             return None;
         }
         // SAFETY: in range and aligned (checked); the memory stays valid while
         // `self`'s owner lives, which outlives the returned borrow of `self`;
         // every process touches these four bytes only atomically.
-        Some(unsafe { &*(self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU32) })
+        Some(unsafe { &*(self.ptr.as_ptr().add(off) as *const crate::sys::sync::AtomicU32) })
     }
 
     /// Apply `op` to the 8-byte word at `off` with one hardware atomic
@@ -369,7 +369,11 @@ impl RawBuf {
     }
 
     /// `n` `AtomicU64`s at `off` (must be 8-aligned and in range).
-    pub(crate) fn atomics_u64(&self, off: usize, n: usize) -> Option<&[crate::sync::AtomicU64]> {
+    pub(crate) fn atomics_u64(
+        &self,
+        off: usize,
+        n: usize,
+    ) -> Option<&[crate::sys::sync::AtomicU64]> {
         let end = off.checked_add(n.checked_mul(8)?)?;
         if off % 8 != 0 || end > self.len || (self.ptr.as_ptr() as usize) % 8 != 0 {
             return None;
@@ -379,7 +383,7 @@ impl RawBuf {
         // only atomically by every process (ring indices and slots).
         Some(unsafe {
             std::slice::from_raw_parts(
-                self.ptr.as_ptr().add(off) as *const crate::sync::AtomicU64,
+                self.ptr.as_ptr().add(off) as *const crate::sys::sync::AtomicU64,
                 n,
             )
         })

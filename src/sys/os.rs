@@ -141,7 +141,7 @@ pub(crate) enum Cma {
 pub(crate) fn cma_copy(
     dir: Cma,
     pid: u32,
-    local: crate::mem::RawBuf,
+    local: crate::sys::mem::RawBuf,
     remote_addr: u64,
 ) -> std::io::Result<()> {
     let mut done = 0usize;
@@ -198,7 +198,7 @@ pub(crate) fn cma_read_into(
     // SAFETY: `spare` is n bytes of `dst`'s allocation, valid for writes;
     // the mutable borrow keeps every other access away while `raw` is used,
     // and `raw` does not outlive this function.
-    let raw = unsafe { crate::mem::RawBuf::new(spare.as_mut_ptr().cast::<u8>(), n) };
+    let raw = unsafe { crate::sys::mem::RawBuf::new(spare.as_mut_ptr().cast::<u8>(), n) };
     cma_copy(Cma::Read, pid, raw, remote_addr)?;
     // SAFETY: cma_copy returned Ok only once all n bytes were written.
     unsafe { dst.set_len(dst.len() + n) };
@@ -275,7 +275,7 @@ impl SplitBuf {
 
     /// The raw range `[from, to)` of the allocation, made without a
     /// reference to any byte (the tail may be written concurrently).
-    fn range(&mut self, from: usize, to: usize) -> crate::mem::RawBuf {
+    fn range(&mut self, from: usize, to: usize) -> crate::sys::mem::RawBuf {
         let base = self.buf.as_mut_ptr();
         // SAFETY: from <= to <= len <= capacity (callers pass head/len), so
         // the range lies inside the allocation, which stays put: nothing
@@ -283,7 +283,7 @@ impl SplitBuf {
         // writer is the kernel on behalf of the process that claimed the
         // *other* part (the tail while we fill the head; nobody once taken
         // back), never through a Rust reference.
-        unsafe { crate::mem::RawBuf::new(base.add(from), to - from) }
+        unsafe { crate::sys::mem::RawBuf::new(base.add(from), to - from) }
     }
 
     /// Copy the head from `remote_addr` in process `pid`.

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 
-use crate::mem::{HeapBuf, RawBuf};
-use crate::sync::{lock, Ordering};
+use crate::sys::mem::{HeapBuf, RawBuf};
+use crate::sys::sync::{lock, Ordering};
 use crate::{AccessError, Error, Rank, Result};
 
 /// The 128-bit random identity of a region.
@@ -361,7 +361,7 @@ impl RegionTable {
         owner: Rank,
         buf: B,
     ) -> MemoryRegion {
-        let id = crate::os::random_bytes::<16>();
+        let id = crate::sys::os::random_bytes::<16>();
         // A `Vec` keeps its own form, so that `try_into_vec` can give it
         // back.
         let mut buf = buf;
