@@ -34,9 +34,12 @@ async fn pair_with(mtu: Option<usize>, gso: bool) -> (Fabric, Fabric) {
     let ex = LocalExchange::new(2);
     let config = Config {
         transports: vec!["udp".into()],
-        udp_addr: Some("127.0.0.1".parse().unwrap()),
-        udp_mtu: mtu,
-        udp_gso: gso,
+        udp: async_btl::UdpConfig {
+            addr: Some("127.0.0.1".parse().unwrap()),
+            mtu,
+            gso,
+            ..Default::default()
+        },
         progress: ProgressMode::Adaptive,
         ..Config::default()
     };

@@ -45,6 +45,8 @@ pub use crate::sys::mem::CopyChoice;
 pub use config::{Config, CopyMode, ProgressMode};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
+pub use sm::config::SmConfig;
+pub use udp::config::UdpConfig;
 
 /// A process's index in the job, `0..size`.
 pub type Rank = u32;

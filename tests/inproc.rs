@@ -89,11 +89,14 @@ async fn send_recv_edges_with_4k_eager_and_32k_max_fragments() {
         100_003,
         1 << 20,
     ];
-    for cma_min in [Config::default().sm_cma_min, usize::MAX] {
+    for cma_min in [Config::default().sm.cma_min, usize::MAX] {
         let config = Config {
-            sm_eager_size: 4096,
-            sm_max_size: 32 * 1024,
-            sm_cma_min: cma_min,
+            sm: async_btl::SmConfig {
+                eager_size: 4096,
+                max_size: 32 * 1024,
+                cma_min,
+                ..Default::default()
+            },
             ..Config::default()
         };
         send_recv_sizes(config, &sizes).await;

@@ -27,11 +27,14 @@ async fn job(n: u32, config: Config) -> Vec<Fabric> {
 /// fragments (with it, a large send would wait for the receiver's copy).
 fn small() -> Config {
     Config {
-        sm_eager_size: 4096,
-        sm_eager_count: 4,
-        sm_max_size: 32 * 1024,
-        sm_max_count: 1,
-        sm_cma_min: usize::MAX,
+        sm: async_btl::SmConfig {
+            eager_size: 4096,
+            eager_count: 4,
+            max_size: 32 * 1024,
+            max_count: 1,
+            cma_min: usize::MAX,
+            ..Default::default()
+        },
         recv_budget: 1024,
         ..Config::default()
     }

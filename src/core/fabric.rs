@@ -21,7 +21,6 @@ use crate::core::stats::{Counters, Stats};
 use crate::sys::sync::lock;
 use crate::transport::registry::{self, Job};
 use crate::transport::{Kind, Link, Loss, Peer, Published, Transport};
-use crate::udp::UdpTransport;
 use crate::{Error, Rank, Result, Tag};
 
 /// How long `close` lets its goodbye messages be acknowledged.
@@ -40,18 +39,21 @@ pub(crate) fn job_tag(key: &[u8; 32]) -> [u64; 2] {
 }
 
 /// State shared by the fabric, its endpoints and its transports.
+///
+/// Its fields are the core's own; a transport reaches the core only
+/// through the methods below (see the list in `crate::transport`'s docs).
 pub(crate) struct Core {
-    pub(crate) rank: Rank,
-    pub(crate) size: u32,
-    pub(crate) config: Config,
-    pub(crate) job_tag: [u64; 2],
-    pub(crate) dispatcher: Arc<Dispatcher>,
-    pub(crate) rma: Rma,
-    pub(crate) counters: Arc<Counters>,
+    pub(super) rank: Rank,
+    pub(super) size: u32,
+    pub(super) config: Config,
+    pub(super) job_tag: [u64; 2],
+    pub(super) dispatcher: Arc<Dispatcher>,
+    pub(super) rma: Rma,
+    pub(super) counters: Arc<Counters>,
     /// Recycled buffers for large received messages.
-    pub(crate) buffers: Arc<crate::core::bufpool::BufPool>,
-    pub(crate) closed: Arc<AtomicBool>,
-    pub(crate) closing: Arc<Notify>,
+    pub(super) buffers: Arc<crate::core::bufpool::BufPool>,
+    pub(super) closed: Arc<AtomicBool>,
+    pub(super) closing: Arc<Notify>,
     links: RwLock<Vec<Option<Route>>>,
     sync: Mutex<SyncState>,
     sync_notify: Notify,
@@ -65,8 +67,88 @@ struct SyncState {
 }
 
 impl Core {
+    /// Whether the fabric is closed (or closing).
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// This process's rank.
+    pub(crate) fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Number of ranks in the job.
+    pub(crate) fn size(&self) -> u32 {
+        self.size
+    }
+
+    /// The fabric's settings (a transport reads its own part at open).
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The tag that tells this job's shared files apart from others'.
+    pub(crate) fn job_tag(&self) -> [u64; 2] {
+        self.job_tag
+    }
+
+    /// The fabric's counters.
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Recycled buffers for received messages and requests.
+    pub(crate) fn buffers(&self) -> &Arc<crate::core::bufpool::BufPool> {
+        &self.buffers
+    }
+
+    /// Whether a user message of `len` bytes for `tag` may be taken now
+    /// (else leave it where it is: backpressure).
+    #[inline]
+    pub(crate) fn has_room(&self, tag: Tag, len: usize) -> bool {
+        self.dispatcher.has_room(tag, len)
+    }
+
+    /// Deliver a run of user messages under one dispatcher lock (see
+    /// `Dispatcher::offers`).
+    #[inline]
+    pub(crate) fn offers<R>(
+        &self,
+        f: impl FnOnce(&mut crate::core::dispatch::Offers<'_>) -> R,
+    ) -> R {
+        self.dispatcher.offers(f)
+    }
+
+    /// Emulate a put of `src` into the peer's region `key` at `offset`
+    /// over `link`'s messages, completing `done` (for a transport whose
+    /// native attempt was refused).
+    pub(crate) fn emulate_put(
+        &self,
+        link: &dyn Link,
+        key: &crate::core::region::KeyId,
+        offset: u64,
+        src: (crate::sys::mem::RawBuf, u64, usize),
+        done: Arc<crate::core::completion::Completion>,
+    ) {
+        self.counters.add(crate::core::stats::Hot::EmulatedPuts);
+        self.rma.start_put(link, key, offset, src, done);
+    }
+
+    /// Emulate a get into `dst` from the peer's region `key` at `offset`
+    /// over `link`'s messages, completing `done`.
+    pub(crate) fn emulate_get(
+        &self,
+        link: &dyn Link,
+        key: &crate::core::region::KeyId,
+        offset: u64,
+        dst: (Arc<crate::core::region::RegionInner>, u64, usize),
+        done: Arc<crate::core::completion::Completion>,
+    ) {
+        self.counters.add(crate::core::stats::Hot::EmulatedGets);
+        let d = done.clone();
+        if let Err(e) = self.rma.start_get(link, key, offset, dst, Some(done)) {
+            d.complete(Err(e));
+        }
     }
 
     /// The link that carries messages to `rank`.
@@ -190,6 +272,16 @@ impl Core {
 pub(crate) struct Route {
     pub(crate) msg: Arc<dyn Link>,
     pub(crate) rma: Arc<dyn Link>,
+}
+
+impl Fabric {
+    /// The running transport of type `T`, for accessors of one transport's
+    /// own (see `udp`'s).
+    pub(crate) fn transport_of<T: 'static>(&self) -> Option<&T> {
+        self.transports
+            .iter()
+            .find_map(|t| t.as_any().downcast_ref::<T>())
+    }
 }
 
 /// A kind of memory a region lives in; one-sided operations are routed
@@ -593,14 +685,22 @@ impl Fabric {
     /// put and get to it are a single copy and atomics one hardware
     /// instruction. Its data is page-aligned.
     pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion> {
+        let hook = registry::entries()
+            .into_iter()
+            .filter(|e| e.not_built.is_none())
+            .find_map(|e| e.alloc_shared);
+        let Some(alloc) = hook else {
+            // No transport of this build has memory peers map: a
+            // page-aligned buffer, which they reach through the target.
+            return Ok(self.register(crate::PageBuf::zeroed(len)));
+        };
         let id = crate::sys::os::random_bytes::<16>();
-        let (raw, keep, handle) =
-            crate::sm::region::create(&id, len, self.core.rank, self.core.job_tag)?;
+        let (raw, keep, handle) = alloc(&id, len, self.core.rank, self.core.job_tag)?;
         Ok(self
             .core
             .rma
             .regions
-            .add_shared(self.core.rank, id, raw, Box::new(keep), handle))
+            .add_shared(self.core.rank, id, raw, keep, handle))
     }
 
     /// Counters.
@@ -610,32 +710,6 @@ impl Fabric {
             t.add_stats(&mut s);
         }
         s
-    }
-
-    /// The `udp` transport, if this process runs it.
-    fn udp(&self) -> Option<&UdpTransport> {
-        self.transports
-            .iter()
-            .find_map(|t| t.as_any().downcast_ref::<UdpTransport>())
-    }
-
-    /// The UDP protocol counters of the connection to `peer`, when `udp`
-    /// reaches it.
-    pub fn udp_stats(&self, peer: Rank) -> Option<crate::udp::proto::Stats> {
-        self.udp()?.stats(peer)
-    }
-
-    /// The largest datagram (UDP payload, protocol header included) sent
-    /// to `peer`, when `udp` reaches it: the path MTU less 28 bytes of IPv4
-    /// and UDP headers, or 48 over IPv6 (at most 65507).
-    pub fn udp_max_datagram(&self, peer: Rank) -> Option<usize> {
-        self.udp()?.max_datagram(peer)
-    }
-
-    /// The addresses of this process's UDP sockets (data, priority), when
-    /// `udp` runs (it runs when some peer is reached through it).
-    pub fn udp_addrs(&self) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
-        self.udp().map(|u| u.local_addrs())
     }
 
     /// The routine this process copies 32 KiB up to half the L2 with, and why

@@ -20,6 +20,7 @@
 //! header), [`doorbell`], [`tx`] (send side, the [`Link`] impl), [`rx`]
 //! (receive side, reassembly, dispatch).
 
+pub(crate) mod config;
 pub(crate) mod doorbell;
 pub(crate) mod fbox;
 pub(crate) mod frag;
@@ -132,6 +133,8 @@ pub(crate) struct SmTransport {
     maps: Mutex<HashMap<KeyId, Mapped>>,
     /// Single-copy puts and gets we started (`rma.rs`).
     pub(crate) cma: rma::CmaOps,
+    /// Our settings (`Config::sm`, as the fabric opened with them).
+    pub(crate) config: config::SmConfig,
 }
 
 impl SmTransport {
@@ -144,7 +147,7 @@ impl SmTransport {
         let removed = crate::sys::shm::remove_stale();
         if removed > 0 {
             tracing::info!("removed {removed} shared-memory files left by dead processes");
-            core.counters
+            core.counters()
                 .stale_segments_removed
                 .fetch_add(removed as u64, std::sync::atomic::Ordering::Relaxed);
         }
@@ -153,19 +156,19 @@ impl SmTransport {
                 "local rank {local_rank} is not below local size {local_size}"
             )));
         }
-        let c = &core.config;
+        let c = &core.config().clone();
         let as_u32 = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| Error::Config(format!("{what} {v} is too large")))
         };
         let params = Params {
             local_size,
-            eager_size: as_u32(c.sm_eager_size, "sm eager size")?,
-            eager_count: as_u32(c.sm_eager_count, "sm eager count")?,
-            max_size: as_u32(c.sm_max_size, "sm max size")?,
-            max_count: as_u32(c.sm_max_count, "sm max count")?,
+            eager_size: as_u32(c.sm.eager_size, "sm eager size")?,
+            eager_count: as_u32(c.sm.eager_count, "sm eager count")?,
+            max_size: as_u32(c.sm.max_size, "sm max size")?,
+            max_count: as_u32(c.sm.max_count, "sm max count")?,
         };
         let id = crate::sys::os::random_bytes::<16>();
-        let seg = Segment::create(&id, params, core.job_tag, local_rank)?;
+        let seg = Segment::create(&id, params, core.job_tag(), local_rank)?;
         let n = local_size as usize;
         let tx = tx::TxState::new(&seg.layout, n);
         let rx = rx::RxState::new(n);
@@ -181,6 +184,7 @@ impl SmTransport {
             rx: Mutex::new(rx),
             maps: Mutex::new(HashMap::new()),
             cma: rma::CmaOps::default(),
+            config: c.sm.clone(),
         }))
     }
 
@@ -229,7 +233,7 @@ impl SmTransport {
                 });
             }
             let exp = Expect {
-                job_tag: self.core.job_tag,
+                job_tag: self.core.job_tag(),
                 pid: a.pid,
                 local_rank: a.local_rank,
                 local_size: a.local_size,
@@ -333,7 +337,7 @@ impl SmTransport {
                 return Ok(m.clone());
             }
         }
-        let m = region::open(key, self.core.job_tag);
+        let m = region::open(key, self.core.job_tag());
         let mut maps = lock(&self.maps);
         maps.retain(|_, m| m.check_live().is_ok());
         if let Ok(m) = &m {
@@ -370,7 +374,9 @@ fn probe() -> std::result::Result<String, String> {
 }
 
 /// The registry's entry: opened when this node runs more than one rank.
+#[linkme::distributed_slice(crate::transport::registry::TRANSPORTS)]
 pub(crate) static ENTRY: Entry = Entry {
+    rank: 20,
     name: "sm",
     implicit: false,
     node_local: true,
@@ -383,6 +389,10 @@ pub(crate) static ENTRY: Entry = Entry {
         let t = SmTransport::new(core.clone(), job.local_rank, job.local_size)?;
         Ok(Some(t as Arc<dyn Transport>))
     },
+    alloc_shared: Some(|id, len, owner, job_tag| {
+        let (raw, keep, handle) = region::create(id, len, owner, job_tag)?;
+        Ok((raw, Box::new(keep), handle))
+    }),
 };
 
 #[async_trait]

@@ -119,7 +119,7 @@ impl CmaOps {
             return Err(e);
         }
         t.core
-            .counters
+            .counters()
             .add(if put { Hot::CmaPuts } else { Hot::CmaGets });
         Ok(done)
     }
@@ -235,18 +235,12 @@ impl CmaOps {
         let Some(link) = t.core.link(p.rank) else {
             return op.done.complete(Err(Error::Closed));
         };
-        let rma = &t.core.rma;
         if op.put {
-            t.core.counters.add(Hot::EmulatedPuts);
             let src = (op.local.raw(), op.at, op.len);
-            rma.start_put(&*link, &op.key, op.offset, src, op.done);
+            t.core.emulate_put(&*link, &op.key, op.offset, src, op.done);
         } else {
-            t.core.counters.add(Hot::EmulatedGets);
             let dst = (op.local, op.at, op.len);
-            let done = op.done.clone();
-            if let Err(e) = rma.start_get(&*link, &op.key, op.offset, dst, Some(op.done)) {
-                done.complete(Err(e));
-            }
+            t.core.emulate_get(&*link, &op.key, op.offset, dst, op.done);
         }
     }
 

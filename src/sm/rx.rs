@@ -177,7 +177,7 @@ impl RxState {
                         }
                         Step::Bad(what) => {
                             returned += took;
-                            Counters::bump(&t.core.counters.bad_frames);
+                            Counters::bump(&t.core.counters().bad_frames);
                             tracing::warn!(peer = p.rank, "bad shared-memory fragment: {what}");
                             self.misbehaved
                                 .push((p.local, format!("it sent a bad fragment ({what})")));
@@ -194,7 +194,7 @@ impl RxState {
         let fast = std::mem::take(&mut self.fast);
         if fast > 0 {
             // Under `rx`, its only writer (see `Counters::fast_box_recvs`).
-            let c = &t.core.counters.fast_box_recvs;
+            let c = &t.core.counters().fast_box_recvs;
             let n = c.load(std::sync::atomic::Ordering::Relaxed);
             c.store(n.wrapping_add(fast), std::sync::atomic::Ordering::Relaxed);
         }
@@ -255,7 +255,7 @@ impl RxState {
     ) -> (usize, Step, Option<fbox::Found>) {
         let l = p.local as usize;
         let st = &mut self.fb[l];
-        let (took, step, rndv) = t.core.dispatcher.offers(|o| {
+        let (took, step, rndv) = t.core.offers(|o| {
             let mut took = 0;
             while took < max {
                 let found = match b.peek(st) {
@@ -341,7 +341,7 @@ impl RxState {
                 if h.kind == Kind::UserCma {
                     return self.ring_rendezvous(t, p, idx, off, &h);
                 }
-                if h.kind == Kind::User && !t.core.dispatcher.has_room(h.tag, h.total as usize) {
+                if h.kind == Kind::User && !t.core.has_room(h.tag, h.total as usize) {
                     self.blocked[l] = true;
                     return Step::Blocked;
                 }
@@ -349,7 +349,7 @@ impl RxState {
                     self.blocked[l] = false;
                 }
                 let total = h.total as usize;
-                let mut buf = t.core.buffers.take(total.min(RESERVE_LIMIT));
+                let mut buf = t.core.buffers().take(total.min(RESERVE_LIMIT));
                 if raw.read_into(payload, h.len as usize, &mut buf).is_err() {
                     return Step::Bad("payload outside its segment");
                 }
@@ -385,7 +385,7 @@ impl RxState {
             if part.buf.len() != part.total {
                 return Step::Bad("message shorter than announced");
             }
-            let data: Bytes = t.core.buffers.freeze(part.buf);
+            let data: Bytes = t.core.buffers().freeze(part.buf);
             if part.kind == Kind::User {
                 t.core.deliver(p.rank, part.tag, data);
             } else if part.kind == Kind::CmaData {
@@ -485,7 +485,7 @@ impl RxState {
             return Step::Bad("message length beyond any limit");
         }
         let len = len as usize;
-        if !t.core.dispatcher.has_room(tag, len) {
+        if !t.core.has_room(tag, len) {
             self.blocked[l] = true;
             return Step::Blocked;
         }
@@ -495,7 +495,7 @@ impl RxState {
         }
         // Read in slices, so the buffer grows only as real data arrives (a
         // lying length costs nothing up front).
-        let mut buf = t.core.buffers.take(len.min(RESERVE_LIMIT));
+        let mut buf = t.core.buffers().take(len.min(RESERVE_LIMIT));
         let mut copied = Ok(());
         while copied.is_ok() && buf.len() < len {
             let n = (len - buf.len()).min(RESERVE_LIMIT);
@@ -541,7 +541,7 @@ impl RxState {
         if let Err(what) = self.release_held(t, p, idx, at) {
             return Step::Bad(what);
         }
-        t.core.deliver(p.rank, tag, t.core.buffers.freeze(buf));
+        t.core.deliver(p.rank, tag, t.core.buffers().freeze(buf));
         // The answer: Release, after every read of the sender's buffer
         // (its Acquire load lets it drop the buffer); our caller rings it.
         t.seg
@@ -596,7 +596,7 @@ impl RxState {
         // Page-aligned, so each side pins whole pages of its part.
         let head = (len / 2) & !4095;
         let ok = on
-            && len >= t.core.config.sm_split_min
+            && len >= t.config.split_min
             && len <= SPLIT_MAX
             && head > 0
             && self.offered[p.local as usize] != handle;
@@ -625,7 +625,7 @@ impl RxState {
         head: usize,
     ) -> Step {
         let l = p.local as usize;
-        let mut buf = crate::sys::os::SplitBuf::new(t.core.buffers.take(len), len, head);
+        let mut buf = crate::sys::os::SplitBuf::new(t.core.buffers().take(len), len, head);
         let w = t.seg.fbox(p.local).split_word();
         self.offered[l] = handle;
         split::offer(w, handle);
@@ -682,7 +682,7 @@ impl RxState {
         let Some(mut s) = self.split[l].take() else {
             return Step::Bad("internal: no split copy under way");
         };
-        let counters = &t.core.counters;
+        let counters = &t.core.counters();
         if ours {
             Counters::bump(&counters.split_tails_taken_back);
             let at = s.addr.wrapping_add(s.buf.head() as u64);

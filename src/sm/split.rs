@@ -3,7 +3,7 @@
 //! A rendezvous receiver copies the whole message out of the sender's memory
 //! with `process_vm_readv`, one core's worth of kernel copy (about 13 GB/s
 //! here), while the sender's core only waits. For messages of
-//! `Config::sm_split_min` or more the receiver offers the tail to the
+//! `SmConfig::split_min` or more the receiver offers the tail to the
 //! sender instead: it asks the sender (a control message) to write bytes
 //! `[k, len)` into its receive buffer with `process_vm_writev` while it
 //! reads `[0, k)` itself, so both cores copy at once.

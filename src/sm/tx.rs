@@ -238,7 +238,7 @@ impl TxState {
                                 n += 1;
                             }
                             _ => {
-                                Counters::bump(&t.core.counters.bad_frames);
+                                Counters::bump(&t.core.counters().bad_frames);
                                 tracing::warn!(
                                     peer = p.rank,
                                     "peer returned a fragment it did not hold"
@@ -248,7 +248,7 @@ impl TxState {
                     }
                     Ok(None) => break,
                     Err(_) => {
-                        Counters::bump(&t.core.counters.bad_frames);
+                        Counters::bump(&t.core.counters().bad_frames);
                         self.misbehaved
                             .push((p.local, "its fragment return ring is corrupt".into()));
                         break;
@@ -565,7 +565,7 @@ impl TxState {
         if peer.is_lost() {
             return Err(peer.lost_error());
         }
-        if kind == Kind::User && data.len() >= t.core.config.sm_cma_min && peer.cma_ok() {
+        if kind == Kind::User && data.len() >= t.config.cma_min && peer.cma_ok() {
             return self.announce(t, peer, tag, data).map(Some);
         }
         self.send_owned(t, peer, kind, tag, data, None)
@@ -676,7 +676,7 @@ impl TxState {
                 return Err(e);
             }
         }
-        Counters::bump(&t.core.counters.rendezvous_sends);
+        Counters::bump(&t.core.counters().rendezvous_sends);
         Ok(done)
     }
 
@@ -712,7 +712,7 @@ impl TxState {
     ) {
         let ours = self.rndv.get(&handle).is_some_and(|r| r.peer == peer.local);
         if !ours {
-            Counters::bump(&t.core.counters.bad_frames);
+            Counters::bump(&t.core.counters().bad_frames);
             self.misbehaved.push((
                 peer.local,
                 "it answered a rendezvous we never announced".into(),
@@ -761,7 +761,7 @@ impl TxState {
                 continue;
             }
             if w >= self.next_handle {
-                Counters::bump(&t.core.counters.bad_frames);
+                Counters::bump(&t.core.counters().bad_frames);
                 self.misbehaved.push((
                     p.local,
                     "it answered a rendezvous we never announced".into(),
@@ -993,7 +993,7 @@ impl Link for SmLink {
                 OneSided::Get { dst, offset, .. } => (false, dst, offset),
                 OneSided::Atomic { .. } => return Ok(Native::Emulate),
             };
-            if local.raw.len() < self.t.core.config.sm_cma_min || !self.peer.cma_ok() {
+            if local.raw.len() < self.t.config.cma_min || !self.peer.cma_ok() {
                 return Ok(Native::Emulate);
             }
             if self.peer.is_lost() {
@@ -1010,7 +1010,7 @@ impl Link for SmLink {
         }
         // The mapping the key keeps (made on its first use), checked live:
         // bounds below are the real file's, not the key's claim.
-        let m = key.mapping(self.t.core.job_tag, || self.t.map_cached(key))?;
+        let m = key.mapping(self.t.core.job_tag(), || self.t.map_cached(key))?;
         let remote = m.data();
         Ok(match op {
             OneSided::Put { src, offset, .. } => {

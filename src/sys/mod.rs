@@ -4,6 +4,7 @@
 //! synchronisation primitives loom models replace (`sync`). Most of the
 //! crate's `unsafe` lives here.
 
+pub(crate) mod env;
 pub(crate) mod mem;
 pub(crate) mod os;
 pub(crate) mod ring;

@@ -34,27 +34,30 @@ static FABRICS: Mutex<Option<Fabrics>> = Mutex::new(None);
 type Fabrics = HashMap<([u64; 2], Rank), Weak<Core>>;
 
 /// The registry's entry: opened only where the transport list names it.
+#[linkme::distributed_slice(crate::transport::registry::TRANSPORTS)]
 pub(crate) static ENTRY: Entry = Entry {
+    rank: 10,
     name: "double",
     implicit: false,
     node_local: true,
     not_built: None,
     probe: || Ok("a test double: fabrics of one process, one-sided only".into()),
     open: |core, _job: &Job| {
-        if !core.config.transports.iter().any(|t| t == "double") {
+        if !core.config().transports.iter().any(|t| t == "double") {
             return Ok(None);
         }
         lock(&FABRICS)
             .get_or_insert_with(HashMap::new)
-            .insert((core.job_tag, core.rank), Arc::downgrade(core));
+            .insert((core.job_tag(), core.rank()), Arc::downgrade(core));
         Ok(Some(Arc::new(Double {
             core: Arc::downgrade(core),
-            rank: core.rank,
-            job: core.job_tag,
+            rank: core.rank(),
+            job: core.job_tag(),
             queue: Mutex::new(VecDeque::new()),
             carried: AtomicU64::new(0),
         }) as Arc<dyn Transport>))
     },
+    alloc_shared: None,
 };
 
 /// A posted operation, carried out by progress.

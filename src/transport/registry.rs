@@ -3,9 +3,12 @@
 //! and how to open it. `Fabric`, configuration (`BTL_TRANSPORTS`),
 //! `btl-info` and the address exchange learn about transports only here.
 //!
-//! Adding a transport: one folder that implements [`Transport`] and
-//! [`Link`](super::Link) and provides an [`Entry`], one line in
-//! [`entries`], and a cargo feature where it needs a system library.
+//! Each transport registers itself: its folder holds a
+//! `#[linkme::distributed_slice(TRANSPORTS)]` static [`Entry`], which the
+//! linker gathers into [`TRANSPORTS`], so neither this module nor the core
+//! names any transport. Adding a transport: one folder that implements
+//! [`Transport`] and [`Link`](super::Link) and registers its [`Entry`],
+//! one `mod` line, and a cargo feature where it needs a system library.
 
 use std::sync::Arc;
 
@@ -21,13 +24,36 @@ pub(crate) struct Job {
     pub(crate) local_size: u32,
 }
 
+/// How an [`Entry`] allocates memory its peers map (`Fabric::alloc_region`):
+/// for key id `id`, `len` zeroed bytes owned by `owner` in the job of
+/// `job_tag`; returns the memory, what keeps it, and the key's handle.
+pub(crate) type AllocShared = fn(
+    id: &[u8; 16],
+    len: usize,
+    owner: crate::Rank,
+    job_tag: [u64; 2],
+) -> Result<(
+    crate::sys::mem::RawBuf,
+    Box<dyn std::any::Any + Send + Sync>,
+    crate::core::region::KeyHandle,
+)>;
+
 /// How an [`Entry`] opens its transport.
 pub(crate) type Open = fn(&Arc<Core>, &Job) -> Result<Option<Arc<dyn Transport>>>;
+
+/// Every registered transport, in no particular order ([`entries`] sorts
+/// them).
+#[linkme::distributed_slice]
+pub(crate) static TRANSPORTS: [Entry];
 
 /// One transport of the registry.
 pub(crate) struct Entry {
     /// Its name (`BTL_TRANSPORTS`, `btl-info`, `Endpoint::transport`).
     pub(crate) name: &'static str,
+    /// Its place in the preference order (lower first): a peer's messages
+    /// go over the first transport that reaches it and carries messages,
+    /// its one-sided operations over the first that carries them natively.
+    pub(crate) rank: u32,
     /// Used whatever `BTL_TRANSPORTS` says (`self`).
     pub(crate) implicit: bool,
     /// Reaches only peers on this node: two ranks of one node that both
@@ -43,48 +69,50 @@ pub(crate) struct Entry {
     /// this job (no peer it could reach), or when it only joins a fabric
     /// that names it in `BTL_TRANSPORTS`.
     pub(crate) open: Open,
+    /// Allocates regions that peers reach by mapping them, if this
+    /// transport has such memory (`sm`: a shared file).
+    pub(crate) alloc_shared: Option<AllocShared>,
 }
 
 /// A transport this version does not have yet: listed, never opened.
 const fn planned(
     name: &'static str,
+    rank: u32,
     why: &'static str,
     probe: fn() -> std::result::Result<String, String>,
 ) -> Entry {
     Entry {
         name,
+        rank,
         implicit: false,
         node_local: false,
         not_built: Some(why),
         probe,
         open: |_, _| Ok(None),
+        alloc_shared: None,
     }
 }
 
+#[linkme::distributed_slice(TRANSPORTS)]
 static RDMA: Entry = planned(
     "rdma",
+    30,
     "not part of this version (it will need the `rdma` feature and libfabric)",
     rdma_devices,
 );
 
+#[linkme::distributed_slice(TRANSPORTS)]
 static SMCUDA: Entry = planned(
     "smcuda",
+    50,
     "not part of this version (it will need the `cuda` feature)",
     || Err("no host check for CUDA in this version".to_string()),
 );
 
-/// Every transport this build knows, in preference order: a peer's
-/// messages go over the first that reaches it and carries messages, its
-/// one-sided operations over the first that reaches it and carries them
-/// natively, else with its messages.
+/// Every transport this build knows, in preference order.
 pub(crate) fn entries() -> Vec<&'static Entry> {
-    #[allow(unused_mut)]
-    let mut v = vec![&super::selflink::ENTRY];
-    // The test double of a NIC, ahead of `sm` so that it takes the
-    // one-sided operations of the fabrics that name it.
-    #[cfg(test)]
-    v.push(&super::double::ENTRY);
-    v.extend([&crate::sm::ENTRY, &RDMA, &crate::udp::ENTRY, &SMCUDA]);
+    let mut v: Vec<&'static Entry> = TRANSPORTS.iter().collect();
+    v.sort_by_key(|e| (e.rank, e.name));
     v
 }
 

@@ -41,7 +41,7 @@ impl SelfLink {
     pub(crate) fn new(core: &Arc<Core>) -> Arc<SelfLink> {
         Arc::new(SelfLink {
             core: Arc::downgrade(core),
-            rank: core.rank,
+            rank: core.rank(),
             queue: Mutex::new((VecDeque::new(), false)),
             queued: AtomicUsize::new(0),
         })
@@ -52,7 +52,7 @@ impl SelfLink {
     }
 
     fn fits(core: &Core, kind: Kind, tag: u64, len: usize) -> bool {
-        kind != Kind::User || core.dispatcher.has_room(tag, len)
+        kind != Kind::User || core.has_room(tag, len)
     }
 }
 
@@ -106,13 +106,16 @@ impl Link for SelfLink {
 }
 
 /// The registry's entry: always there, reaching this rank only.
+#[linkme::distributed_slice(crate::transport::registry::TRANSPORTS)]
 pub(crate) static ENTRY: Entry = Entry {
+    rank: 0,
     name: "self",
     implicit: true,
     node_local: false,
     not_built: None,
     probe: || Ok("always available: messages and one-sided operations to this process".into()),
     open: |core, _job: &Job| Ok(Some(SelfLink::new(core) as Arc<dyn Transport>)),
+    alloc_shared: None,
 };
 
 #[async_trait]

@@ -43,7 +43,7 @@ impl UdpLink {
                 data.len()
             )));
         }
-        let parts = frame::encode(&self.t.core.buffers, kind, tag, data);
+        let parts = frame::encode(self.t.core.buffers(), kind, tag, data);
         let r = if gather {
             let (r, gathered) = st.gather_held(now, self.peer.rank, parts)?;
             if gathered {
@@ -96,7 +96,7 @@ impl Link for UdpLink {
         if !st.queue_is_empty() || !st.conn.can_send(data.len() + frame::PREFIX) {
             return Ok(false);
         }
-        let msg = frame::one_part(&self.t.core.buffers, kind, tag, data);
+        let msg = frame::one_part(self.t.core.buffers(), kind, tag, data);
         match st.submit(now, self.peer.rank, (msg, None))? {
             Queued::Done => {}
             // can_send said yes and nothing was queued: it cannot wait, but
@@ -153,7 +153,7 @@ impl Link for UdpLink {
     }
 
     fn gathers(&self) -> bool {
-        self.t.core.config.udp_bundle
+        self.t.config.bundle
     }
 
     fn has_queued(&self) -> bool {

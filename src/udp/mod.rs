@@ -52,6 +52,7 @@
 //! Not done yet: IPv6 link-local addresses (they need scope ids, which the exchange does
 //! not carry; see `net::unusable`).
 
+pub(crate) mod config;
 mod frame;
 mod io;
 mod link;
@@ -104,6 +105,8 @@ const REPORT_EVERY: Duration = Duration::from_secs(10);
 /// The `udp` transport of one process.
 pub(crate) struct UdpTransport {
     pub(crate) core: Arc<Core>,
+    /// Our settings (`Config::udp`, as the fabric opened with them).
+    pub(crate) config: config::UdpConfig,
     pub(crate) io: Sockets,
     me: UdpAddr,
     ifs: Vec<net::Iface>,
@@ -203,6 +206,28 @@ fn check_families(ranks: &mut [(Rank, IpAddr, &Published)]) -> Result<()> {
     Ok(())
 }
 
+/// What a fabric tells of its `udp` transport.
+impl crate::Fabric {
+    /// The UDP protocol counters of the connection to `peer`, when `udp`
+    /// reaches it.
+    pub fn udp_stats(&self, peer: Rank) -> Option<proto::Stats> {
+        self.transport_of::<UdpTransport>()?.stats(peer)
+    }
+
+    /// The largest datagram (UDP payload, protocol header included) sent
+    /// to `peer`, when `udp` reaches it: the path MTU less 28 bytes of IPv4
+    /// and UDP headers, or 48 over IPv6 (at most 65507).
+    pub fn udp_max_datagram(&self, peer: Rank) -> Option<usize> {
+        self.transport_of::<UdpTransport>()?.max_datagram(peer)
+    }
+
+    /// The addresses of this process's UDP sockets (data, priority), when
+    /// `udp` runs (it runs when some peer is reached through it).
+    pub fn udp_addrs(&self) -> Option<(std::net::SocketAddr, std::net::SocketAddr)> {
+        self.transport_of::<UdpTransport>().map(|u| u.local_addrs())
+    }
+}
+
 /// Decode a peer's `udp` address.
 fn decode_addr(rank: Rank, addr: &[u8]) -> Result<UdpAddr> {
     postcard::from_bytes(addr).map_err(|e| {
@@ -229,7 +254,9 @@ fn probe() -> std::result::Result<String, String> {
 }
 
 /// The registry's entry: opened in a job of more than one rank.
+#[linkme::distributed_slice(crate::transport::registry::TRANSPORTS)]
 pub(crate) static ENTRY: Entry = Entry {
+    rank: 40,
     name: "udp",
     implicit: false,
     node_local: false,
@@ -241,6 +268,7 @@ pub(crate) static ENTRY: Entry = Entry {
         }
         Ok(Some(UdpTransport::new(core.clone())? as Arc<dyn Transport>))
     },
+    alloc_shared: None,
 };
 
 fn mix(isn: u64, rank: Rank) -> u64 {
@@ -253,9 +281,9 @@ impl UdpTransport {
         let ifs = net::interfaces();
         // A configured IPv4-mapped address (::ffff:a.b.c.d) means its IPv4
         // address: our IPv6 sockets are IPv6-only and could not use it.
-        let ip = core
-            .config
-            .udp_addr
+        let config = core.config().udp.clone();
+        let ip = config
+            .addr
             .map(|a| a.to_canonical())
             .unwrap_or_else(|| net::default_addr(&ifs));
         if let Some(why) = net::unusable(ip) {
@@ -278,11 +306,10 @@ impl UdpTransport {
             data_port: port(&data).map_err(os("reading the data port"))?,
             prio_port: port(&prio).map_err(os("reading the priority port"))?,
             isn: u64::from_le_bytes(crate::sys::os::random_bytes::<8>()),
-            mtu: core.config.udp_mtu.unwrap_or_else(|| net::mtu_of(&ifs, ip)) as u32,
+            mtu: config.mtu.unwrap_or_else(|| net::mtu_of(&ifs, ip)) as u32,
             rcvbuf: u32::try_from(rcv).unwrap_or(u32::MAX),
         };
-        let off =
-            offload::Offload::probe(std::os::fd::AsRawFd::as_raw_fd(&data), core.config.udp_gso);
+        let off = offload::Offload::probe(std::os::fd::AsRawFd::as_raw_fd(&data), config.gso);
         let io = Sockets {
             off,
             data: tokio::net::UdpSocket::from_std(data)
@@ -292,9 +319,10 @@ impl UdpTransport {
         };
         let now = Instant::now();
         Ok(Arc::new(UdpTransport {
-            job: core.job_tag[0] ^ core.job_tag[1].rotate_left(17),
-            keepalive: peer::keepalive_every(core.config.udp_peer_timeout),
-            rx: Mutex::new(RxState::new(core.size as usize)),
+            keepalive: peer::keepalive_every(config.peer_timeout),
+            config,
+            job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(17),
+            rx: Mutex::new(RxState::new(core.size() as usize)),
             core,
             io,
             me,
@@ -335,7 +363,7 @@ impl UdpTransport {
         // The path's MTU as both ends see it (the configured one, loopback's,
         // or the smaller interface MTU): the windows follow from it, so the
         // peer's receive window is our send window, datagram for datagram.
-        let shared = match self.core.config.udp_mtu {
+        let shared = match self.config.mtu {
             Some(m) => m,
             None if net::is_local(&self.ifs, a.ip) => {
                 let lo = if self.me.ip.is_ipv4() {
@@ -352,7 +380,7 @@ impl UdpTransport {
         // say; above it datagrams would leave as IP fragments, and GSO
         // packets not at all). The peer does not know our route, so the
         // windows stay those of `shared`.
-        let route = match self.core.config.udp_mtu {
+        let route = match self.config.mtu {
             None if !net::is_local(&self.ifs, a.ip) => net::route_mtu(self.me.ip, a.ip),
             _ => None,
         };
@@ -369,9 +397,8 @@ impl UdpTransport {
         // bandwidth-delay product; more only adds queueing delay, which
         // slows loss repair (a round trip per wave of holes).
         let cap = self
-            .core
             .config
-            .udp_window
+            .window
             .unwrap_or_else(|| 256.max((WINDOW_BYTES / wdgram.max(1)) as u32))
             .clamp(4, 1 << 16);
         let window =
@@ -383,7 +410,7 @@ impl UdpTransport {
             send_window,
             recv_window: window(self.me.rcvbuf),
             send_budget: (4 << 20).max(2 * send_window as usize * dgram),
-            peer_timeout: self.core.config.udp_stall_timeout,
+            peer_timeout: self.config.stall_timeout,
             ..d
         };
         let whole = route.map_or(true, |r| net::fits(dgram, r, self.me.ip));
@@ -396,8 +423,8 @@ impl UdpTransport {
         peers: &[(Rank, UdpAddr)],
     ) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
         let now = Instant::now();
-        let me = self.core.rank;
-        let mut table: Vec<Option<Arc<Peer>>> = (0..self.core.size).map(|_| None).collect();
+        let me = self.core.rank();
+        let mut table: Vec<Option<Arc<Peer>>> = (0..self.core.size()).map(|_| None).collect();
         let mut by_addr = HashMap::new();
         let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
         for (rank, a) in peers {
@@ -414,7 +441,7 @@ impl UdpTransport {
             let mut conn =
                 proto::Connection::new(cfg, ids, mix(self.me.isn, *rank), mix(a.isn, me), now)
                     .map_err(|e| Error::Config(e.to_string()))?;
-            conn.set_buffers(Arc::new(Pool(self.core.buffers.clone())));
+            conn.set_buffers(Arc::new(Pool(self.core.buffers().clone())));
             let peer = Arc::new(Peer {
                 rank: *rank,
                 data_addr: SocketAddr::new(a.ip, a.data_port),
@@ -424,7 +451,7 @@ impl UdpTransport {
                 stash_limit,
                 lost: AtomicBool::new(false),
                 busy: AtomicBool::new(false),
-                st: Mutex::new(PeerState::new(conn, now, self.core.config.udp_bundle)),
+                st: Mutex::new(PeerState::new(conn, now, self.config.bundle)),
             });
             for addr in [peer.data_addr, peer.prio_addr] {
                 if by_addr.insert(addr, *rank).is_some() {
@@ -508,7 +535,7 @@ impl UdpTransport {
     fn stall_reason(&self) -> String {
         format!(
             "it acknowledged none of our data for {:?} though it answers keepalives (does the path drop large datagrams? set BTL_UDP_MTU)",
-            self.core.config.udp_stall_timeout
+            self.config.stall_timeout
         )
     }
 
@@ -572,7 +599,7 @@ impl UdpTransport {
         // backlog: a user send that sets it meanwhile is not overwritten.
         self.backlog.store(false, Ordering::Relaxed);
         let mut backlog = false;
-        let timeout = self.core.config.udp_peer_timeout;
+        let timeout = self.config.peer_timeout;
         for p in self.peer_list() {
             if p.is_lost() {
                 continue;
@@ -589,7 +616,7 @@ impl UdpTransport {
             work += st.push_queue(now, p.rank);
             work += st.flush(now, &self.io, p, usize::MAX);
             if now.saturating_duration_since(st.last_sent) >= self.keepalive {
-                st.keepalive(&self.io, p, self.job, self.core.rank);
+                st.keepalive(&self.io, p, self.job, self.core.rank());
             }
             if now.saturating_duration_since(st.last_heard) > timeout {
                 silent.push(p.rank);

@@ -436,7 +436,7 @@ impl UdpTransport {
         let (Some(rank), Some(ids)) = (rank, ids) else {
             return self.foreign();
         };
-        if ids.job != self.job || ids.src != rank || ids.dst != self.core.rank {
+        if ids.job != self.job || ids.src != rank || ids.dst != self.core.rank() {
             return self.foreign();
         }
         let (Some(peer), Some(prx)) = (self.peer(rank), cx.peers.get_mut(rank as usize)) else {
@@ -448,7 +448,7 @@ impl UdpTransport {
         }
         if prx.paused() {
             match proto::decode(d) {
-                Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank => {
+                Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank() => {
                     if let proto::Kind::Data(_) = h.kind {
                         // Hold the data back, but act on the ACK it carries
                         // now: our own sends to this peer must not wait for
@@ -511,7 +511,7 @@ impl UdpTransport {
     }
 
     fn foreign(&self) {
-        Counters::bump(&self.core.counters.foreign_datagrams);
+        Counters::bump(&self.core.counters().foreign_datagrams);
     }
 
     fn on_events(&self, cx: &mut Feed<'_>, rank: Rank) {
@@ -541,7 +541,7 @@ impl UdpTransport {
                     }
                     Ok(Frames::Head) => {}
                     Err(e) => {
-                        Counters::bump(&self.core.counters.bad_frames);
+                        Counters::bump(&self.core.counters().bad_frames);
                         tracing::warn!(peer = rank, "udp: dropped a malformed frame: {e:?}");
                     }
                 },
@@ -560,9 +560,7 @@ impl UdpTransport {
         rank: Rank,
         (kind, tag, data): (Kind, u64, Bytes),
     ) {
-        if kind != Kind::User
-            || (prx.held.is_empty() && self.core.dispatcher.has_room(tag, data.len()))
-        {
+        if kind != Kind::User || (prx.held.is_empty() && self.core.has_room(tag, data.len())) {
             self.dispatch(rank, kind, tag, data);
             *delivered += 1;
         } else {
@@ -588,7 +586,7 @@ impl UdpTransport {
             return work;
         };
         while let Some((kind, tag, data)) = prx.held.front() {
-            if *kind == Kind::User && !self.core.dispatcher.has_room(*tag, data.len()) {
+            if *kind == Kind::User && !self.core.has_room(*tag, data.len()) {
                 break;
             }
             if let Some((kind, tag, data)) = prx.held.pop_front() {

@@ -392,7 +392,7 @@ fn header(
         "sm",
         format!(
             "eager {} B x {}, max {} B x {}",
-            c.sm_eager_size, c.sm_eager_count, c.sm_max_size, c.sm_max_count
+            c.sm.eager_size, c.sm.eager_count, c.sm.max_size, c.sm.max_count
         ),
     );
     if let Some(c) = copy {

@@ -1,0 +1,95 @@
+//! `sm`'s settings: fragment sizes and counts, and where single and split
+//! copies start. Read from `BTL_SM_*` variables by [`crate::Config`].
+
+use crate::{Error, Result};
+
+/// Settings of the `sm` transport (`Config::sm`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SmConfig {
+    /// Size of an eager fragment, header included; a message that fits in
+    /// one (and is too big for the fast box) takes one. 16 KiB, so that
+    /// every message below `cma_min` does: with 4 KiB ones a 4 KiB message
+    /// (24 bytes too many) and an 8 KiB one take a max fragment, and their
+    /// half round trips are 1.13-1.14x longer. Env: `BTL_SM_EAGER`.
+    pub eager_size: usize,
+    /// Number of eager fragments per process. Env: `BTL_SM_EAGER_COUNT`.
+    pub eager_count: usize,
+    /// Size of a max fragment, header included. Env: `BTL_SM_MAX`.
+    pub max_size: usize,
+    /// Number of max fragments per process. Env: `BTL_SM_MAX_COUNT`.
+    pub max_count: usize,
+    /// Sends, and put/get to or from a registered (non-shared) buffer, of
+    /// at least this many bytes use a single kernel copy (CMA; a rendezvous
+    /// for sends) instead of fragments, where ptrace rules allow. 16 KiB:
+    /// from there one copy beats two through fragments (a 16 KiB ping-pong
+    /// takes 0.7x the time). Env: `BTL_SM_CMA_MIN` (a huge value turns CMA
+    /// off).
+    pub cma_min: usize,
+    /// Rendezvous sends of at least this many bytes are copied by both
+    /// processes at once (the receiver reads the head, the sender writes
+    /// the tail into the receiver's buffer; see ARCHITECTURE), so two cores
+    /// run the kernel's copy instead of one. A sender that does not take
+    /// its part in time leaves it to the receiver. 64 KiB: there split copy
+    /// streams 1.23-1.33x a one-core copy, while at 32 KiB it loses (0.86x).
+    /// Env: `BTL_SM_SPLIT_MIN` (a huge value turns it off).
+    pub split_min: usize,
+}
+
+impl Default for SmConfig {
+    fn default() -> Self {
+        SmConfig {
+            eager_size: 16 * 1024,
+            eager_count: 64,
+            max_size: 128 * 1024,
+            max_count: 16,
+            cma_min: 16 * 1024,
+            split_min: 64 * 1024,
+        }
+    }
+}
+
+impl SmConfig {
+    /// Override from the `BTL_SM_*` variables `get` finds.
+    pub(crate) fn read(&mut self, get: &dyn Fn(&str) -> Option<String>) -> Result<()> {
+        for (k, f) in [
+            ("BTL_SM_EAGER", &mut self.eager_size),
+            ("BTL_SM_EAGER_COUNT", &mut self.eager_count),
+            ("BTL_SM_MAX", &mut self.max_size),
+            ("BTL_SM_MAX_COUNT", &mut self.max_count),
+            ("BTL_SM_CMA_MIN", &mut self.cma_min),
+            ("BTL_SM_SPLIT_MIN", &mut self.split_min),
+        ] {
+            if let Some(v) = get(k) {
+                *f = crate::sys::env::parse(k, &v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Check that the settings make sense together.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let frag = super::FRAG_HEADER;
+        if self.eager_size < frag + 8 || self.eager_size % 8 != 0 {
+            return Err(Error::Config(format!(
+                "sm eager fragment size {} must be a multiple of 8 and at least {}",
+                self.eager_size,
+                frag + 8
+            )));
+        }
+        if self.max_size < self.eager_size || self.max_size % 8 != 0 {
+            return Err(Error::Config(format!(
+                "sm max fragment size {} must be a multiple of 8 and at least the eager size {}",
+                self.max_size, self.eager_size
+            )));
+        }
+        if self.eager_count == 0 || self.max_count == 0 {
+            return Err(Error::Config(
+                "sm fragment counts must be at least 1".into(),
+            ));
+        }
+        if self.max_size > u32::MAX as usize / 2 {
+            return Err(Error::Config("sm max fragment size is too large".into()));
+        }
+        Ok(())
+    }
+}
