@@ -135,6 +135,21 @@ pub(crate) struct SmTransport {
     pub(crate) cma: rma::CmaOps,
     /// Our settings (`Config::sm`, as the fabric opened with them).
     pub(crate) config: config::SmConfig,
+    /// What `Stats` reports of `sm`'s paths.
+    pub(crate) counters: SmCounters,
+}
+
+/// `sm`'s own counters (reported in `Stats` by `add_stats`).
+#[derive(Debug, Default)]
+pub(crate) struct SmCounters {
+    /// Written only under the `rx` lock (a load and a store: no locked
+    /// instruction on the receive path); added to `Stats::recvs` too.
+    pub(crate) fast_box_recvs: std::sync::atomic::AtomicU64,
+    pub(crate) rendezvous_sends: std::sync::atomic::AtomicU64,
+    pub(crate) split_tails_written: std::sync::atomic::AtomicU64,
+    pub(crate) split_tails_taken_back: std::sync::atomic::AtomicU64,
+    pub(crate) cma_puts: std::sync::atomic::AtomicU64,
+    pub(crate) cma_gets: std::sync::atomic::AtomicU64,
 }
 
 impl SmTransport {
@@ -185,6 +200,7 @@ impl SmTransport {
             maps: Mutex::new(HashMap::new()),
             cma: rma::CmaOps::default(),
             config: c.sm.clone(),
+            counters: SmCounters::default(),
         }))
     }
 
@@ -420,6 +436,18 @@ impl Transport for SmTransport {
 
     fn native_rma(&self) -> bool {
         true
+    }
+
+    fn add_stats(&self, s: &mut crate::Stats) {
+        let c = &self.counters;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        s.fast_box_recvs = g(&c.fast_box_recvs);
+        s.recvs = s.recvs.wrapping_add(s.fast_box_recvs);
+        s.rendezvous_sends = g(&c.rendezvous_sends);
+        s.split_tails_written = g(&c.split_tails_written);
+        s.split_tails_taken_back = g(&c.split_tails_taken_back);
+        s.cma_puts = g(&c.cma_puts);
+        s.cma_gets = g(&c.cma_gets);
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -30,7 +30,6 @@ use super::kind::Kind;
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
 use crate::core::region::{KeyId, RegionInner};
-use crate::core::stats::Hot;
 use crate::sys::os::Cma;
 use crate::sys::sync::lock;
 use crate::transport::Local;
@@ -118,9 +117,8 @@ impl CmaOps {
             lock(&self.ops).remove(&id);
             return Err(e);
         }
-        t.core
-            .counters()
-            .add(if put { Hot::CmaPuts } else { Hot::CmaGets });
+        let c = &t.counters;
+        crate::core::stats::Counters::bump(if put { &c.cma_puts } else { &c.cma_gets });
         Ok(done)
     }
 

@@ -193,8 +193,8 @@ impl RxState {
         }
         let fast = std::mem::take(&mut self.fast);
         if fast > 0 {
-            // Under `rx`, its only writer (see `Counters::fast_box_recvs`).
-            let c = &t.core.counters().fast_box_recvs;
+            // Under `rx`, its only writer (see `SmCounters::fast_box_recvs`).
+            let c = &t.counters.fast_box_recvs;
             let n = c.load(std::sync::atomic::Ordering::Relaxed);
             c.store(n.wrapping_add(fast), std::sync::atomic::Ordering::Relaxed);
         }
@@ -682,7 +682,7 @@ impl RxState {
         let Some(mut s) = self.split[l].take() else {
             return Step::Bad("internal: no split copy under way");
         };
-        let counters = &t.core.counters();
+        let counters = &t.counters;
         if ours {
             Counters::bump(&counters.split_tails_taken_back);
             let at = s.addr.wrapping_add(s.buf.head() as u64);

@@ -676,7 +676,7 @@ impl TxState {
                 return Err(e);
             }
         }
-        Counters::bump(&t.core.counters().rendezvous_sends);
+        Counters::bump(&t.counters.rendezvous_sends);
         Ok(done)
     }
 
