@@ -34,7 +34,9 @@ table gives async-btl's value divided by each baseline's.
 
 Open MPI 4.1 can be measured too, on request: `--baseline ompi` (its
 shared-memory BTL, vader) and `--baseline ompi-tcp` (its TCP BTL on
-loopback), for lat, bw, put_lat and put_bw at the run's sizes and counts.
+loopback), for lat, bw, put_lat, put_bw and the three atomic tests
+(MPI_Fetch_and_op, MPI_Compare_and_swap, MPI_Accumulate, each with
+MPI_Win_flush) at the run's sizes and counts.
 Rank 0 compiles a small MPI program with `mpicc` and runs it under
 `mpirun -np 2 --bind-to core` after everything else; without mpicc or
 mpirun (apt-get install openmpi-bin libopenmpi-dev), when mpirun fails,
