@@ -368,6 +368,7 @@ fn bad_options_are_refused_with_a_message() {
         &["--pick", "worst"],
         &["--sizes", "40,x"],
         &["--sizes", "40", "--max-size", "1K"],
+        &["--atomic-target", "mapped"],
     ] {
         let out = Command::new(PERF).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
