@@ -14,29 +14,45 @@
  *   put_lat  MPI_Put then MPI_Win_flush, one at a time (passive target,
  *            shared lock held for the whole test); microseconds per put
  *   put_bw   WINDOW puts, then MPI_Win_flush; MB/s
- * ITERS counts round trips, puts, or windows. Rank 0 prints one line per
- * point, "TEST SIZE VALUE"; lines starting with '#' are comments.
+ *   atomic_lat        MPI_Fetch_and_op (MPI_SUM, one uint64_t) then
+ *                     MPI_Win_flush, one at a time; microseconds per op
+ *   atomic_cswap_lat  MPI_Compare_and_swap (uint64_t, always succeeding:
+ *                     the expected value is the last one returned) then
+ *                     MPI_Win_flush, one at a time; microseconds per op
+ *   atomic_rate       WINDOW MPI_Accumulate (MPI_SUM, one uint64_t), then
+ *                     MPI_Win_flush; operations per second
+ * The atomics work on 8-byte words of rank 1's window (SIZE is 8); each
+ * test checks its word's final value and reports nothing if it is wrong.
+ * ITERS counts round trips, puts, operations, or windows. Rank 0 prints
+ * one line per point, "TEST SIZE VALUE"; lines starting with '#' are
+ * comments.
  *
  * Build: mpicc -O2 -o mpi_pp mpi_pp.c
  * Run:   mpirun -np 2 --bind-to core --mca pml ob1 --mca btl self,vader \
  *          ./mpi_pp lat 8 1024 65536:100 bw 65536:100:10:64
  */
 #include <mpi.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum test { LAT, BW, PUT_LAT, PUT_BW };
+enum test { LAT, BW, PUT_LAT, PUT_BW, ATOMIC_LAT, ATOMIC_CSWAP_LAT, ATOMIC_RATE, NTESTS };
 
 struct point {
     enum test test;
     long size, iters, warmup, window;
 };
 
-static const char *names[] = {"lat", "bw", "put_lat", "put_bw"};
+static const char *names[] = {"lat",        "bw",         "put_lat",         "put_bw",
+                              "atomic_lat", "atomic_cswap_lat", "atomic_rate"};
+
+/* Bytes of rank 1's window the atomics use: one word per test, a cache
+ * line apart. */
+#define ATOMIC_BYTES 192
 
 static int test_of(const char *s) {
-    for (int t = 0; t < 4; t++)
+    for (int t = 0; t < NTESTS; t++)
         if (strcmp(s, names[t]) == 0) return t;
     return -1;
 }
@@ -123,6 +139,51 @@ static double run_put(const struct point *p, int rank, char *buf, MPI_Win win) {
     return dt / p->iters * 1e6;
 }
 
+/* Rank 0 works on a word of rank 1's window (a word per test), reads it
+ * before and after, and returns a negative value if the word is wrong. */
+static double run_atomic(const struct point *p, int rank, MPI_Win win) {
+    double t0 = MPI_Wtime(), dt = 0;
+    int ok = 1;
+    MPI_Aint at = (MPI_Aint)(p->test - ATOMIC_LAT) * 64;
+    if (rank == 0) {
+        uint64_t one = 1, start, last, got, next;
+        long n = p->test == ATOMIC_RATE ? p->window : 1;
+        MPI_Win_lock(MPI_LOCK_SHARED, 1, 0, win);
+        MPI_Fetch_and_op(NULL, &start, MPI_UINT64_T, 1, at, MPI_NO_OP, win);
+        MPI_Win_flush(1, win);
+        last = start;
+        for (long i = 0; i < p->warmup + p->iters; i++) {
+            if (i == p->warmup) t0 = MPI_Wtime();
+            if (p->test == ATOMIC_LAT) {
+                MPI_Fetch_and_op(&one, &got, MPI_UINT64_T, 1, at, MPI_SUM, win);
+                MPI_Win_flush(1, win);
+                ok &= got == last;
+                last = got + 1;
+            } else if (p->test == ATOMIC_CSWAP_LAT) {
+                next = last + 1;
+                MPI_Compare_and_swap(&next, &last, &got, MPI_UINT64_T, 1, at, win);
+                MPI_Win_flush(1, win);
+                ok &= got == last;
+                last = next;
+            } else {
+                for (long w = 0; w < n; w++)
+                    MPI_Accumulate(&one, 1, MPI_UINT64_T, 1, at, 1, MPI_UINT64_T, MPI_SUM, win);
+                MPI_Win_flush(1, win);
+                last += (uint64_t)n;
+            }
+        }
+        dt = MPI_Wtime() - t0;
+        MPI_Fetch_and_op(NULL, &got, MPI_UINT64_T, 1, at, MPI_NO_OP, win);
+        MPI_Win_flush(1, win);
+        ok &= got == last;
+        MPI_Win_unlock(1, win);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (!ok) return -1;
+    if (p->test == ATOMIC_RATE) return (double)p->window * p->iters / dt;
+    return dt / p->iters * 1e6;
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     int rank, size;
@@ -141,17 +202,21 @@ int main(int argc, char **argv) {
         } else {
             struct point *p = &pts[npts++];
             p->test = test;
-            if (p->test == LAT || p->test == PUT_LAT) p->window = 1;
+            if (p->test == LAT || p->test == PUT_LAT || p->test == ATOMIC_LAT ||
+                p->test == ATOMIC_CSWAP_LAT)
+                p->window = 1;
             if (p->size > max) max = p->size;
             if (p->test == BW && p->window > maxwin) maxwin = p->window;
             if ((p->test == BW || p->test == PUT_BW) && p->size * p->window > (1L << 30)) bad = 1;
             if (p->test >= PUT_LAT && p->size > maxput) maxput = p->size;
+            if (p->test >= ATOMIC_LAT && maxput < ATOMIC_BYTES) maxput = ATOMIC_BYTES;
         }
     }
     if (bad) {
         if (rank == 0)
             fprintf(stderr, "usage: mpirun -np 2 mpi_pp TEST SIZE[:ITERS[:WARMUP[:WINDOW]]]... "
-                            "(TEST: lat, bw, put_lat, put_bw; window bytes at most 1 GiB)\n");
+                            "(TEST: lat, bw, put_lat, put_bw, atomic_lat, atomic_cswap_lat, "
+                            "atomic_rate; window bytes at most 1 GiB)\n");
         MPI_Finalize();
         return 2;
     }
@@ -165,8 +230,15 @@ int main(int argc, char **argv) {
     if (rma) {
         void *base;
         MPI_Win_allocate(rank == 1 ? maxput : 0, 1, MPI_INFO_NULL, MPI_COMM_WORLD, &base, &win);
+        /* The atomics' words start at zero. */
+        if (rank == 1) {
+            MPI_Win_lock(MPI_LOCK_EXCLUSIVE, 1, 0, win);
+            memset(base, 0, maxput);
+            MPI_Win_unlock(1, win);
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
     }
-    if (rank == 0) printf("# open-mpi mpi_pp: TEST SIZE VALUE (us or MB/s)\n");
+    if (rank == 0) printf("# open-mpi mpi_pp: TEST SIZE VALUE (us, MB/s or op/s)\n");
     for (int i = 0; i < npts; i++) {
         const struct point *p = &pts[i];
         double v;
@@ -174,9 +246,14 @@ int main(int argc, char **argv) {
             v = run_lat(p, rank, buf, rbuf);
         else if (p->test == BW)
             v = run_bw(p, rank, buf, rbuf, req);
+        else if (p->test >= ATOMIC_LAT)
+            v = run_atomic(p, rank, win);
         else
             v = run_put(p, rank, buf, win);
-        if (rank == 0) {
+        if (rank == 0 && v < 0) {
+            printf("# %s: the word's value is wrong; no result\n", names[p->test]);
+            fflush(stdout);
+        } else if (rank == 0) {
             printf("%s %ld %.4f\n", names[p->test], p->size, v);
             fflush(stdout);
         }

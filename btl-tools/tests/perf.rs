@@ -368,6 +368,7 @@ fn bad_options_are_refused_with_a_message() {
         &["--pick", "worst"],
         &["--sizes", "40,x"],
         &["--sizes", "40", "--max-size", "1K"],
+        &["--atomic-target", "mapped"],
     ] {
         let out = Command::new(PERF).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
@@ -416,4 +417,174 @@ fn listed_sizes_are_run_exactly() {
     }
     let header = j["header"].to_string();
     assert!(header.contains("41, 40, 3072 B, as listed"), "{header}");
+}
+
+const ATOMICS: [&str; 3] = ["atomic_lat", "atomic_cswap_lat", "atomic_rate"];
+
+/// Few operations: 200 timed atomics, 20 windows of 8 adds.
+const ATOMIC_QUICK: &[&str] = &[
+    "--iters",
+    "200",
+    "--warmup",
+    "10",
+    "--window",
+    "8",
+    "--watchdog",
+    "60",
+];
+
+/// Check that `wire` has one sane row per atomic test: 8 B, the test's
+/// unit, a value in a believable range.
+fn check_atomic_rows(j: &serde_json::Value, wire: &str) {
+    for t in ATOMICS {
+        let rows: Vec<&serde_json::Value> = j["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["test"] == t && r["wire"] == wire)
+            .collect();
+        assert_eq!(rows.len(), 1, "{t} over {wire}: {rows:?}");
+        let r = rows[0];
+        assert_eq!(r["size"], 8, "{r}");
+        let v = r["value"].as_f64().unwrap();
+        if t == "atomic_rate" {
+            assert_eq!(r["unit"], "op/s", "{r}");
+            assert_eq!(r["window"], 8, "{r}");
+            // More than 100 operations a second, fewer than 10^10.
+            assert!(v > 1e2 && v < 1e10, "{r}");
+        } else {
+            assert_eq!(r["unit"], "us", "{r}");
+            // More than a nanosecond, less than 50 ms, per operation.
+            assert!(v > 1e-3 && v < 5e4, "{r}");
+        }
+    }
+}
+
+#[test]
+fn atomic_tests_report_one_row_each_and_their_path() {
+    let out = run(Command::new(PERF)
+        .args([
+            "--transport",
+            "sm",
+            "--test",
+            "atomic_lat,atomic_cswap_lat,atomic_rate",
+        ])
+        .args(["--baseline", "unix", "--json"])
+        .args(ATOMIC_QUICK));
+    let j = json(&out);
+    check_atomic_rows(&j, "async-btl/sm");
+    check_atomic_rows(&j, "unix");
+    let notes = j["header"]["notes"].to_string();
+    for t in ATOMICS {
+        assert!(
+            notes.contains(&format!("{t} over async-btl/sm: native atomics")),
+            "an alloc_region target over sm is native: {notes}"
+        );
+    }
+    assert!(j["header"]["settings"]["atomics"]
+        .as_str()
+        .unwrap()
+        .contains("alloc_region"));
+    assert!(j["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["baseline"] == "unix" && r["test"] == "atomic_rate"));
+
+    // A registered buffer is private to rank 1: every atomic is emulated.
+    // In the table, each test has one row, at 8 B.
+    let out = run(Command::new(PERF)
+        .args(["--transport", "sm", "--test", "atomic_lat,atomic_rate"])
+        .args(["--baseline", "none", "--atomic-target", "registered"])
+        .args(["--min-size", "64"])
+        .args(ATOMIC_QUICK));
+    let t = String::from_utf8_lossy(&out.stdout);
+    for test in ["atomic_lat", "atomic_rate"] {
+        assert!(
+            t.contains(&format!(
+                "# note: {test} over async-btl/sm: emulated atomics"
+            )),
+            "{t}"
+        );
+    }
+    assert!(
+        t.contains("# atomic_lat (us)") && t.contains("# atomic_rate (op/s)"),
+        "{t}"
+    );
+    let rows: Vec<&str> = t
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .collect();
+    assert_eq!(rows.len(), 2, "{t}");
+    assert!(rows.iter().all(|r| r.starts_with("8 ")), "{t}");
+}
+
+#[test]
+fn atomic_tests_beside_ucx() {
+    if !have_ucx() {
+        eprintln!("skipped: ucx_perftest not found (apt-get install ucx-utils)");
+        return;
+    }
+    let out = run(Command::new(PERF)
+        .args([
+            "--transport",
+            "sm",
+            "--test",
+            "atomic_lat,atomic_cswap_lat,atomic_rate",
+        ])
+        .args(["--baseline", "ucx", "--json"])
+        .args(ATOMIC_QUICK));
+    let j = json(&out);
+    check_atomic_rows(&j, "async-btl/sm");
+    let notes = j["header"]["notes"].to_string();
+    let ucx = points_of(&j, "ucx");
+    // Each test is measured by UCX or, where its test cannot run here,
+    // named in a note; never a failed run.
+    for t in ATOMICS {
+        let measured = ucx.contains(&(t.to_string(), 8));
+        let noted = notes.contains(&format!("ucx: no {t}")) || notes.contains("ucx skipped");
+        assert!(
+            measured || noted,
+            "{t}: neither a ucx row nor a note: {notes}"
+        );
+        if measured {
+            assert!(
+                j["ratios"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|r| r["baseline"] == "ucx" && r["test"] == t),
+                "{t} has a ucx row but no ratio"
+            );
+        } else {
+            eprintln!("note: ucx did not measure {t} here: {notes}");
+        }
+    }
+}
+
+#[test]
+fn atomic_tests_beside_open_mpi() {
+    if !(have("mpicc") && have("mpirun")) {
+        eprintln!(
+            "skipped: mpicc or mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+        );
+        return;
+    }
+    let out = run(Command::new(PERF)
+        .args([
+            "--transport",
+            "sm",
+            "--test",
+            "atomic_lat,atomic_cswap_lat,atomic_rate",
+        ])
+        .args(["--baseline", "ompi", "--json"])
+        .args(ATOMIC_QUICK));
+    let j = json(&out);
+    check_atomic_rows(&j, "async-btl/sm");
+    check_atomic_rows(&j, "ompi");
+    assert!(j["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["baseline"] == "ompi" && r["test"] == "atomic_lat"));
 }

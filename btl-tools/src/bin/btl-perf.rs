@@ -14,13 +14,19 @@ use btl_tools::perf::machine::Machine;
 use btl_tools::perf::pin::{pin_current_thread, Pinning};
 use btl_tools::perf::plan::Counts;
 use btl_tools::perf::report::{Pick, Report};
-use btl_tools::perf::session::{run, Settings};
+use btl_tools::perf::session::{run, AtomicTarget, Settings};
 use btl_tools::perf::{plot, Baseline, Test};
 use clap::Parser;
 
 const LONG_ABOUT: &str = "Point-to-point benchmarks of async-btl between two ranks, in the manner
 of the OSU micro-benchmarks: ping-pong latency, windowed bandwidth (one way
-and both ways), put/get latency and bandwidth, and the 8-byte message rate.
+and both ways), put/get latency and bandwidth, the 8-byte message rate, and
+remote atomics on an 8-byte word of rank 1's region: fetch-and-add latency
+(atomic_lat), compare-and-swap latency (atomic_cswap_lat) and the rate of
+non-fetching adds completed by a flush per window (atomic_rate). The
+atomics run at 8 B only; the report notes whether each test's atomics were
+native (a CPU atomic on the mapped region, sm) or emulated (applied by
+rank 1), and --atomic-target registered measures the emulated path.
 
 The same tests run, in the same two processes on the same cores, over tokio
 UnixStream, TcpStream (127.0.0.1) and UdpSocket (127.0.0.1) as baselines; the
@@ -28,7 +34,9 @@ table gives async-btl's value divided by each baseline's.
 
 Open MPI 4.1 can be measured too, on request: `--baseline ompi` (its
 shared-memory BTL, vader) and `--baseline ompi-tcp` (its TCP BTL on
-loopback), for lat, bw, put_lat and put_bw at the run's sizes and counts.
+loopback), for lat, bw, put_lat, put_bw and the three atomic tests
+(MPI_Fetch_and_op, MPI_Compare_and_swap, MPI_Accumulate, each with
+MPI_Win_flush) at the run's sizes and counts.
 Rank 0 compiles a small MPI program with `mpicc` and runs it under
 `mpirun -np 2 --bind-to core` after everything else; without mpicc or
 mpirun (apt-get install openmpi-bin libopenmpi-dev), when mpirun fails,
@@ -37,8 +45,9 @@ or when btl-perf itself runs under mpirun, the report says why in a
 
 So can UCX: `--baseline ucx` runs its own `ucx_perftest` (apt-get install
 ucx-utils) over its shared-memory transports (UCX_TLS=sm,self), one server
-and client pair per point on the ranks' cores, for lat, bw, put_bw, get_bw
-and msg_rate.
+and client pair per point on the ranks' cores, for lat, bw, put_bw, get_bw,
+msg_rate, and the atomics (ucp_fadd, ucp_cswap, ucp_add). A test it cannot
+run is a note; the others go on.
 
 With the ranks pinned to two cores (the default), rank 0 also reads the
 machine's own hop before and after each run: an 8-byte ping-pong between
@@ -56,6 +65,7 @@ const EXAMPLES: &str = "Examples:
   btl-run -n 2 -- btl-perf --test put_bw --baseline none
   btl-perf --test lat,bw --baseline ompi,ompi-tcp,unix --min-size 8 --max-size 1M
   btl-perf --transport sm --test lat,bw,put_bw --baseline ompi,ucx --repeat 3
+  btl-perf --transport sm --test atomic_lat,atomic_cswap_lat,atomic_rate --baseline ucx,ompi
   mpirun -np 2 btl-perf --test lat --plot lat.svg";
 
 /// Command-line arguments.
@@ -63,7 +73,9 @@ const EXAMPLES: &str = "Examples:
 #[command(name = "btl-perf", version, about = "Point-to-point benchmarks of async-btl against tokio sockets.", long_about = LONG_ABOUT, after_help = EXAMPLES)]
 struct Args {
     /// Tests to run, comma-separated: lat, bw, bibw, put_lat, put_bw,
-    /// get_lat, get_bw, msg_rate, or all.
+    /// get_lat, get_bw, msg_rate, atomic_lat (fetch_add), atomic_cswap_lat
+    /// (compare_swap), atomic_rate (atomic_add_nbi windows and a flush), or
+    /// all.
     #[arg(long, value_name = "TESTS", default_value = "all", value_parser = tests)]
     test: std::vec::Vec<Test>,
 
@@ -116,6 +128,13 @@ struct Args {
     /// completes with one flush (MPI_Put and MPI_Win_flush, as OSU does)
     #[arg(long)]
     rma_futures: bool,
+
+    /// Memory the atomic tests' words live in on rank 1: region
+    /// (Fabric::alloc_region; mapped by a same-node peer, native atomics
+    /// on sm) or registered (Fabric::register of a PageBuf; emulated, rank 1
+    /// applies each atomic).
+    #[arg(long, value_name = "KIND", default_value = "region")]
+    atomic_target: AtomicTarget,
 
     /// Core placement: auto (rank i on core i), none, or a list like 0,1.
     #[arg(long, value_name = "CORES", default_value = "auto")]
@@ -293,6 +312,7 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
         watchdog: Duration::from_secs(args.watchdog.max(1)),
         command: command_line(),
         rma_futures: args.rma_futures,
+        atomic_target: args.atomic_target,
     };
     let rank = job.rank;
     let bar = (rank == 0)

@@ -12,9 +12,15 @@
 //! - `put_bw` / `get_bw` on a socket: a window of `size`-byte messages
 //!   towards rank 1 then an ack, or an 8-byte request then a window back.
 //!
+//! - `atomic_lat` / `atomic_cswap_lat` on a socket: what an atomic carried
+//!   by messages costs at the least: send a request ([`ATOMIC_REQUEST`] or
+//!   [`CSWAP_REQUEST`] bytes: offset and operands), wait for the 8-byte
+//!   previous value. `atomic_rate`: a window of requests, then an ack.
+//!
 //! Over async-btl, the one-sided tests use real `put`/`get` into a region
-//! that rank 1 allocated with `alloc_region` ([`rma_timed`]); rank 1 only
-//! waits.
+//! that rank 1 allocated with `alloc_region` ([`rma_timed`]), and the
+//! atomic tests real `fetch_add`/`compare_swap`/`atomic_add_nbi` on words
+//! of rank 1's region ([`atomic_timed`]); rank 1 only waits.
 
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,24 @@ use async_btl::{Endpoint, MemoryRegion, RemoteKey, Result};
 pub const ACK: usize = 4;
 /// Length of a get request on a socket wire.
 pub const REQUEST: usize = 8;
+/// Length of an atomic add request on a socket wire: offset and operand.
+pub const ATOMIC_REQUEST: usize = 16;
+/// Length of a compare-and-swap request on a socket wire: offset, the
+/// expected and the new value.
+pub const CSWAP_REQUEST: usize = 24;
+/// Length of an atomic's answer: the word's previous value.
+pub const ATOMIC_ANSWER: usize = 8;
+
+/// The word of the atomic target `atomic_lat` adds to (each test has a
+/// word of its own, a cache line apart, so that one test's value does not
+/// disturb another's check).
+pub const FADD_WORD: u64 = 0;
+/// The word `atomic_cswap_lat` swaps.
+pub const CSWAP_WORD: u64 = 64;
+/// The word `atomic_rate` adds to.
+pub const ADD_WORD: u64 = 128;
+/// Bytes of the atomic target that rank 1 makes.
+pub const ATOMIC_TARGET: usize = 192;
 
 /// Times a loop whose first `warmup` turns are not counted.
 struct Clock {
@@ -69,7 +93,7 @@ fn value(test: Test, size: usize, plan: &Plan, elapsed: Duration) -> f64 {
             let both = if test == Test::Bibw { 2.0 } else { 1.0 };
             both * ops * size as f64 / secs / 1e6
         }
-        Unit::MsgPerSec => ops / secs,
+        Unit::MsgPerSec | Unit::OpsPerSec => ops / secs,
     }
 }
 
@@ -130,9 +154,107 @@ pub async fn on_wire<W: Wire>(
                 w.recv(REQUEST).await?;
                 w.send_window(size, n).await?;
             }
+            (Test::AtomicLat | Test::AtomicCswapLat, true) => {
+                w.send(request_len(test)).await?;
+                w.recv(ATOMIC_ANSWER).await?;
+            }
+            (Test::AtomicLat | Test::AtomicCswapLat, false) => {
+                w.recv(request_len(test)).await?;
+                w.send(ATOMIC_ANSWER).await?;
+            }
+            (Test::AtomicRate, true) => {
+                w.send_window(ATOMIC_REQUEST, n).await?;
+                w.recv(ACK).await?;
+            }
+            (Test::AtomicRate, false) => {
+                w.recv_window(ATOMIC_REQUEST, n).await?;
+                w.send(ACK).await?;
+            }
         }
     }
     Ok(timer.then(|| value(test, size, plan, clock.elapsed())))
+}
+
+/// The request an atomic test sends on a socket wire.
+fn request_len(test: Test) -> usize {
+    if test == Test::AtomicCswapLat {
+        CSWAP_REQUEST
+    } else {
+        ATOMIC_REQUEST
+    }
+}
+
+/// Time an atomic test (`atomic_lat`, `atomic_cswap_lat`, `atomic_rate`)
+/// over async-btl from rank 0, on the words of rank 1's region `key`
+/// ([`FADD_WORD`], [`CSWAP_WORD`], [`ADD_WORD`]).
+///
+/// - `atomic_lat`: one `fetch_add(1)` at a time, each awaited (the
+///   previous value is back: remote completion).
+/// - `atomic_cswap_lat`: one `compare_swap(old, old + 1)` at a time, each
+///   with the value the last one returned, so that every swap succeeds.
+/// - `atomic_rate`: windows of `atomic_add_nbi(1)`, each window completed
+///   by one `flush` (a shmem_atomic_add loop and a quiet; MPI_Accumulate
+///   then MPI_Win_flush).
+///
+/// Every answer is checked (each fetch returns the last value plus one,
+/// and the added word holds every add once the test is over), so a wrong
+/// atomic fails the run instead of giving a figure.
+pub async fn atomic_timed(ep: &Endpoint, key: &RemoteKey, test: Test, plan: &Plan) -> Result<f64> {
+    let wrong = |what: &str, got: u64, want: u64| {
+        async_btl::Error::Misuse(format!(
+            "{test}: {what} returned {got} where {want} was due: the remote atomic is wrong"
+        ))
+    };
+    let mut clock = Clock::new(plan);
+    match test {
+        Test::AtomicLat => {
+            let mut last = ep.fetch_add(key, FADD_WORD, 0).await?;
+            for i in 0..plan.warmup + plan.iters {
+                clock.tick(i);
+                let old = ep.fetch_add(key, FADD_WORD, 1).await?;
+                if old != last {
+                    return Err(wrong("fetch_add", old, last));
+                }
+                last = old.wrapping_add(1);
+            }
+        }
+        Test::AtomicCswapLat => {
+            let mut last = ep.fetch_add(key, CSWAP_WORD, 0).await?;
+            for i in 0..plan.warmup + plan.iters {
+                clock.tick(i);
+                let next = last.wrapping_add(1);
+                let old = ep.compare_swap(key, CSWAP_WORD, last, next).await?;
+                if old != last {
+                    return Err(wrong("compare_swap", old, last));
+                }
+                last = next;
+            }
+        }
+        Test::AtomicRate => {
+            let start = ep.fetch_add(key, ADD_WORD, 0).await?;
+            let turns = plan.warmup + plan.iters;
+            for i in 0..turns {
+                clock.tick(i);
+                for _ in 0..plan.window {
+                    ep.atomic_add_nbi(key, ADD_WORD, 1)?;
+                }
+                ep.flush().await?;
+            }
+            let elapsed = clock.elapsed();
+            let end = ep.fetch_add(key, ADD_WORD, 0).await?;
+            let want = start.wrapping_add(turns * plan.window);
+            if end != want {
+                return Err(wrong("the word after every add", end, want));
+            }
+            return Ok(value(test, 8, plan, elapsed));
+        }
+        _ => {
+            return Err(async_btl::Error::Misuse(format!(
+                "{test} is not an atomic test"
+            )))
+        }
+    }
+    Ok(value(test, 8, plan, clock.elapsed()))
 }
 
 /// What rank 0 needs for async-btl's one-sided tests.
@@ -247,5 +369,9 @@ mod tests {
         assert!((value(Test::Bw, 1_000_000, &p, s) - 40.0).abs() < 1e-9);
         assert!((value(Test::Bibw, 1_000_000, &p, s) - 80.0).abs() < 1e-9);
         assert!((value(Test::MsgRate, 8, &p, s) - 40.0).abs() < 1e-9);
+        // Atomics: a whole operation each, or operations per second.
+        assert!((value(Test::AtomicLat, 8, &p, s) - 100_000.0).abs() < 1e-6);
+        assert!((value(Test::AtomicCswapLat, 8, &p, s) - 100_000.0).abs() < 1e-6);
+        assert!((value(Test::AtomicRate, 8, &p, s) - 40.0).abs() < 1e-9);
     }
 }

@@ -55,11 +55,20 @@ pub enum Test {
     GetBw,
     /// 8-byte messages in windows, one direction; messages per second.
     MsgRate,
+    /// A remote `fetch_add` on an 8-byte word, one at a time; µs per
+    /// operation (the previous value back: remote completion).
+    AtomicLat,
+    /// A remote `compare_swap` on an 8-byte word (one that succeeds), one
+    /// at a time; µs per operation.
+    AtomicCswapLat,
+    /// Windows of non-fetching `atomic_add_nbi`, each followed by a flush;
+    /// operations per second.
+    AtomicRate,
 }
 
 impl Test {
     /// Every test, in report order.
-    pub const ALL: [Test; 8] = [
+    pub const ALL: [Test; 11] = [
         Test::Lat,
         Test::Bw,
         Test::Bibw,
@@ -68,6 +77,9 @@ impl Test {
         Test::GetLat,
         Test::GetBw,
         Test::MsgRate,
+        Test::AtomicLat,
+        Test::AtomicCswapLat,
+        Test::AtomicRate,
     ];
 
     /// The name used on the command line and in reports.
@@ -81,6 +93,9 @@ impl Test {
             Test::GetLat => "get_lat",
             Test::GetBw => "get_bw",
             Test::MsgRate => "msg_rate",
+            Test::AtomicLat => "atomic_lat",
+            Test::AtomicCswapLat => "atomic_cswap_lat",
+            Test::AtomicRate => "atomic_rate",
         }
     }
 
@@ -88,9 +103,26 @@ impl Test {
     pub fn unit(self) -> Unit {
         match self {
             Test::Lat | Test::PutLat | Test::GetLat => Unit::Micros,
+            Test::AtomicLat | Test::AtomicCswapLat => Unit::Micros,
             Test::Bw | Test::Bibw | Test::PutBw | Test::GetBw => Unit::MBps,
             Test::MsgRate => Unit::MsgPerSec,
+            Test::AtomicRate => Unit::OpsPerSec,
         }
+    }
+
+    /// Whether the test is a remote atomic on one 8-byte word.
+    pub fn is_atomic(self) -> bool {
+        matches!(
+            self,
+            Test::AtomicLat | Test::AtomicCswapLat | Test::AtomicRate
+        )
+    }
+
+    /// The one size a test always runs at, whatever the sizes asked for:
+    /// 8 bytes for `msg_rate` (8-byte messages) and for the atomics (one
+    /// 8-byte word); `None` for the tests that run at every size.
+    pub fn fixed_size(self) -> Option<usize> {
+        (self == Test::MsgRate || self.is_atomic()).then_some(8)
     }
 
     /// Whether the test streams windows (as opposed to one operation at a time).
@@ -99,10 +131,10 @@ impl Test {
     }
 
     /// The message sizes the test runs at, given the requested range.
-    /// `msg_rate` always uses 8-byte messages.
+    /// A test with a [`fixed_size`](Self::fixed_size) runs at that alone.
     pub fn sizes(self, min: usize, max: usize) -> Vec<usize> {
-        if self == Test::MsgRate {
-            return vec![8];
+        if let Some(n) = self.fixed_size() {
+            return vec![n];
         }
         let mut v = Vec::new();
         let mut s = min.max(1).next_power_of_two();
@@ -148,6 +180,9 @@ pub enum Unit {
     /// Messages per second (higher is better).
     #[serde(rename = "msg/s")]
     MsgPerSec,
+    /// Operations (remote atomics) per second (higher is better).
+    #[serde(rename = "op/s")]
+    OpsPerSec,
 }
 
 impl Unit {
@@ -157,6 +192,7 @@ impl Unit {
             Unit::Micros => "us",
             Unit::MBps => "MB/s",
             Unit::MsgPerSec => "msg/s",
+            Unit::OpsPerSec => "op/s",
         }
     }
 
@@ -295,6 +331,10 @@ mod tests {
         assert_eq!(Test::Lat.sizes(1, 16), vec![1, 2, 4, 8, 16]);
         assert_eq!(Test::Bw.sizes(3, 20), vec![4, 8, 16]);
         assert_eq!(Test::MsgRate.sizes(1, 1 << 20), vec![8]);
+        for t in [Test::AtomicLat, Test::AtomicCswapLat, Test::AtomicRate] {
+            assert_eq!(t.sizes(64, 1 << 20), vec![8], "{t}: one 8-byte word");
+        }
+        assert!(Test::AtomicRate.windowed() && !Test::AtomicLat.windowed());
         assert!(Test::Lat.sizes(64, 8).is_empty());
     }
 

@@ -42,9 +42,11 @@ const LAUNCHER_VARS: [&str; 4] = [
     "MPI_LOCALRANKID",
 ];
 
-/// The tests the program implements.
+/// The tests the program implements: the atomics are
+/// `MPI_Fetch_and_op`, `MPI_Compare_and_swap` and `MPI_Accumulate` on a
+/// `uint64_t` of rank 1's window, each completed by `MPI_Win_flush`.
 pub fn supports(test: Test) -> bool {
-    matches!(test, Test::Lat | Test::Bw | Test::PutLat | Test::PutBw)
+    matches!(test, Test::Lat | Test::Bw | Test::PutLat | Test::PutBw) || test.is_atomic()
 }
 
 /// The tests of [`supports`], by name, comma-separated.
@@ -260,6 +262,13 @@ mod tests {
         assert!(!mpirun_args(Baseline::Ompi, false).contains(&"--allow-run-as-root".to_string()));
         assert!(mca(Baseline::Unix).is_empty());
         assert!(SOURCE.contains("MPI_Put") && SOURCE.contains("put_bw"));
+        for t in [Test::AtomicLat, Test::AtomicCswapLat, Test::AtomicRate] {
+            assert!(
+                supports(t) && SOURCE.contains(&format!("\"{}\"", t.name())),
+                "{t}"
+            );
+        }
+        assert!(SOURCE.contains("MPI_Fetch_and_op") && SOURCE.contains("MPI_Accumulate"));
     }
 
     #[test]

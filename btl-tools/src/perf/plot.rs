@@ -109,6 +109,13 @@ pub fn write_svg(r: &Report, path: &std::path::Path) -> Result<()> {
         for (i, (name, pts)) in ss.into_iter().enumerate() {
             let color = palette[i % palette.len()];
             let width = if is_btl(&name) { 3 } else { 2 };
+            if pts.len() == 1 {
+                // A test of one size (the atomics): a line of one point
+                // shows nothing, so mark it.
+                chart
+                    .draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))
+                    .map_err(plot_err)?;
+            }
             chart
                 .draw_series(LineSeries::new(pts, color.stroke_width(width)))
                 .map_err(plot_err)?

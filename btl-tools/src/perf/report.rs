@@ -232,7 +232,7 @@ impl Report {
         let mut o = self.header_lines();
         let _ = writeln!(
             o,
-            "# ratio = async-btl / baseline (us: below 1 is better; MB/s and msg/s: above 1 is better)"
+            "# ratio = async-btl / baseline (us: below 1 is better; MB/s, msg/s and op/s: above 1 is better)"
         );
         for test in self.tests() {
             let wires = self.wires(test);
@@ -315,6 +315,9 @@ fn fmt_value(v: Option<f64>) -> String {
     match v {
         None => "-".into(),
         Some(v) if v >= 1e5 => format!("{v:.0}"),
+        // Below a microsecond (a native atomic takes tens of nanoseconds):
+        // to the nanosecond.
+        Some(v) if v < 1.0 => format!("{v:.3}"),
         Some(v) => format!("{v:.2}"),
     }
 }

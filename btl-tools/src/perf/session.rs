@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::machine::{utc_now, Floor, Header, Machine};
-use super::method::{on_wire, rma_timed, RmaSide};
+use super::method::{atomic_timed, on_wire, rma_timed, RmaSide, ATOMIC_TARGET};
 use super::pin::Pinning;
 use super::plan::Counts;
 use super::report::Report;
@@ -20,7 +20,9 @@ use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
 use super::{btl_label, Baseline, Sample, Test};
 use super::{ompi, ucx};
 use async_btl::bootstrap::JobInfo;
-use async_btl::{Config, CopyChoice, Error, Fabric, ProgressMode, RemoteKey, Result};
+use async_btl::{
+    Config, CopyChoice, Error, Fabric, PageBuf, ProgressMode, RemoteKey, Result, Stats,
+};
 
 /// Tag of benchmark messages.
 const TAG_DATA: u64 = 0x7065_7266_0001;
@@ -63,6 +65,49 @@ pub struct Settings {
     pub command: String,
     /// `put_bw`/`get_bw` with one future per operation (see `RmaSide`).
     pub rma_futures: bool,
+    /// What memory the atomic tests' words live in on rank 1.
+    pub atomic_target: AtomicTarget,
+}
+
+/// The memory rank 1 offers the atomic tests (`--atomic-target`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AtomicTarget {
+    /// A region from `Fabric::alloc_region`: same-node peers map it, so
+    /// over `sm` an atomic is one hardware instruction on the mapping.
+    #[default]
+    Region,
+    /// A `PageBuf` passed to `Fabric::register`: private to rank 1, so
+    /// every atomic is a request that rank 1 applies (emulated).
+    Registered,
+}
+
+impl AtomicTarget {
+    /// The name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            AtomicTarget::Region => "region",
+            AtomicTarget::Registered => "registered",
+        }
+    }
+}
+
+impl std::fmt::Display for AtomicTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for AtomicTarget {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "region" => Ok(AtomicTarget::Region),
+            "registered" => Ok(AtomicTarget::Registered),
+            other => Err(format!(
+                "unknown atomic target {other:?}; choose region (Fabric::alloc_region) or registered (Fabric::register of a PageBuf)"
+            )),
+        }
+    }
 }
 
 impl Settings {
@@ -98,9 +143,9 @@ impl Settings {
     }
 
     /// The sizes `test` runs at: the listed ones, or the powers of two in
-    /// range (`msg_rate`: 8 bytes either way).
+    /// range (`msg_rate` and the atomics: 8 bytes either way).
     pub fn sizes_of(&self, test: Test) -> Vec<usize> {
-        if self.sizes.is_empty() || test == Test::MsgRate {
+        if self.sizes.is_empty() || test.fixed_size().is_some() {
             test.sizes(self.min_size, self.max_size)
         } else {
             self.sizes.clone()
@@ -108,7 +153,10 @@ impl Settings {
     }
 
     fn max_len(&self) -> usize {
-        self.max_size.max(super::method::REQUEST).max(8)
+        // Room for the socket wires' atomic requests too.
+        self.max_size
+            .max(super::method::REQUEST)
+            .max(super::method::CSWAP_REQUEST)
     }
 }
 
@@ -147,6 +195,7 @@ pub async fn run(
     let mut sockets = Vec::new();
     let mut samples = Vec::new();
     let mut names = Vec::new();
+    let mut atomic_notes = Vec::new();
     // The bulk copy routine: the first fabric of the process chooses it.
     let mut copy = None;
     for (i, cfg) in runs.into_iter().enumerate() {
@@ -163,7 +212,8 @@ pub async fn run(
         }
         let transport = fabric.transport_for(1 - fabric.rank()).unwrap_or("none");
         names.push(transport);
-        measure(s, fabric, transport, &mut samples, tick).await?;
+        let paths = measure(s, fabric, transport, &mut samples, tick).await?;
+        atomic_notes.extend(paths);
     }
     let rank = job.rank;
     let transport = names.join(",");
@@ -195,9 +245,10 @@ pub async fn run(
     drop(sockets);
     let mut notes = measure_mpi(s, &mut samples, tick).await;
     if s.baselines.contains(&Baseline::Ucx) {
-        notes.push(measure_ucx(s, &mut samples, tick).await);
+        notes.extend(measure_ucx(s, &mut samples, tick).await);
     }
     let mut header = header(s, &config, &transport, &launcher, core, copy);
+    header.notes.extend(atomic_notes);
     header.notes.extend(notes);
     // After everything, the external baselines included (rank 1 is done).
     if let Some(cores) = floor_cores {
@@ -222,31 +273,46 @@ fn points_of(s: &Settings, b: Baseline) -> Vec<(Test, usize, super::plan::Plan)>
         .collect()
 }
 
-/// Rank 0: measure the UCX baseline, adding its samples; returns the note
-/// for the report (what ran, or why it was skipped).
+/// Rank 0: measure the UCX baseline, adding its samples; returns the
+/// notes for the report: what ran, and why a test (or all of UCX) was
+/// skipped.
 async fn measure_ucx(
     s: &Settings,
     samples: &mut Vec<Sample>,
     tick: &mut dyn FnMut(&str),
-) -> String {
+) -> Vec<String> {
     let only = ucx::supported_names();
     let points = points_of(s, Baseline::Ucx);
     if points.is_empty() {
-        return format!("ucx skipped: it measures {only} only");
+        return vec![format!("ucx skipped: it measures {only} only")];
     }
-    match ucx::measure(&points, s.cores, s.watchdog, tick).await {
-        Ok(values) => {
-            for (&(test, size, plan), value) in points.iter().zip(values) {
-                samples.push(sample(test, Baseline::Ucx.name(), size, value, &plan));
+    let results = ucx::measure(&points, s.cores, s.watchdog, tick).await;
+    let mut failed: Vec<(Test, String)> = Vec::new();
+    for (&(test, size, plan), r) in points.iter().zip(results) {
+        match r {
+            Ok(value) => samples.push(sample(test, Baseline::Ucx.name(), size, value, &plan)),
+            Err(why) => {
+                if !failed.iter().any(|(t, _)| *t == test) {
+                    failed.push((test, why));
+                }
             }
-            format!(
-                "ucx: {}, ucx_perftest UCX_TLS={} (a server and a client per point, same sizes and counts, operations in flight as UCX chooses; {only} only)",
-                ucx::version(s.watchdog).await,
-                ucx::TLS
-            )
         }
-        Err(why) => format!("ucx skipped: {why}"),
     }
+    let measured = samples.iter().any(|x| x.wire == Baseline::Ucx.name());
+    if !measured {
+        // Nothing ran: one reason (the first) for all of it.
+        let why = failed.into_iter().next().map_or_else(String::new, |f| f.1);
+        return vec![format!("ucx skipped: {why}")];
+    }
+    let mut notes = vec![format!(
+        "ucx: {}, ucx_perftest UCX_TLS={} (a server and a client per point, same sizes and counts, operations in flight as UCX chooses; {only} only)",
+        ucx::version(s.watchdog).await,
+        ucx::TLS
+    )];
+    for (test, why) in failed {
+        notes.push(format!("ucx: no {test}: {why}"));
+    }
+    notes
 }
 
 /// Rank 0: measure the Open MPI baselines asked for, adding their samples;
@@ -424,6 +490,24 @@ fn header(
             "async-btl put_bw/get_bw: a window of put_nbi/get_nbi, then one flush (as MPI_Put/MPI_Get then MPI_Win_flush)".into()
         });
     }
+    if s.tests.iter().any(|t| t.is_atomic()) {
+        set(
+            "atomics",
+            format!(
+                "8 B words of a {} B target on rank 1 made by {} (--atomic-target {})",
+                ATOMIC_TARGET,
+                match s.atomic_target {
+                    AtomicTarget::Region => "Fabric::alloc_region",
+                    AtomicTarget::Registered => "Fabric::register(PageBuf::zeroed)",
+                },
+                s.atomic_target
+            ),
+        );
+        notes.push("atomic_lat: one fetch_add awaited at a time; atomic_cswap_lat: one compare_swap (always succeeding) at a time; atomic_rate: a window of atomic_add_nbi, then one flush; each answer checked".into());
+        if s.baselines.iter().any(|b| !b.is_external()) {
+            notes.push("socket atomics: send a 16 B request (24 B for cswap) + wait for the 8 B old value; atomic_rate: a window of 16 B requests + a 4 B ack".into());
+        }
+    }
     if s.baselines.contains(&Baseline::Udp) {
         notes.push(format!(
             "udp: messages above {UDP_CHUNK} B are cut into {UDP_CHUNK} B datagrams under a credit window; no bibw on udp"
@@ -453,14 +537,15 @@ fn floor_cores(s: &Settings, job: &JobInfo) -> Option<(usize, usize)> {
 }
 
 /// Measure async-btl over `fabric` (whose peer link uses `transport`), then
-/// close the fabric.
+/// close the fabric. Rank 0 returns a note per atomic test run, saying
+/// which path (native or emulated) carried its atomics.
 async fn measure(
     s: &Settings,
     fabric: Fabric,
     transport: &str,
     samples: &mut Vec<Sample>,
     tick: &mut dyn FnMut(&str),
-) -> Result<()> {
+) -> Result<Vec<String>> {
     let rank = fabric.rank();
     let peer = 1 - rank;
     let label = btl_label(transport);
@@ -469,18 +554,34 @@ async fn measure(
     let mut btl = BtlWire::new(ep.clone(), fabric.receiver(TAG_DATA)?, TAG_DATA, max_len);
 
     let rma = s.tests.iter().any(|t| is_rma(*t));
+    let atomics = s.tests.iter().any(|t| t.is_atomic());
     let mut ctrl = fabric.receiver(TAG_CTRL)?;
-    // Rank 1 owns the target region; rank 0 learns its key.
-    let (target, key, local) = if !rma {
-        (None, None, None)
-    } else if rank == 1 {
-        let r = fabric.alloc_region(max_len)?;
-        ep.send(TAG_CTRL, r.remote_key().to_bytes()).await?;
-        (Some(r), None, None)
+    // Rank 1 owns the target regions; rank 0 learns their keys (in this
+    // order, on one tag: the put/get region's, then the atomics').
+    let mut targets = Vec::new();
+    let (mut key, mut atomic_key, mut local) = (None, None, None);
+    if rank == 1 {
+        if rma {
+            targets.push(fabric.alloc_region(max_len)?);
+        }
+        if atomics {
+            targets.push(match s.atomic_target {
+                AtomicTarget::Region => fabric.alloc_region(ATOMIC_TARGET)?,
+                AtomicTarget::Registered => fabric.register(PageBuf::zeroed(ATOMIC_TARGET)),
+            });
+        }
+        for r in &targets {
+            ep.send(TAG_CTRL, r.remote_key().to_bytes()).await?;
+        }
     } else {
-        let k = RemoteKey::from_bytes(&ctrl.recv().await?.data)?;
-        (None, Some(k), Some(fabric.register(vec![7u8; max_len])))
-    };
+        if rma {
+            key = Some(RemoteKey::from_bytes(&ctrl.recv().await?.data)?);
+            local = Some(fabric.register(vec![7u8; max_len]));
+        }
+        if atomics {
+            atomic_key = Some(RemoteKey::from_bytes(&ctrl.recv().await?.data)?);
+        }
+    }
 
     let guard = |what: String| {
         move |_| Error::Timeout {
@@ -488,6 +589,7 @@ async fn measure(
             after: s.watchdog,
         }
     };
+    let mut paths = Vec::new();
     for &test in &s.tests {
         for size in s.sizes_of(test) {
             let plan = s.counts.plan(test, size);
@@ -509,6 +611,25 @@ async fn measure(
                     }
                     _ => None, // rank 1: the target only serves
                 }
+            } else if test.is_atomic() {
+                match &atomic_key {
+                    Some(key) => {
+                        let before = fabric.stats();
+                        let f = atomic_timed(&ep, key, test, &plan);
+                        let v = tokio::time::timeout(s.watchdog, f)
+                            .await
+                            .map_err(guard(what.clone()))??;
+                        paths.push(atomic_path(
+                            test,
+                            &label,
+                            s.atomic_target,
+                            &before,
+                            &fabric.stats(),
+                        ));
+                        Some(v)
+                    }
+                    None => None, // rank 1: the target only serves
+                }
             } else {
                 let f = on_wire(&mut btl, rank, test, size, &plan);
                 tokio::time::timeout(s.watchdog, f)
@@ -521,10 +642,96 @@ async fn measure(
             tick(&what);
         }
     }
-    // Rank 1's region must outlive rank 0's last put/get.
+    // Rank 1's regions must outlive rank 0's last put, get and atomic.
     fabric.barrier().await?;
-    drop(target);
+    drop(targets);
     drop((btl, ctrl));
     fabric.close().await?;
-    Ok(())
+    Ok(paths)
+}
+
+/// The note saying which path carried one atomic test's operations: the
+/// change in the initiator's [`Stats::native_atomics`] and
+/// [`Stats::emulated_atomics`] over the test (its warm-up and the reads
+/// that check it included).
+pub fn atomic_path(
+    test: Test,
+    label: &str,
+    target: AtomicTarget,
+    before: &Stats,
+    after: &Stats,
+) -> String {
+    let native = after.native_atomics.saturating_sub(before.native_atomics);
+    let emulated = after
+        .emulated_atomics
+        .saturating_sub(before.emulated_atomics);
+    let path = match (native, emulated) {
+        (_, 0) => "native",
+        (0, _) => "emulated",
+        _ => "mixed",
+    };
+    format!(
+        "{test} over {label}: {path} atomics ({native} native, {emulated} emulated; target {})",
+        match target {
+            AtomicTarget::Region => "Fabric::alloc_region",
+            AtomicTarget::Registered => "Fabric::register(PageBuf)",
+        }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_paths_are_named_from_the_counters() {
+        let before = Stats::default();
+        let mut after = Stats::default();
+        after.native_atomics = 1010;
+        let n = atomic_path(
+            Test::AtomicLat,
+            "async-btl/sm",
+            AtomicTarget::Region,
+            &before,
+            &after,
+        );
+        assert_eq!(
+            n,
+            "atomic_lat over async-btl/sm: native atomics (1010 native, 0 emulated; target Fabric::alloc_region)"
+        );
+        after.emulated_atomics = 5;
+        let m = atomic_path(
+            Test::AtomicRate,
+            "async-btl/sm",
+            AtomicTarget::Region,
+            &before,
+            &after,
+        );
+        assert!(
+            m.contains(": mixed atomics (1010 native, 5 emulated"),
+            "{m}"
+        );
+        let mut e = Stats::default();
+        e.emulated_atomics = 7;
+        let r = atomic_path(
+            Test::AtomicCswapLat,
+            "async-btl/udp",
+            AtomicTarget::Registered,
+            &before,
+            &e,
+        );
+        assert!(
+            r.contains("emulated atomics (0 native, 7 emulated; target Fabric::register(PageBuf))"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn atomic_targets_parse_by_name() {
+        for t in [AtomicTarget::Region, AtomicTarget::Registered] {
+            assert_eq!(t.name().parse::<AtomicTarget>(), Ok(t));
+        }
+        assert!("mapped".parse::<AtomicTarget>().is_err());
+        assert_eq!(AtomicTarget::default(), AtomicTarget::Region);
+    }
 }

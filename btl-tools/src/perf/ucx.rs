@@ -19,7 +19,14 @@
 //! - `put_bw`: `ucp_put_bw`, puts into the peer's registered memory (over
 //!   shared memory, into its mapping);
 //! - `get_bw`: `ucp_get`;
-//! - `msg_rate`: `tag_bw` at 8 B, its message rate.
+//! - `msg_rate`: `tag_bw` at 8 B, its message rate;
+//! - `atomic_lat`: `ucp_fadd`, one 8-byte fetch-and-add at a time (UCX's
+//!   default of one outstanding operation for it), the time per operation;
+//! - `atomic_cswap_lat`: `ucp_cswap`, the same with compare-and-swap;
+//! - `atomic_rate`: `ucp_add`, non-fetching 8-byte adds, their rate.
+//!
+//! Over `sm,self` UCX does the atomics with CPU atomics on the peer's
+//! mapped memory, as async-btl's `sm` does into an `alloc_region` target.
 //!
 //! `put_lat` is left out: `ucp_put_lat` times a put seen by a peer that
 //! polls the target memory (one way), not a put then a flush, so its
@@ -30,7 +37,9 @@
 //!
 //! As with Open MPI, anything that goes wrong (no `ucx_perftest`, a failed
 //! or stuck pair, output that does not parse) is a reason to skip, given
-//! back as text for the report's notes.
+//! back as text for the report's notes: a test whose point fails is
+//! skipped (its other sizes are not tried), the other tests go on, and a
+//! missing tool skips everything.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -76,6 +85,9 @@ fn ucx_test(test: Test) -> Option<&'static str> {
         Test::Bw | Test::MsgRate => Some("tag_bw"),
         Test::PutBw => Some("ucp_put_bw"),
         Test::GetBw => Some("ucp_get"),
+        Test::AtomicLat => Some("ucp_fadd"),
+        Test::AtomicCswapLat => Some("ucp_cswap"),
+        Test::AtomicRate => Some("ucp_add"),
         Test::Bibw | Test::PutLat | Test::GetLat => None,
     }
 }
@@ -125,7 +137,7 @@ pub fn parse_csv(text: &str, test: Test) -> Result<f64, String> {
     let (column, scale) = match test.unit() {
         super::Unit::Micros => ("overall_lat", 1.0),
         super::Unit::MBps => ("overall_bw", UCX_MB / 1e6),
-        super::Unit::MsgPerSec => ("overall_mr", 1.0),
+        super::Unit::MsgPerSec | super::Unit::OpsPerSec => ("overall_mr", 1.0),
     };
     let names: Vec<&str> = header.split(',').map(str::trim).collect();
     let at = names
@@ -277,22 +289,44 @@ async fn point(
 }
 
 /// Measure `points`, one `ucx_perftest` pair each, every pair limited to
-/// `limit`; the client runs on `cores.0` and the server on `cores.1`.
+/// `limit`; the client runs on `cores.0` and the server on `cores.1`. One
+/// result per point, in order: after a point fails, the test's other
+/// points are not tried (they get the same reason), and when the tool
+/// cannot be started at all, no further point is.
 pub async fn measure(
     points: &[(Test, usize, Plan)],
     cores: (Option<usize>, Option<usize>),
     limit: Duration,
     tick: &mut dyn FnMut(&str),
-) -> Result<Vec<f64>, String> {
-    let mut out = Vec::with_capacity(points.len());
+) -> Vec<Result<f64, String>> {
+    let mut out: Vec<Result<f64, String>> = Vec::with_capacity(points.len());
+    let mut failed: Vec<(Test, String)> = Vec::new();
+    let mut missing: Option<String> = None;
     for &(test, size, plan) in points {
-        let v = point(test, size, &plan, cores, limit)
+        if let Some(why) = &missing {
+            out.push(Err(why.clone()));
+            continue;
+        }
+        if let Some((_, why)) = failed.iter().find(|(t, _)| *t == test) {
+            out.push(Err(why.clone()));
+            continue;
+        }
+        let r = point(test, size, &plan, cores, limit)
             .await
-            .map_err(|e| format!("{test} at {size} B: {e}"))?;
-        tick(&format!("{test} at {size} B over ucx"));
-        out.push(v);
+            .map_err(|e| format!("{test} at {size} B: {e}"));
+        match &r {
+            Ok(_) => tick(&format!("{test} at {size} B over ucx")),
+            Err(why)
+                if why.contains(&format!("{TOOL} not found"))
+                    || why.contains(&format!("cannot start {TOOL}")) =>
+            {
+                missing = Some(why.clone());
+            }
+            Err(why) => failed.push((test, why.clone())),
+        }
+        out.push(r);
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
@@ -309,6 +343,10 @@ mod tests {
         let bw = parse_csv(OUT, Test::Bw).unwrap();
         assert!((bw - 20.0 * 1.048_576).abs() < 1e-9, "{bw}");
         assert_eq!(parse_csv(OUT, Test::MsgRate), Ok(2_457_000.0));
+        // Atomics: latency as is, the add rate from the message rate.
+        assert_eq!(parse_csv(OUT, Test::AtomicLat), Ok(0.409));
+        assert_eq!(parse_csv(OUT, Test::AtomicCswapLat), Ok(0.409));
+        assert_eq!(parse_csv(OUT, Test::AtomicRate), Ok(2_457_000.0));
     }
 
     #[test]
@@ -361,6 +399,15 @@ mod tests {
             "-t ucp_put_bw -s 1048576 -n 6400 -w 640 -p 30001 -f -v"
         );
         assert!(point_args(Test::PutLat, 8, &lat, 1, None).is_err());
+        let f = point_args(Test::AtomicLat, 8, &lat, 30002, None).unwrap();
+        assert_eq!(
+            f.join(" "),
+            "-t ucp_fadd -s 8 -n 1000 -w 100 -p 30002 -f -v"
+        );
+        let c = point_args(Test::AtomicCswapLat, 8, &lat, 30003, None).unwrap();
+        assert!(c.join(" ").starts_with("-t ucp_cswap -s 8 "), "{c:?}");
+        let r = point_args(Test::AtomicRate, 8, &bw, 30004, None).unwrap();
+        assert_eq!(r.join(" "), "-t ucp_add -s 8 -n 6400 -w 640 -p 30004 -f -v");
         assert!(supports(Test::GetBw) && !supports(Test::Bibw) && !supports(Test::PutLat));
     }
 
