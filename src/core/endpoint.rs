@@ -181,6 +181,23 @@ impl Endpoint {
         self.check_key(key, offset, len)?;
         let c = &self.0.core.counters;
         let lraw = local.inner.raw().slice(range.start as u64, len)?;
+        // A key some transport mapped on its first use (UCX's `rkey_ptr`):
+        // one copy, bounds from the real mapping, with no call into the
+        // transport.
+        if let Some(m) = key.mapped_for(self.0.core.job_tag) {
+            if !self.0.core.is_gone(self.0.peer) {
+                m.check_live()?;
+                let remote = m.data();
+                if put {
+                    remote.copy_from(offset, &lraw, 0, len)?;
+                    c.add(Hot::DirectPuts);
+                } else {
+                    lraw.copy_from(0, &remote, offset, len)?;
+                    c.add(Hot::DirectGets);
+                }
+                return Ok(None);
+            }
+        }
         let at = Local {
             region: &local.inner,
             offset: range.start as u64,
@@ -311,6 +328,14 @@ impl Endpoint {
             return Err(AccessError::Misaligned { offset }.into());
         }
         let c = &self.0.core.counters;
+        if let Some(m) = key.mapped_for(self.0.core.job_tag) {
+            if !self.0.core.is_gone(self.0.peer) {
+                m.check_live()?;
+                let old = m.data().atomic(offset, op)?;
+                Counters::bump(&c.native_atomics);
+                return Ok(Ok(old));
+            }
+        }
         match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
             Native::Done(old) => {
                 Counters::bump(&c.native_atomics);

@@ -57,6 +57,9 @@ pub(crate) struct Core {
     links: RwLock<Vec<Option<Route>>>,
     sync: Mutex<SyncState>,
     sync_notify: Notify,
+    /// Per rank: declared lost (read on the one-sided fast path, which
+    /// must not take `sync`'s lock).
+    gone: Vec<AtomicBool>,
 }
 
 #[derive(Default)]
@@ -164,6 +167,14 @@ impl Core {
             .and_then(|l| l.get(rank as usize).cloned().flatten())
     }
 
+    /// Whether `rank` was declared lost, without a lock.
+    #[inline]
+    pub(crate) fn is_gone(&self, rank: Rank) -> bool {
+        self.gone
+            .get(rank as usize)
+            .is_some_and(|g| g.load(Ordering::Acquire))
+    }
+
     /// Why `rank` was declared lost, if it was.
     pub(crate) fn lost_reason(&self, rank: Rank) -> Option<String> {
         lock(&self.sync).lost.get(&rank).cloned()
@@ -214,6 +225,9 @@ impl Core {
     /// A peer is gone: fail everything pending on it. Receivers hear of it
     /// (one `Err(PeerLost)` each) unless it left in order.
     pub(crate) fn on_peer_lost(&self, rank: Rank, reason: &str, how: Loss) {
+        if let Some(g) = self.gone.get(rank as usize) {
+            g.store(true, Ordering::Release);
+        }
         if how != Loss::Closed {
             Counters::bump(&self.counters.peers_lost);
         }
@@ -397,6 +411,7 @@ impl Fabric {
             links: RwLock::new(Vec::new()),
             sync: Mutex::new(SyncState::default()),
             sync_notify: Notify::new(),
+            gone: (0..b.size).map(|_| AtomicBool::new(false)).collect(),
             config: b.config,
         });
         let job = Job {

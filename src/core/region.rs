@@ -155,6 +155,17 @@ impl RemoteKey {
     pub(crate) fn handle(&self, transport: &str) -> Option<&KeyHandle> {
         self.handles.iter().find(|h| h.transport == transport)
     }
+    /// The mapping a transport made for this key on its first use, if it
+    /// was made for the fabric of job `job_tag` (not checked for
+    /// revocation: see [`Mapped::check_live`]).
+    #[inline]
+    pub(crate) fn mapped_for(&self, job_tag: [u64; 2]) -> Option<&Mapped> {
+        match self.mapped.get() {
+            Some((tag, m)) if *tag == job_tag => Some(m),
+            _ => None,
+        }
+    }
+
     /// The peer's region mapped into this process for the fabric of job
     /// `job_tag`: the mapping this key made on first use, or a new one from
     /// `open` (which checks magic, job and owner) kept for next time. A

@@ -979,31 +979,9 @@ impl Link for SmLink {
 
     fn post(&self, op: crate::transport::OneSided<'_>) -> Result<crate::transport::Native> {
         use crate::transport::{Native, OneSided};
-        let key = match op {
-            OneSided::Put { key, .. }
-            | OneSided::Get { key, .. }
-            | OneSided::Atomic { key, .. } => key,
-        };
+        let key = op.key();
         if !key.is_shared() {
-            // A registered buffer: single copy from BTL_SM_CMA_MIN bytes
-            // where the kernel lets the target copy our memory, else the
-            // core's emulation over messages.
-            let (put, local, offset) = match op {
-                OneSided::Put { src, offset, .. } => (true, src, offset),
-                OneSided::Get { dst, offset, .. } => (false, dst, offset),
-                OneSided::Atomic { .. } => return Ok(Native::Emulate),
-            };
-            if local.raw.len() < self.t.config.cma_min || !self.peer.cma_ok() {
-                return Ok(Native::Emulate);
-            }
-            if self.peer.is_lost() {
-                return Err(self.peer.lost_error());
-            }
-            let done = self
-                .t
-                .cma
-                .start(&self.t, &self.peer, put, local, &key.id, offset)?;
-            return Ok(Native::Posted(done));
+            return self.post_registered(op);
         }
         if self.peer.is_lost() {
             return Err(self.peer.lost_error());
@@ -1027,6 +1005,36 @@ impl Link for SmLink {
 
     fn has_queued(&self) -> bool {
         lock(&self.t.tx).has_queued(self.peer.local)
+    }
+}
+
+impl SmLink {
+    /// [`Link::post`] into a registered buffer (a region no peer maps):
+    /// single copy from `cma_min` bytes where the kernel lets the target
+    /// copy our memory, else the core's emulation over messages. Kept out
+    /// of `post`, whose mapped path is the hot one.
+    #[inline(never)]
+    fn post_registered(
+        &self,
+        op: crate::transport::OneSided<'_>,
+    ) -> Result<crate::transport::Native> {
+        use crate::transport::{Native, OneSided};
+        let (put, local, key, offset) = match op {
+            OneSided::Put { src, key, offset } => (true, src, key, offset),
+            OneSided::Get { dst, key, offset } => (false, dst, key, offset),
+            OneSided::Atomic { .. } => return Ok(Native::Emulate),
+        };
+        if local.raw.len() < self.t.config.cma_min || !self.peer.cma_ok() {
+            return Ok(Native::Emulate);
+        }
+        if self.peer.is_lost() {
+            return Err(self.peer.lost_error());
+        }
+        let done = self
+            .t
+            .cma
+            .start(&self.t, &self.peer, put, local, &key.id, offset)?;
+        Ok(Native::Posted(done))
     }
 }
 

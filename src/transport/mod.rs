@@ -184,6 +184,18 @@ pub(crate) enum OneSided<'a> {
     },
 }
 
+impl<'a> OneSided<'a> {
+    /// The key of the region the operation reaches.
+    #[inline]
+    pub(crate) fn key(&self) -> &'a RemoteKey {
+        match *self {
+            OneSided::Put { key, .. } | OneSided::Get { key, .. } | OneSided::Atomic { key, .. } => {
+                key
+            }
+        }
+    }
+}
+
 /// What a transport did with a [`OneSided`] operation.
 pub(crate) enum Native {
     /// Done (remote completion) before returning; for an atomic, the

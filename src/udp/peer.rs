@@ -39,7 +39,7 @@ pub(crate) struct PeerState {
     bundle: Option<Gathered>,
     /// Small messages submitted in a row (a larger one resets it).
     small_run: usize,
-    /// Bundling is on (`Config::udp_bundle`).
+    /// Bundling is on (`UdpConfig::bundle`).
     bundling: bool,
 }
 
@@ -128,7 +128,7 @@ pub(crate) enum Queued {
 }
 
 impl PeerState {
-    /// `bundling`: gather small messages (`Config::udp_bundle`).
+    /// `bundling`: gather small messages (`UdpConfig::bundle`).
     pub(crate) fn new(conn: Connection, now: Instant, bundling: bool) -> PeerState {
         PeerState {
             conn,
