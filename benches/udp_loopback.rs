@@ -198,7 +198,7 @@ fn ethernet_mtu(c: &mut Criterion) {
         });
         if gso {
             let s = a.stats();
-            println!("gso: {} GSO packets sent", s.udp_gso_sends);
+            println!("gso: {} GSO packets sent", s.udp.gso_sends);
         }
         drop(rx);
         rt.block_on(async {

@@ -46,7 +46,9 @@ pub use config::{Config, CopyMode, ProgressMode};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use sm::config::SmConfig;
+pub use sm::stats::SmStats;
 pub use udp::config::UdpConfig;
+pub use udp::stats::UdpStats;
 
 /// A process's index in the job, `0..size`.
 pub type Rank = u32;

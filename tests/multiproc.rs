@@ -125,7 +125,7 @@ async fn alltoall_paths(f: Fabric) {
         assert!(peers.iter().all(|p| next[*p as usize] == K));
     };
     futures::join!(send, recv);
-    println!("rendezvous_sends={}", f.stats().rendezvous_sends);
+    println!("rendezvous_sends={}", f.stats().sm.rendezvous_sends);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -268,7 +268,7 @@ async fn bigput(f: Fabric) {
         let s = f.stats();
         println!(
             "\ncma_puts={}\ncma_gets={}\nemulated_puts={}",
-            s.cma_puts, s.cma_gets, s.emulated_puts
+            s.sm.cma_puts, s.sm.cma_gets, s.emulated_puts
         );
         f.barrier().await.unwrap();
     }
@@ -313,7 +313,7 @@ async fn mixed(f: Fabric) {
             let m = rx.recv().await.unwrap();
             assert_eq!(m.data, pattern(mixed_len(i), i), "message {i}");
         }
-        let fast = f.stats().fast_box_recvs;
+        let fast = f.stats().sm.fast_box_recvs;
         assert!(
             fast > 0 && fast < N,
             "both paths used: {fast} of {N} by fast box"
@@ -397,7 +397,7 @@ async fn refused(f: Fabric) {
         f.barrier().await.unwrap(); // rank 1 installs its filter
         let sends = (1..N).map(|i| ep.send(4, pattern(len(i), i)));
         futures::future::try_join_all(sends).await.unwrap();
-        println!("rendezvous_sends={}", f.stats().rendezvous_sends);
+        println!("rendezvous_sends={}", f.stats().sm.rendezvous_sends);
     } else {
         let mut rx = f.receiver(4).unwrap();
         assert_eq!(rx.recv().await.unwrap().data, pattern(len(0), 0));
@@ -417,8 +417,8 @@ async fn refused(f: Fabric) {
 /// `PHASE_taken_back=`.
 fn print_split(f: &Fabric, phase: &str) {
     let s = f.stats();
-    println!("{phase}_written={}", s.split_tails_written);
-    println!("{phase}_taken_back={}", s.split_tails_taken_back);
+    println!("{phase}_written={}", s.sm.split_tails_written);
+    println!("{phase}_taken_back={}", s.sm.split_tails_taken_back);
 }
 
 /// Split copies (both processes copy a large message, the receiver the

@@ -134,8 +134,8 @@ async fn sizes(f: Fabric) {
         println!("udp_stats={st}");
     }
     let st = f.stats();
-    println!("gso_sends={}", st.udp_gso_sends);
-    println!("gro_receives={}", st.udp_gro_receives);
+    println!("gso_sends={}", st.udp.gso_sends);
+    println!("gro_receives={}", st.udp.gro_receives);
     f.close().await.unwrap();
 }
 
@@ -414,8 +414,8 @@ async fn foreign(f: Fabric) {
             assert_eq!(rx.recv().await.unwrap().data, pattern(5000, i));
         }
         let s = f.stats();
-        println!("foreign={}", s.foreign_datagrams);
-        assert!(s.foreign_datagrams >= 4, "{s:?}");
+        println!("foreign={}", s.udp.foreign_datagrams);
+        assert!(s.udp.foreign_datagrams >= 4, "{s:?}");
         assert_eq!(s.peers_lost, 0);
     } else {
         let mut rx = f.receiver(1).unwrap();

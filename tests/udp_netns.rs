@@ -103,14 +103,14 @@ async fn stream(f: &Fabric) {
         println!("checksum_errors={}", s.checksum_errors);
         println!("duplicates={}", s.duplicates_dropped);
         println!("resends_seen_by_sender=see rank 0");
-        println!("gro_receives={}", f.stats().udp_gro_receives);
+        println!("gro_receives={}", f.stats().udp.gro_receives);
     }
     f.barrier().await.unwrap();
     if f.rank() == 0 {
         println!("stats={}", f.udp_stats(1).unwrap());
         println!("resends={}", f.udp_stats(1).unwrap().resends);
-        println!("gso_sends={}", f.stats().udp_gso_sends);
-        println!("gso_refusals={}", f.stats().udp_gso_refusals);
+        println!("gso_sends={}", f.stats().udp.gso_sends);
+        println!("gso_refusals={}", f.stats().udp.gso_refusals);
         println!("max_datagram={}", f.udp_max_datagram(1).unwrap());
     }
 }

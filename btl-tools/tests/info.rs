@@ -61,3 +61,42 @@ fn an_invalid_environment_is_reported_and_fails() {
         .as_str()
         .is_some_and(|e| e.contains("BTL_SM_EAGER")));
 }
+
+/// The routes a job would take per kind of peer: `self` to this rank,
+/// `sm` on the node (where /dev/shm works), and `udp` when
+/// `BTL_TRANSPORTS` leaves only it.
+#[test]
+fn routes_follow_the_preference_order_and_the_allowed_transports() {
+    let route = |v: &serde_json::Value, peer: &str| {
+        let r = v["routes"]
+            .as_array()
+            .expect("a route list")
+            .iter()
+            .find(|r| r["peer"] == peer)
+            .unwrap_or_else(|| panic!("no route for {peer}: {v}"))
+            .clone();
+        (r["messages"].clone(), r["one_sided"].clone())
+    };
+    let out = btl_info(&["--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(route(&v, "this rank"), ("self".into(), "self".into()));
+    let sm_works = v["transports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["name"] == "sm" && t["usable"] == true);
+    if sm_works {
+        assert_eq!(route(&v, "same node"), ("sm".into(), "sm".into()));
+    } else {
+        println!("sm is not usable here: the same-node route is not checked");
+    }
+    let out = Command::new(BTL_INFO)
+        .arg("--json")
+        .env("BTL_TRANSPORTS", "udp")
+        .output()
+        .expect("btl-info starts");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(route(&v, "this rank"), ("self".into(), "self".into()));
+    assert_eq!(route(&v, "same node"), ("udp".into(), "udp".into()));
+    assert_eq!(route(&v, "other node"), ("udp".into(), "udp".into()));
+}

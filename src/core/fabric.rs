@@ -422,12 +422,14 @@ impl Fabric {
         // Every transport of the registry that this job allows and needs,
         // in preference order.
         let mut opened: Vec<Arc<dyn Transport>> = Vec::new();
+        let mut caps: Vec<(bool, bool)> = Vec::new();
         for e in registry::entries() {
             if e.not_built.is_some() || !(e.implicit || core.config.allows(e.name)) {
                 continue;
             }
             if let Some(t) = (e.open)(&core, &job)? {
                 opened.push(t);
+                caps.push((e.messages, e.one_sided));
             }
         }
         let me = Published {
@@ -484,17 +486,17 @@ impl Fabric {
         for p in &table {
             let mut msg = None;
             let mut rma = None;
-            for (i, t) in opened.iter().enumerate() {
-                if (msg.is_some() || !t.carries_messages()) && (rma.is_some() || !t.native_rma()) {
+            for (i, (t, &(messages, one_sided))) in opened.iter().zip(&caps).enumerate() {
+                if (msg.is_some() || !messages) && (rma.is_some() || !one_sided) {
                     continue;
                 }
                 if !reaches(t, p)? {
                     continue;
                 }
-                if msg.is_none() && t.carries_messages() {
+                if msg.is_none() && messages {
                     msg = Some(i);
                 }
-                if rma.is_none() && t.native_rma() {
+                if rma.is_none() && one_sided {
                     rma = Some(i);
                 }
             }

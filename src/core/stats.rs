@@ -14,8 +14,6 @@ pub(crate) struct Counters {
     pub(crate) peers_lost: AtomicU64,
     /// Counters bumped once per operation (see [`Hot`]).
     hot: HotCounters,
-    pub(crate) stale_segments_removed: AtomicU64,
-    pub(crate) foreign_datagrams: AtomicU64,
     pub(crate) native_atomics: AtomicU64,
     pub(crate) emulated_atomics: AtomicU64,
 }
@@ -157,21 +155,11 @@ impl Counters {
             direct_gets: self.hot.get(Hot::DirectGets),
             emulated_puts: self.hot.get(Hot::EmulatedPuts),
             emulated_gets: self.hot.get(Hot::EmulatedGets),
-            // (Kept by the transports that count them: see
-            // `Transport::add_stats`.)
-            cma_puts: 0,
-            cma_gets: 0,
-            stale_segments_removed: g(&self.stale_segments_removed),
-            foreign_datagrams: g(&self.foreign_datagrams),
-            fast_box_recvs: 0,
-            rendezvous_sends: 0,
-            split_tails_written: 0,
-            split_tails_taken_back: 0,
             native_atomics: g(&self.native_atomics),
             emulated_atomics: g(&self.emulated_atomics),
-            udp_gso_sends: 0,
-            udp_gro_receives: 0,
-            udp_gso_refusals: 0,
+            // (Filled by the transports: `Transport::add_stats`.)
+            sm: Default::default(),
+            udp: Default::default(),
         }
     }
 }
@@ -199,42 +187,15 @@ pub struct Stats {
     pub emulated_puts: u64,
     /// get operations emulated on messages.
     pub emulated_gets: u64,
-    /// put operations done by single copy (CMA) into a registered buffer.
-    pub cma_puts: u64,
-    /// get operations done by single copy (CMA) from a registered buffer.
-    pub cma_gets: u64,
-    /// Shared-memory files of crashed jobs removed at start-up.
-    pub stale_segments_removed: u64,
-    /// UDP datagrams dropped before the protocol saw them: from an unknown
-    /// address, not ours (bad magic or version), or carrying another job's
-    /// id or the wrong ranks.
-    pub foreign_datagrams: u64,
-    /// Small messages received through a shared-memory fast box (one slot
-    /// per message, no fragment) rather than through fragments.
-    pub fast_box_recvs: u64,
-    /// Large messages sent by rendezvous: announced, then copied by the
-    /// receiver straight from the sender's memory (single copy, CMA).
-    pub rendezvous_sends: u64,
-    /// Received rendezvous messages whose tail the sender wrote into our
-    /// buffer while we read the head (split copy: both cores copying).
-    pub split_tails_written: u64,
-    /// Offered tails the sender did not take in time (or could not write),
-    /// which we then copied ourselves.
-    pub split_tails_taken_back: u64,
     /// Remote atomics the transport carried natively (a hardware atomic on
     /// a peer's region mapped here).
     pub native_atomics: u64,
     /// Remote atomics emulated over messages (applied by the target).
     pub emulated_atomics: u64,
-    /// UDP sends that left as one segmentation-offload (GSO) packet of
-    /// several datagrams.
-    pub udp_gso_sends: u64,
-    /// UDP receives that held several datagrams the kernel joined (GRO).
-    pub udp_gro_receives: u64,
-    /// UDP GSO sends the kernel refused (a device without checksum
-    /// offload, a path smaller than the datagrams): each turns GSO off
-    /// towards its peer, whose datagrams then go out one by one.
-    pub udp_gso_refusals: u64,
+    /// What `sm` counted of its own paths.
+    pub sm: crate::SmStats,
+    /// What `udp` counted of its own paths.
+    pub udp: crate::UdpStats,
 }
 
 #[cfg(test)]

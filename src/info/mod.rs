@@ -22,6 +22,9 @@ pub struct Report {
     pub transports: Vec<TransportInfo>,
     /// Whether single-copy access to a sibling process's memory is allowed.
     pub cma: Check,
+    /// Which transport would carry messages and one-sided operations to
+    /// each kind of peer, given what is usable here and `BTL_TRANSPORTS`.
+    pub routes: Vec<RouteInfo>,
     /// The limits the `BTL_*` environment gives (defaults where it is invalid).
     pub limits: Limits,
     /// Why the `BTL_*` environment is invalid, if it is: a job would fail to start.
@@ -39,6 +42,58 @@ pub struct TransportInfo {
     pub usable: bool,
     /// What the host check found, or why it cannot be used.
     pub detail: String,
+}
+
+/// The route a job would take to one kind of peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RouteInfo {
+    /// The kind of peer: `this rank`, `same node` or `other node`.
+    pub peer: String,
+    /// The transport that carries messages, if any reaches it.
+    pub messages: Option<String>,
+    /// The transport that carries one-sided operations on host memory
+    /// (the messages' one unless another carries them natively; `None`
+    /// when nothing reaches it).
+    pub one_sided: Option<String>,
+}
+
+/// Routes per kind of peer, as a fabric opened with `config` here would
+/// pick them: the first usable, allowed transport in preference order
+/// that reaches that kind of peer (for one-sided operations, the first
+/// that carries them natively, else the messages' one). Whether a
+/// transport reaches a given peer is only known with the peer's address;
+/// this is the choice for a peer it does reach.
+pub fn routes(config: &Config) -> Vec<RouteInfo> {
+    use crate::transport::registry::Reach;
+    let usable: Vec<_> = crate::transport::registry::entries()
+        .into_iter()
+        .filter(|e| e.not_built.is_none() && (e.implicit || config.allows(e.name)))
+        .filter(|e| !cfg!(test) || e.name != "double")
+        .filter(|e| (e.probe)().is_ok())
+        .collect();
+    [
+        ("this rank", Reach::ThisRank),
+        ("same node", Reach::Node),
+        ("other node", Reach::Network),
+    ]
+    .into_iter()
+    .map(|(peer, class)| {
+        let reach: Vec<_> = usable.iter().filter(|e| e.reach.covers(class)).collect();
+        let messages = reach
+            .iter()
+            .find(|e| e.messages)
+            .map(|e| e.name.to_string());
+        let native = reach
+            .iter()
+            .find(|e| e.one_sided)
+            .map(|e| e.name.to_string());
+        RouteInfo {
+            peer: peer.to_string(),
+            one_sided: native.or_else(|| messages.clone()),
+            messages,
+        }
+    })
+    .collect()
 }
 
 /// The outcome of one host check.
@@ -153,6 +208,7 @@ pub fn report() -> Report {
         version: env!("CARGO_PKG_VERSION").to_string(),
         host: host.trim().to_string(),
         transports: transports(),
+        routes: routes(&config),
         cma: cma(),
         limits: Limits::from(&config),
         config_error,

@@ -30,6 +30,7 @@ pub(crate) mod rma;
 pub(crate) mod rx;
 pub(crate) mod segment;
 pub(crate) mod split;
+pub(crate) mod stats;
 pub(crate) mod tx;
 
 use std::collections::HashMap;
@@ -150,6 +151,7 @@ pub(crate) struct SmCounters {
     pub(crate) split_tails_taken_back: std::sync::atomic::AtomicU64,
     pub(crate) cma_puts: std::sync::atomic::AtomicU64,
     pub(crate) cma_gets: std::sync::atomic::AtomicU64,
+    pub(crate) stale_segments_removed: std::sync::atomic::AtomicU64,
 }
 
 impl SmTransport {
@@ -162,10 +164,11 @@ impl SmTransport {
         let removed = crate::sys::shm::remove_stale();
         if removed > 0 {
             tracing::info!("removed {removed} shared-memory files left by dead processes");
-            core.counters()
-                .stale_segments_removed
-                .fetch_add(removed as u64, std::sync::atomic::Ordering::Relaxed);
         }
+        let counters = SmCounters::default();
+        counters
+            .stale_segments_removed
+            .store(removed as u64, std::sync::atomic::Ordering::Relaxed);
         if local_rank >= local_size {
             return Err(Error::Config(format!(
                 "local rank {local_rank} is not below local size {local_size}"
@@ -200,7 +203,7 @@ impl SmTransport {
             maps: Mutex::new(HashMap::new()),
             cma: rma::CmaOps::default(),
             config: c.sm.clone(),
-            counters: SmCounters::default(),
+            counters,
         }))
     }
 
@@ -394,8 +397,10 @@ fn probe() -> std::result::Result<String, String> {
 pub(crate) static ENTRY: Entry = Entry {
     rank: 20,
     name: "sm",
+    messages: true,
+    one_sided: true,
     implicit: false,
-    node_local: true,
+    reach: crate::transport::registry::Reach::Node,
     not_built: None,
     probe,
     open: |core, job: &Job| {
@@ -434,20 +439,18 @@ impl Transport for SmTransport {
         self.connect_addrs(&addrs)
     }
 
-    fn native_rma(&self) -> bool {
-        true
-    }
-
     fn add_stats(&self, s: &mut crate::Stats) {
         let c = &self.counters;
         let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        s.fast_box_recvs = g(&c.fast_box_recvs);
-        s.recvs = s.recvs.wrapping_add(s.fast_box_recvs);
-        s.rendezvous_sends = g(&c.rendezvous_sends);
-        s.split_tails_written = g(&c.split_tails_written);
-        s.split_tails_taken_back = g(&c.split_tails_taken_back);
-        s.cma_puts = g(&c.cma_puts);
-        s.cma_gets = g(&c.cma_gets);
+        let m = &mut s.sm;
+        m.fast_box_recvs = g(&c.fast_box_recvs);
+        m.rendezvous_sends = g(&c.rendezvous_sends);
+        m.split_tails_written = g(&c.split_tails_written);
+        m.split_tails_taken_back = g(&c.split_tails_taken_back);
+        m.cma_puts = g(&c.cma_puts);
+        m.cma_gets = g(&c.cma_gets);
+        m.stale_segments_removed = g(&c.stale_segments_removed);
+        s.recvs = s.recvs.wrapping_add(m.fast_box_recvs);
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

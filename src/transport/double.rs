@@ -38,8 +38,10 @@ type Fabrics = HashMap<([u64; 2], Rank), Weak<Core>>;
 pub(crate) static ENTRY: Entry = Entry {
     rank: 10,
     name: "double",
+    messages: false,
+    one_sided: true,
     implicit: false,
-    node_local: true,
+    reach: crate::transport::registry::Reach::Node,
     not_built: None,
     probe: || Ok("a test double: fabrics of one process, one-sided only".into()),
     open: |core, _job: &Job| {
@@ -200,14 +202,6 @@ impl Transport for Double {
                 (p.rank, Arc::new(link) as Arc<dyn Link>)
             })
             .collect())
-    }
-
-    fn carries_messages(&self) -> bool {
-        false
-    }
-
-    fn native_rma(&self) -> bool {
-        true
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -51,7 +51,8 @@ impl Published {
     pub(crate) fn share_node_transport(&self, other: &Published) -> bool {
         self.node == other.node
             && self.addrs.iter().any(|(n, _)| {
-                registry::find(n).is_some_and(|e| e.node_local) && other.addr(n).is_some()
+                registry::find(n).is_some_and(|e| e.reach == registry::Reach::Node)
+                    && other.addr(n).is_some()
             })
     }
 }
@@ -189,9 +190,9 @@ impl<'a> OneSided<'a> {
     #[inline]
     pub(crate) fn key(&self) -> &'a RemoteKey {
         match *self {
-            OneSided::Put { key, .. } | OneSided::Get { key, .. } | OneSided::Atomic { key, .. } => {
-                key
-            }
+            OneSided::Put { key, .. }
+            | OneSided::Get { key, .. }
+            | OneSided::Atomic { key, .. } => key,
         }
     }
 }
@@ -319,20 +320,6 @@ pub(crate) trait Transport: Send + Sync {
 
     /// Connect the peers the fabric routed here; a link per peer.
     fn connect(self: Arc<Self>, peers: &[Peer<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>>;
-
-    /// Whether its links carry messages (a transport may offer only
-    /// one-sided operations, beside another that carries its peers'
-    /// messages).
-    fn carries_messages(&self) -> bool {
-        true
-    }
-
-    /// Whether its links carry one-sided operations natively
-    /// ([`Link::post`]), so that they should route them even when another
-    /// transport carries the messages.
-    fn native_rma(&self) -> bool {
-        false
-    }
 
     /// Add this transport's counters to a snapshot.
     fn add_stats(&self, _s: &mut crate::Stats) {}

@@ -24,6 +24,29 @@ pub(crate) struct Job {
     pub(crate) local_size: u32,
 }
 
+/// Which peers a transport can reach at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Reach {
+    /// Only this rank (`self`).
+    ThisRank,
+    /// Ranks on this node: two ranks of one node that both publish it need
+    /// no network transport between them.
+    Node,
+    /// Ranks on any node (this one too).
+    Network,
+}
+
+impl Reach {
+    /// Whether it reaches a peer of `class`.
+    pub(crate) fn covers(self, class: Reach) -> bool {
+        match self {
+            Reach::ThisRank => class == Reach::ThisRank,
+            Reach::Node => class == Reach::Node,
+            Reach::Network => class != Reach::ThisRank,
+        }
+    }
+}
+
 /// How an [`Entry`] allocates memory its peers map (`Fabric::alloc_region`):
 /// for key id `id`, `len` zeroed bytes owned by `owner` in the job of
 /// `job_tag`; returns the memory, what keeps it, and the key's handle.
@@ -56,9 +79,15 @@ pub(crate) struct Entry {
     pub(crate) rank: u32,
     /// Used whatever `BTL_TRANSPORTS` says (`self`).
     pub(crate) implicit: bool,
-    /// Reaches only peers on this node: two ranks of one node that both
-    /// publish it need no network transport between them.
-    pub(crate) node_local: bool,
+    /// Its links carry messages (a transport may offer only one-sided
+    /// operations, beside another that carries its peers' messages).
+    pub(crate) messages: bool,
+    /// Its links carry one-sided operations natively (`Link::post`), so
+    /// that they route those even where another transport carries the
+    /// messages.
+    pub(crate) one_sided: bool,
+    /// Which peers it can reach at all.
+    pub(crate) reach: Reach,
     /// `None` when compiled into this build; else why not (the cargo
     /// feature it needs, or that this version does not have it).
     pub(crate) not_built: Option<&'static str>,
@@ -78,6 +107,7 @@ pub(crate) struct Entry {
 const fn planned(
     name: &'static str,
     rank: u32,
+    reach: Reach,
     why: &'static str,
     probe: fn() -> std::result::Result<String, String>,
 ) -> Entry {
@@ -85,7 +115,9 @@ const fn planned(
         name,
         rank,
         implicit: false,
-        node_local: false,
+        messages: true,
+        one_sided: true,
+        reach,
         not_built: Some(why),
         probe,
         open: |_, _| Ok(None),
@@ -97,6 +129,7 @@ const fn planned(
 static RDMA: Entry = planned(
     "rdma",
     30,
+    Reach::Network,
     "not part of this version (it will need the `rdma` feature and libfabric)",
     rdma_devices,
 );
@@ -105,6 +138,7 @@ static RDMA: Entry = planned(
 static SMCUDA: Entry = planned(
     "smcuda",
     50,
+    Reach::Node,
     "not part of this version (it will need the `cuda` feature)",
     || Err("no host check for CUDA in this version".to_string()),
 );

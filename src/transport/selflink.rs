@@ -110,8 +110,10 @@ impl Link for SelfLink {
 pub(crate) static ENTRY: Entry = Entry {
     rank: 0,
     name: "self",
+    messages: true,
+    one_sided: false,
     implicit: true,
-    node_local: false,
+    reach: crate::transport::registry::Reach::ThisRank,
     not_built: None,
     probe: || Ok("always available: messages and one-sided operations to this process".into()),
     open: |core, _job: &Job| Ok(Some(SelfLink::new(core) as Arc<dyn Transport>)),

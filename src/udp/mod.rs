@@ -61,6 +61,7 @@ mod offload;
 pub(crate) mod peer;
 pub mod proto;
 mod rx;
+pub(crate) mod stats;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -118,6 +119,8 @@ pub(crate) struct UdpTransport {
     /// Wakes a parked progress task (a send made an earlier deadline).
     kick: Notify,
     armed: AtomicBool,
+    /// Datagrams dropped before the protocol saw them (`UdpStats`).
+    pub(crate) foreign: AtomicU64,
     /// When the parked task must wake, in ns since `epoch` (MAX: none).
     wake_at: AtomicU64,
     /// Some peer has datagrams the kernel refused: wait for writability.
@@ -258,8 +261,10 @@ fn probe() -> std::result::Result<String, String> {
 pub(crate) static ENTRY: Entry = Entry {
     rank: 40,
     name: "udp",
+    messages: true,
+    one_sided: false,
     implicit: false,
-    node_local: false,
+    reach: crate::transport::registry::Reach::Network,
     not_built: None,
     probe,
     open: |core, job: &Job| {
@@ -331,6 +336,7 @@ impl UdpTransport {
             by_addr: OnceLock::new(),
             kick: Notify::new(),
             armed: AtomicBool::new(false),
+            foreign: AtomicU64::new(0),
             wake_at: AtomicU64::new(u64::MAX),
             backlog: AtomicBool::new(false),
             service_owed: AtomicBool::new(false),
@@ -517,9 +523,10 @@ impl UdpTransport {
     /// Add the transport's own counters to a fabric's.
     fn add_stats(&self, s: &mut crate::Stats) {
         let g = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        s.udp_gso_sends = g(&self.io.off.gso_sends);
-        s.udp_gro_receives = g(&self.io.off.gro_receives);
-        s.udp_gso_refusals = g(&self.io.off.refusals);
+        s.udp.gso_sends = g(&self.io.off.gso_sends);
+        s.udp.gro_receives = g(&self.io.off.gro_receives);
+        s.udp.gso_refusals = g(&self.io.off.refusals);
+        s.udp.foreign_datagrams = g(&self.foreign);
     }
 
     /// The largest datagram (UDP payload) sent to `rank`.

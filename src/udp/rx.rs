@@ -511,7 +511,7 @@ impl UdpTransport {
     }
 
     fn foreign(&self) {
-        Counters::bump(&self.core.counters().foreign_datagrams);
+        Counters::bump(&self.foreign);
     }
 
     fn on_events(&self, cx: &mut Feed<'_>, rank: Rank) {

@@ -76,6 +76,16 @@ fn render_text(r: &Report) -> String {
         yes_no(h.cma.ok),
         h.cma.detail
     ));
+    out.push("\nroutes (messages, one-sided on host memory):".to_string());
+    for r in &h.routes {
+        let name = |t: &Option<String>| t.clone().unwrap_or_else(|| "none".into());
+        out.push(format!(
+            "  {:<11} {:<6} {}",
+            r.peer,
+            name(&r.messages),
+            name(&r.one_sided)
+        ));
+    }
 
     let l = &h.limits;
     out.push("\nlimits (BTL_* environment):".to_string());

@@ -1,0 +1,26 @@
+//! What `sm` reports of its own paths in [`crate::Stats::sm`].
+
+/// Counters of the `sm` transport's paths (`Stats::sm`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SmStats {
+    /// Small messages received through a fast box (one slot per message,
+    /// no fragment) rather than through fragments; counted in
+    /// `Stats::recvs` too.
+    pub fast_box_recvs: u64,
+    /// Large messages sent by rendezvous: announced, then copied by the
+    /// receiver straight from the sender's memory (single copy, CMA).
+    pub rendezvous_sends: u64,
+    /// Received rendezvous messages whose tail the sender wrote into our
+    /// buffer while we read the head (split copy: both cores copying).
+    pub split_tails_written: u64,
+    /// Offered tails the sender did not take in time (or could not write),
+    /// which we then copied ourselves.
+    pub split_tails_taken_back: u64,
+    /// put operations done by single copy (CMA) into a registered buffer.
+    pub cma_puts: u64,
+    /// get operations done by single copy (CMA) from a registered buffer.
+    pub cma_gets: u64,
+    /// Shared-memory files of crashed jobs removed at start-up.
+    pub stale_segments_removed: u64,
+}
