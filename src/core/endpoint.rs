@@ -12,7 +12,7 @@ use crate::core::completion::Completion;
 use crate::core::dispatch::OP_UNSEEN;
 use crate::core::fabric::Core;
 use crate::core::region::{MemoryRegion, RemoteKey};
-use crate::core::stats::{Counters, Hot};
+use crate::core::stats::Hot;
 use crate::sys::mem::AtomicOp;
 use crate::transport::{Kind, Link, Local, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
@@ -332,21 +332,21 @@ impl Endpoint {
             if !self.0.core.is_gone(self.0.peer) {
                 m.check_live()?;
                 let old = m.data().atomic(offset, op)?;
-                Counters::bump(&c.native_atomics);
+                c.add(Hot::NativeAtomics);
                 return Ok(Ok(old));
             }
         }
         match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
             Native::Done(old) => {
-                Counters::bump(&c.native_atomics);
+                c.add(Hot::NativeAtomics);
                 Ok(Ok(old))
             }
             Native::Posted(done) => {
-                Counters::bump(&c.native_atomics);
+                c.add(Hot::NativeAtomics);
                 Ok(Err(Some(done)))
             }
             Native::Emulate => {
-                Counters::bump(&c.emulated_atomics);
+                c.add(Hot::EmulatedAtomics);
                 Ok(Err(None))
             }
         }

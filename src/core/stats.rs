@@ -14,8 +14,6 @@ pub(crate) struct Counters {
     pub(crate) peers_lost: AtomicU64,
     /// Counters bumped once per operation (see [`Hot`]).
     hot: HotCounters,
-    pub(crate) native_atomics: AtomicU64,
-    pub(crate) emulated_atomics: AtomicU64,
 }
 
 /// The counters bumped once per send, receive, put or get.
@@ -27,9 +25,11 @@ pub(crate) enum Hot {
     DirectGets,
     EmulatedPuts,
     EmulatedGets,
+    NativeAtomics,
+    EmulatedAtomics,
 }
 
-const HOT: usize = 6;
+const HOT: usize = 8;
 
 /// Threads that get a row of their own (others share locked adds).
 const ROWS: usize = 16;
@@ -155,8 +155,8 @@ impl Counters {
             direct_gets: self.hot.get(Hot::DirectGets),
             emulated_puts: self.hot.get(Hot::EmulatedPuts),
             emulated_gets: self.hot.get(Hot::EmulatedGets),
-            native_atomics: g(&self.native_atomics),
-            emulated_atomics: g(&self.emulated_atomics),
+            native_atomics: self.hot.get(Hot::NativeAtomics),
+            emulated_atomics: self.hot.get(Hot::EmulatedAtomics),
             // (Filled by the transports: `Transport::add_stats`.)
             sm: Default::default(),
             udp: Default::default(),
