@@ -1,4 +1,4 @@
-//! Tunables, with defaults chosen from measurements on the dev machines.
+//! Tunables, with defaults chosen from measurements (see ARCHITECTURE.md).
 //! Every field can also be set through a `BTL_*` environment variable (see
 //! [`Config::from_env`]).
 
@@ -42,8 +42,8 @@ impl std::str::FromStr for ProgressMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CopyMode {
     /// The vector loop where the CPU has AVX2, else `memmove`. The
-    /// default: `memmove`'s `rep movsb` lowered the core's clock after ~4 ms
-    /// of copying on the Xeons here, the loop never did (see
+    /// default: on some CPUs `memmove`'s `rep movsb` lowers the core's
+    /// clock after a few ms of copying, and the loop does not (see
     /// ARCHITECTURE.md, "Bulk copies").
     #[default]
     Auto,

@@ -300,7 +300,7 @@ impl Hot {
     }
 
     /// Whether a waiter should keep polling at `now` (one clock read per
-    /// poll: reading the clock was 15% of a ping-pong's profile).
+    /// poll: reading the clock is about 15% of a ping-pong's profile).
     fn is_hot(&self, now: u64) -> bool {
         match self.mode {
             ProgressMode::BusyPoll => true,
@@ -394,7 +394,7 @@ impl Dispatcher {
         };
         // One turn first, without the clock: a receiver whose message is
         // already there (a ping-pong's usual case) reads no clock at all
-        // (a clock read was about 8% of a hop's software path).
+        // (a clock read is about 8% of a hop's software path).
         if h(1) > 0 {
             self.policy.touch();
             // No fresh time for `stay_hot`: it reads the clock if needed.

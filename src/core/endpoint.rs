@@ -613,8 +613,8 @@ impl OpState {
                     // the bundle (an operation is started when its future
                     // is made): the burst leaves together, now. (Returning
                     // to the runtime first, for a burst still to come,
-                    // cost a lone `put(..).await` 25 µs here: the progress
-                    // task took the core in between.)
+                    // would cost a lone `put(..).await` a wake-up of tens
+                    // of µs: the progress task would take the core between.)
                     link.flush_gathered();
                 }
                 wait(c, core, seen, cx)

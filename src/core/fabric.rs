@@ -579,11 +579,11 @@ impl Fabric {
                 if work > 0 {
                     return work;
                 }
-                // No `pause` between turns: it takes about 24 ns on the
-                // Zen 5 VMs here, a detection delay that cost an 8 B
-                // ping-pong 10% (the poll itself, with its locked
+                // No `pause` between turns: on some cores it takes tens
+                // of ns, a detection delay that costs an 8 B
+                // ping-pong about 10% (the poll itself, with its locked
                 // instructions, already spaces the loads of the watched
-                // lines; a bare spin on them was slower still). A poller
+                // lines; a bare spin on them is slower still). A poller
                 // idle for long yields to the OS instead
                 // (`Hot::spinning_idle`).
             }
