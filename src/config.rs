@@ -68,6 +68,23 @@ impl std::str::FromStr for CopyMode {
 }
 
 /// Settings of a [`Fabric`](crate::Fabric).
+///
+/// Start from [`Config::from_env`] (defaults with the `BTL_*` variables
+/// applied) or `Config::default()`, change fields, and hand it to
+/// [`Fabric::from_job`](crate::Fabric::from_job) or a
+/// [`FabricBuilder`](crate::FabricBuilder):
+///
+/// ```no_run
+/// # async fn demo() -> async_btl::Result<()> {
+/// use async_btl::{bootstrap::JobInfo, Config, Fabric, ProgressMode};
+/// let config = Config {
+///     progress: ProgressMode::BusyPoll,
+///     ..Config::from_env()?
+/// };
+/// let job = JobInfo::from_env()?.expect("started by a launcher");
+/// let fabric = Fabric::from_job(job, config).await?;
+/// # fabric.close().await }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Progress policy for every transport. Env: `BTL_PROGRESS`.

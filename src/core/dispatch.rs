@@ -831,6 +831,23 @@ impl Offers<'_> {
 /// The stream of messages arriving on one tag, from every peer. Items are
 /// `Err(PeerLost)` once for each peer that dies while the receiver is open.
 ///
+/// Messages from one sender arrive in the order it sent them; messages from
+/// different senders interleave in arrival order. Messages that arrive
+/// before the tag has a receiver wait for one, within the tag's budget
+/// (`BTL_RECV_BUDGET`): past it the senders are held back, not dropped.
+///
+/// ```no_run
+/// # async fn demo(fabric: &async_btl::Fabric) -> async_btl::Result<()> {
+/// use futures::StreamExt;
+/// let mut rx = fabric.receiver(7)?;
+/// let first = rx.recv().await?; // one message
+/// while let Some(msg) = rx.next().await {
+///     let msg = msg?; // or a peer lost
+///     println!("{} bytes from rank {}", msg.data.len(), msg.src);
+/// }
+/// # let _ = first; Ok(()) }
+/// ```
+///
 /// # Cancel safety
 /// Dropping a pending `next()` loses nothing: messages stay queued. Dropping
 /// the `Receiver` keeps queued messages for the next receiver of the tag.
