@@ -20,6 +20,12 @@ fn main() {
     }
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: piped or captured logs stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .init();
     if let Err(e) = run() {
         eprintln!("boot_hello: {e}");

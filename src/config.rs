@@ -1,4 +1,4 @@
-//! Tunables, with defaults chosen from measurements on the dev machines.
+//! Tunables, with defaults chosen from measurements (see ARCHITECTURE.md).
 //! Every field can also be set through a `BTL_*` environment variable (see
 //! [`Config::from_env`]).
 
@@ -42,8 +42,8 @@ impl std::str::FromStr for ProgressMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CopyMode {
     /// The vector loop where the CPU has AVX2, else `memmove`. The
-    /// default: `memmove`'s `rep movsb` lowered the core's clock after ~4 ms
-    /// of copying on the Xeons here, the loop never did (see
+    /// default: on some CPUs `memmove`'s `rep movsb` lowers the core's
+    /// clock after a few ms of copying, and the loop does not (see
     /// ARCHITECTURE.md, "Bulk copies").
     #[default]
     Auto,
@@ -68,6 +68,23 @@ impl std::str::FromStr for CopyMode {
 }
 
 /// Settings of a [`Fabric`](crate::Fabric).
+///
+/// Start from [`Config::from_env`] (defaults with the `BTL_*` variables
+/// applied) or `Config::default()`, change fields, and hand it to
+/// [`Fabric::from_job`](crate::Fabric::from_job) or a
+/// [`FabricBuilder`](crate::FabricBuilder):
+///
+/// ```no_run
+/// # async fn demo() -> async_btl::Result<()> {
+/// use async_btl::{bootstrap::JobInfo, Config, Fabric, ProgressMode};
+/// let config = Config {
+///     progress: ProgressMode::BusyPoll,
+///     ..Config::from_env()?
+/// };
+/// let job = JobInfo::from_env()?.expect("started by a launcher");
+/// let fabric = Fabric::from_job(job, config).await?;
+/// # fabric.close().await }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Progress policy for every transport. Env: `BTL_PROGRESS`.

@@ -3,21 +3,88 @@
 //! An async byte-transfer layer in the spirit of Open MPI's BTLs: a process
 //! opens a [`Fabric`], takes an [`Endpoint`] per peer and awaits `send`, `put`
 //! and `get`. Every operation is a future completed by the transport's own
-//! progress task; backpressure is `Poll::Pending`, never `EAGAIN`.
+//! progress task; backpressure is `Poll::Pending`, never `EAGAIN`. Peers on
+//! one node talk through shared memory (`sm`), peers elsewhere through a
+//! reliable protocol on UDP (`udp`), and a process to itself through `self`.
+//!
+//! ## A first program
+//!
+//! Every rank sends a greeting to the next rank and prints the one it
+//! receives. Start it with `btl-run -n 4 target/release/my-app` (the
+//! `btl-tools` package), `mpirun -np 4 …`, `srun`, or torchrun's variables;
+//! started by hand it is a job of one that talks to itself.
 //!
 //! ```no_run
-//! # async fn demo() -> async_btl::Result<()> {
-//! use async_btl::{Fabric, LocalExchange, FabricBuilder};
+//! use async_btl::{Fabric, Result};
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<()> {
+//!     let fabric = Fabric::from_env().await?; // rank, size, rendezvous from the launcher
+//!     let next = (fabric.rank() + 1) % fabric.size();
+//!     let ep = fabric.endpoint(next)?; // sm on this node, udp across nodes
+//!     let mut rx = fabric.receiver(1)?; // the messages sent to this rank on tag 1
+//!
+//!     ep.send(1, format!("hello from rank {}", fabric.rank())).await?;
+//!     let msg = rx.recv().await?;
+//!     println!("rank {} got {:?} from rank {}", fabric.rank(), msg.data, msg.src);
+//!
+//!     fabric.barrier().await?;
+//!     fabric.close().await // drains, says goodbye, removes shared memory
+//! }
+//! ```
+//!
+//! One-sided operations work on registered memory: register a buffer, send
+//! its [`RemoteKey`] to the peers, and they `put` into it or `get` from it.
+//! In a job of one the peer is the process itself:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> async_btl::Result<()> {
+//! use async_btl::Fabric;
+//!
 //! let fabric = Fabric::single().await?;
-//! let ep = fabric.endpoint(0)?;
-//! let mut rx = fabric.receiver(7)?;
-//! ep.send(7, &b"hello"[..]).await?;
-//! let msg = rx.recv().await?;
-//! assert_eq!(&msg.data[..], b"hello");
+//! let target = fabric.alloc_region(64)?; // what peers may write into
+//! let key = target.remote_key(); // serialisable: send it to them
+//!
+//! let source = fabric.register(vec![7u8; 64]);
+//! let ep = fabric.endpoint(key.owner())?;
+//! ep.put(&source, 0..64, &key, 0).await?; // resolves once the bytes are in `target`
+//! ep.get(&source, 0..8, &key, 56).await?; // and back again
 //! fabric.close().await
 //! # }
 //! ```
+//!
+//! ## What the futures promise
+//!
+//! - **Completion.** [`Endpoint::send`] resolves at local completion: the
+//!   buffer is no longer needed and the message cannot be lost by this
+//!   process (it is in the peer's shared-memory FIFO, or in `udp`'s
+//!   retransmit storage). [`Endpoint::put`], [`Endpoint::get`] and the
+//!   atomics resolve at remote completion: the bytes are in the target's
+//!   memory, or read back into ours. [`Endpoint::flush`] resolves when
+//!   every one-sided operation started before it has.
+//! - **Ordering.** Messages from one sender on one tag arrive in send order,
+//!   on every transport. Nothing is promised across tags or senders, nor
+//!   between messages and one-sided operations: await a put (or flush)
+//!   before sending the message that tells the peer to look.
+//! - **Cancellation.** An operation is started when its future is first
+//!   polled (a message) or made (a put, get or atomic). Dropping the future
+//!   afterwards never frees memory a peer or the kernel may still touch and
+//!   never loses a started message; it only loses the result. Each future
+//!   says so in its `# Cancel safety` section.
+//! - **Failure.** When a peer dies, every pending operation on it fails
+//!   with [`Error::PeerLost`] within a bounded time, and each open
+//!   [`Receiver`] yields that error once; the other peers carry on.
+//!
+//! ## Configuration and logs
+//!
+//! [`Config::from_env`] reads the `BTL_*` variables (README, "Configuration").
+//! The crate logs through `tracing`: install a subscriber (for example
+//! `tracing_subscriber::fmt()` with an `EnvFilter` reading `RUST_LOG`) to
+//! see warnings such as a lost peer or a missing `BTL_JOB_KEY`, and at
+//! `debug` the launcher found and the route chosen per peer.
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 #[cfg(not(btl_loom))]

@@ -64,7 +64,7 @@ async fn send_recv_all_sizes_over_sm() {
     send_recv_sizes(Config::default(), &sizes).await;
 }
 
-/// The fragment sizes the text names (4 KiB eager, 32 KiB max; our
+/// Small fragment sizes (4 KiB eager, 32 KiB max, where our
 /// defaults are 16 and 128 KiB, see ARCHITECTURE.md): every edge of both,
 /// of the fast box and of single copy, with single copy on and off (off,
 /// messages above a max fragment are pipelined through several).

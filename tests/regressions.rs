@@ -40,8 +40,8 @@ fn small() -> Config {
     }
 }
 
-/// An inline send must never push part of a message (it used to, then
-/// queued the whole message again and the receiver cut the sender off).
+/// An inline send must never push part of a message (and then queue the
+/// whole message again, which makes the receiver cut the sender off).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r1_inline_send_never_pushes_part_of_a_message() {
     let f = job(3, small()).await;

@@ -5,10 +5,11 @@
  * enough to stay in the L2 cache) again and again, for MS milliseconds per
  * phase, and prints GB/s for every run of 32 copies, so that a change of
  * clock shows as a step in the series. The phases alternate: libc's
- * memcpy, the AVX2 loop that `src/mem/copy.rs` uses, libc, AVX2. On an
- * Intel Xeon with 2 MiB of L2, memcpy (glibc's `rep movsb` at this size)
- * runs at 58 GB/s for ~4 ms, then at 50; the AVX2 loop that follows begins
- * at 48 and climbs back to 55-56 over several ms, and never drops.
+ * memcpy, the AVX2 loop that `src/sys/mem/copy.rs` uses, libc, AVX2. On a
+ * CPU that lowers its clock under sustained `rep movsb` (glibc's memcpy at
+ * this size), memcpy runs fast for a few ms, then about 0.85x as fast; the
+ * AVX2 loop that follows begins slower still and climbs back to about 0.95x
+ * memcpy's first rate over several ms, and never drops.
  *
  *   cc -O2 -o /tmp/copy_clock benches/c/copy_clock.c
  *   /tmp/copy_clock [CORE [SIZE [MS]]]

@@ -10,10 +10,9 @@
  *
  *   cc -O2 -o poll_gap benches/c/poll_gap.c && ./poll_gap 0 3 10 30
  *
- * Prints "gap=G ns=N" per argument, N being the half round trip. On a
- * 2-vCPU AMD Zen 5 guest a gap of 2-5 increments beats a bare spin by
- * 1.7x (line exchanges of about 35 ns) to 2.5x (about 150 ns); a gap of
- * 30 loses again. A waiter that loads the
+ * Prints "gap=G ns=N" per argument, N being the half round trip. A gap
+ * of 2-5 increments can beat a bare spin by 1.7x (where a line exchange
+ * takes about 35 ns) to 2.5x (about 150 ns); a gap of 30 loses again. A waiter that loads the
  * watched line back to back slows the very write it waits for.
  */
 #define _GNU_SOURCE

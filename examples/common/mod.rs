@@ -20,13 +20,7 @@ pub fn main(name: &str, default_ranks: u32, body: Body) -> ! {
     if let Some(code) = run_self_if_unlaunched(default_ranks) {
         std::process::exit(code);
     }
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+    init_logging();
     let result = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -58,4 +52,19 @@ pub fn ensure(ok: bool, message: impl FnOnce() -> String) -> Outcome {
     } else {
         Err(message().into())
     }
+}
+
+/// Log to stderr at the level `RUST_LOG` asks for (`warn` without it),
+/// coloured only when stderr is a terminal, so that a piped or captured log
+/// (a launcher's prefixed output, a CI log, a file) holds no escape codes.
+pub fn init_logging() {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
 }

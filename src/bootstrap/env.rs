@@ -140,8 +140,17 @@ fn finish(id: Identity, get: Lookup<'_>) -> Result<JobInfo> {
         Some(hex) => {
             JobKey::from_hex(&hex).map_err(|e| Error::Config(format!("BTL_JOB_KEY: {e}")))?
         }
-        None => super::derived_key(&job_id),
+        None => super::derived_key(&job_id, id.rank, id.kind),
     };
+    tracing::debug!(
+        launcher = %id.kind,
+        rank = id.rank,
+        size = id.size,
+        local_rank = id.local_rank,
+        local_size = id.local_size,
+        %rendezvous,
+        "launcher found"
+    );
     JobInfo::builder(id.rank, id.size)
         .local(id.local_rank, id.local_size)
         .launcher(id.kind)

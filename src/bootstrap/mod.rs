@@ -56,8 +56,10 @@
 //! Every exchange proves knowledge of the job key (see [`JobKey`]). Without
 //! `BTL_JOB_KEY` the key is derived from the job id and the user id: that
 //! keeps concurrent jobs apart, but any process of the same user can compute
-//! it, so it is **not a secret** (a warning is logged). `btl-run` always hands
-//! its ranks a random key.
+//! it, so it is **not a secret**: rank 0 logs a warning, once per job, that
+//! says how to set one under the launcher found (under `mpirun`:
+//! `export BTL_JOB_KEY=$(openssl rand -hex 32)`, then `mpirun -x BTL_JOB_KEY …`).
+//! `btl-run` always hands its ranks a random key.
 //!
 //! # Directory clean-up
 //!
@@ -263,7 +265,9 @@ impl JobInfoBuilder {
         let job_id = self
             .job_id
             .unwrap_or_else(|| format!("{}-{rendezvous}", self.launcher.short_name()));
-        let job_key = self.job_key.unwrap_or_else(|| derived_key(&job_id));
+        let job_key = self
+            .job_key
+            .unwrap_or_else(|| derived_key(&job_id, rank, self.launcher));
         Ok(JobInfo {
             rank,
             size,
@@ -318,11 +322,35 @@ pub(crate) fn current_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-fn derived_key(job_id: &str) -> JobKey {
-    tracing::warn!(
-        job_id,
-        "BTL_JOB_KEY is not set: using a key derived from the job id and user id; it keeps \
-         jobs apart but is not a secret"
-    );
+/// The key of a job given none, and the warning that says so: once per
+/// job, by rank 0 (every rank derives the same key, so one line tells it).
+fn derived_key(job_id: &str, rank: Rank, launcher: LauncherKind) -> JobKey {
+    if rank == 0 {
+        tracing::warn!(
+            job_id,
+            "BTL_JOB_KEY is not set: using a key derived from the job id and user id; it keeps \
+             jobs apart but is not a secret. {}",
+            job_key_hint(launcher)
+        );
+    }
     JobKey::derive(job_id, current_uid())
+}
+
+/// How to give every rank of a job started by `launcher` the same secret key.
+fn job_key_hint(launcher: LauncherKind) -> &'static str {
+    match launcher {
+        LauncherKind::OpenMpi => {
+            "To set one: export BTL_JOB_KEY=$(openssl rand -hex 32), then pass it to every \
+             rank with mpirun -x BTL_JOB_KEY ..."
+        }
+        LauncherKind::Slurm => {
+            "To set one: export BTL_JOB_KEY=$(openssl rand -hex 32) before srun (srun passes \
+             the environment on)"
+        }
+        LauncherKind::Explicit => "To set one: JobInfo::builder(..).job_key(..)",
+        _ => {
+            "To set one: export BTL_JOB_KEY=$(openssl rand -hex 32) (64 hex digits) in the \
+             environment of every rank (btl-run sets a fresh one itself)"
+        }
+    }
 }

@@ -300,7 +300,7 @@ impl Hot {
     }
 
     /// Whether a waiter should keep polling at `now` (one clock read per
-    /// poll: reading the clock was 15% of a ping-pong's profile).
+    /// poll: reading the clock is about 15% of a ping-pong's profile).
     fn is_hot(&self, now: u64) -> bool {
         match self.mode {
             ProgressMode::BusyPoll => true,
@@ -394,7 +394,7 @@ impl Dispatcher {
         };
         // One turn first, without the clock: a receiver whose message is
         // already there (a ping-pong's usual case) reads no clock at all
-        // (a clock read was about 8% of a hop's software path).
+        // (a clock read is about 8% of a hop's software path).
         if h(1) > 0 {
             self.policy.touch();
             // No fresh time for `stay_hot`: it reads the clock if needed.
@@ -830,6 +830,23 @@ impl Offers<'_> {
 
 /// The stream of messages arriving on one tag, from every peer. Items are
 /// `Err(PeerLost)` once for each peer that dies while the receiver is open.
+///
+/// Messages from one sender arrive in the order it sent them; messages from
+/// different senders interleave in arrival order. Messages that arrive
+/// before the tag has a receiver wait for one, within the tag's budget
+/// (`BTL_RECV_BUDGET`): past it the senders are held back, not dropped.
+///
+/// ```no_run
+/// # async fn demo(fabric: &async_btl::Fabric) -> async_btl::Result<()> {
+/// use futures::StreamExt;
+/// let mut rx = fabric.receiver(7)?;
+/// let first = rx.recv().await?; // one message
+/// while let Some(msg) = rx.next().await {
+///     let msg = msg?; // or a peer lost
+///     println!("{} bytes from rank {}", msg.data.len(), msg.src);
+/// }
+/// # let _ = first; Ok(()) }
+/// ```
 ///
 /// # Cancel safety
 /// Dropping a pending `next()` loses nothing: messages stay queued. Dropping

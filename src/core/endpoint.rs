@@ -18,6 +18,33 @@ use crate::transport::{Kind, Link, Local, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
 
 /// The way to one peer: cheap to clone, `Send + Sync`.
+///
+/// Every operation returns a named future ([`Send`], [`Put`], [`Get`],
+/// [`AtomicFetch`], [`Flush`]):
+/// - *Completion*: a send resolves at local completion (the data is no
+///   longer needed and the message cannot be lost by this process); put,
+///   get and the atomics resolve at remote completion.
+/// - *Ordering*: messages on one tag arrive in the order this endpoint (and
+///   its clones) sent them. One-sided operations have no order among
+///   themselves or with messages: await them, or [`flush`](Self::flush),
+///   before a message that tells the peer to look.
+/// - *Backpressure*: a full FIFO or window keeps the future pending until
+///   there is room; nothing is queued without bound.
+/// - *Cancellation*: dropping a started future never loses the message nor
+///   frees memory still in use; see each future's `# Cancel safety`.
+/// - *Failure*: when the peer is lost, every pending operation on it fails
+///   with [`Error::PeerLost`], and so do later ones.
+///
+/// ```no_run
+/// # async fn demo(fabric: &async_btl::Fabric) -> async_btl::Result<()> {
+/// let ep = fabric.endpoint(1)?;
+/// ep.send(7, &b"request"[..]).await?; // local completion
+/// let sends: Vec<_> = (0..4u8).map(|i| ep.send(7, vec![i; 64])).collect();
+/// for s in sends {
+///     s.await?; // several in flight; they arrive in this order
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Endpoint(Arc<Inner>);
 
@@ -613,8 +640,8 @@ impl OpState {
                     // the bundle (an operation is started when its future
                     // is made): the burst leaves together, now. (Returning
                     // to the runtime first, for a burst still to come,
-                    // cost a lone `put(..).await` 25 µs here: the progress
-                    // task took the core in between.)
+                    // would cost a lone `put(..).await` a wake-up of tens
+                    // of µs: the progress task would take the core between.)
                     link.flush_gathered();
                 }
                 wait(c, core, seen, cx)

@@ -356,6 +356,26 @@ impl FabricBuilder {
 
 /// One per process: hands out [`Endpoint`]s and [`Receiver`]s, registers
 /// memory, and owns the progress tasks.
+///
+/// Open it inside a tokio runtime ([`Fabric::from_env`] under a launcher,
+/// [`Fabric::single`] for a job of one, [`FabricBuilder`] with an
+/// [`AddressExchange`](crate::AddressExchange) of your own); the progress
+/// tasks run on that runtime until the fabric closes. End with
+/// [`Fabric::close`], which drains and says goodbye; a fabric that is only
+/// dropped stops at once, removes its shared memory, and its peers see it
+/// as lost.
+///
+/// ```no_run
+/// # async fn demo() -> async_btl::Result<()> {
+/// let fabric = async_btl::Fabric::from_env().await?;
+/// println!("rank {} of {}", fabric.rank(), fabric.size());
+/// for peer in 0..fabric.size() {
+///     println!("to {peer}: {:?}", fabric.transport_for(peer));
+/// }
+/// fabric.barrier().await?;
+/// fabric.close().await
+/// # }
+/// ```
 pub struct Fabric {
     core: Arc<Core>,
     /// Also held by `poller`.
@@ -581,11 +601,11 @@ impl Fabric {
                 if work > 0 {
                     return work;
                 }
-                // No `pause` between turns: it takes about 24 ns on the
-                // Zen 5 VMs here, a detection delay that cost an 8 B
-                // ping-pong 10% (the poll itself, with its locked
+                // No `pause` between turns: on some cores it takes tens
+                // of ns, a detection delay that costs an 8 B
+                // ping-pong about 10% (the poll itself, with its locked
                 // instructions, already spaces the loads of the watched
-                // lines; a bare spin on them was slower still). A poller
+                // lines; a bare spin on them is slower still). A poller
                 // idle for long yields to the OS instead
                 // (`Hot::spinning_idle`).
             }
@@ -720,7 +740,7 @@ impl Fabric {
             .add_shared(self.core.rank, id, raw, keep, handle))
     }
 
-    /// Counters.
+    /// A snapshot of the fabric's counters, every transport's included.
     pub fn stats(&self) -> Stats {
         let mut s = self.core.counters.snapshot();
         for t in self.transports.iter() {
@@ -757,6 +777,13 @@ impl Fabric {
 
     /// Wait until every rank has called `barrier` as many times as we have.
     /// Fails with `PeerLost` if a rank dies meanwhile.
+    ///
+    /// Messages sent before the barrier are not ordered with it: a message
+    /// may still be on its way when a barrier after it resolves.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a call counts once it is made, so a dropped barrier
+    /// leaves this rank one barrier ahead of the others.
     pub async fn barrier(&self) -> Result<()> {
         let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         let me = self.core.rank;
@@ -787,6 +814,11 @@ impl Fabric {
     /// every peer and wait for theirs (up to `close_timeout`), then stop the
     /// progress tasks and remove our shared-memory names. Peers that died are
     /// skipped. Errors name what did not drain.
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops the fabric: it stops at once without the
+    /// goodbye, its shared memory is still removed, and peers see this rank
+    /// as lost.
     pub async fn close(mut self) -> Result<()> {
         let t = self.core.config.close_timeout;
         let deadline = tokio::time::Instant::now() + t;

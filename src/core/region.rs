@@ -259,6 +259,22 @@ impl Drop for RegionInner {
 ///
 /// Contents are accessed by copy ([`MemoryRegion::read`],
 /// [`MemoryRegion::write`]) because peers may write them at any time.
+/// Nothing orders a peer's puts with a local `read`: learn that they are
+/// done from a message the peer sends after its puts resolved.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> async_btl::Result<()> {
+/// let fabric = async_btl::Fabric::single().await?;
+/// let region = fabric.register(vec![0u8; 16]);
+/// region.write(4, b"abcd")?;
+/// let mut back = [0u8; 4];
+/// region.read(4, &mut back)?;
+/// assert_eq!(&back, b"abcd");
+/// let vec = region.try_into_vec().expect("no clone and no operation holds it");
+/// assert_eq!(&vec[4..8], b"abcd");
+/// # fabric.close().await }
+/// ```
 #[derive(Clone)]
 pub struct MemoryRegion {
     pub(crate) inner: Arc<RegionInner>,

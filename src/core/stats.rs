@@ -164,7 +164,11 @@ impl Counters {
     }
 }
 
-/// A snapshot of a fabric's counters.
+/// A snapshot of a fabric's counters ([`Fabric::stats`](crate::Fabric::stats)).
+///
+/// Every field is a count since the fabric opened, and only grows:
+/// subtract two snapshots for the activity between them. The struct is
+/// `#[non_exhaustive]`: read fields by name, build none.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Stats {

@@ -32,7 +32,7 @@
 //! its mark is `(n + 1) << 16 | kind` (48 bits of number), a head mark
 //! also carrying the message's length in bits 4-15 (the length has no word
 //! of its own: a 41-48-byte message then fits one slot, where a second
-//! slot cost it 0.10 us of half round trip here). The sender writes
+//! slot costs it about 0.1 µs of half round trip). The sender writes
 //! a mark into the first word of *every* slot it uses, so that word only
 //! ever holds a mark: what the receiver finds where it expects the next
 //! message is either that message's head (with the number it expects) or
@@ -111,7 +111,7 @@ pub(crate) struct FBox<'a> {
     raw: RawBuf,
     slots: u64,
     /// `slots` is a power of two (always in a segment): positions are
-    /// masked, not divided (a 64-bit `div` per slot access cost tens of
+    /// masked, not divided (a 64-bit `div` per slot access costs tens of
     /// cycles on every poll and push).
     pow2: bool,
 }
@@ -375,7 +375,7 @@ impl<'a> FBox<'a> {
     /// With `stream`, the push also prefetches the lines of the next slots
     /// for writing: worth it when messages follow each other (the receiver
     /// is behind), a loss in a ping-pong (the receiver polls the box, and
-    /// 8 B half round trips took 0.1 µs longer here).
+    /// 8 B half round trips take about 0.1 µs longer).
     pub(crate) fn push(
         &self,
         st: &mut Sender,

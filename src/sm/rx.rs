@@ -20,9 +20,9 @@ const BATCH: usize = 64;
 /// Bytes of a fragment (header first) prefetched before its header is read.
 const PREFETCH_FRAGMENT: usize = 1024;
 /// Bytes of the fragment after it prefetched meanwhile, when the ring
-/// already holds one: streaming 2-4 KiB messages 1.03-1.05x (five
-/// interleaved rounds on session 12's Xeon; with 1 or 2 KiB of it, or
-/// two fragments ahead, the gain was smaller or none).
+/// already holds one: streaming 2-4 KiB messages about 1.04x as fast
+/// (with 1 or 2 KiB of it, or two fragments ahead, the gain is smaller or
+/// none).
 const PREFETCH_NEXT: usize = 256;
 
 /// Largest message we agree to reassemble (1 TiB guard against a lying
@@ -35,8 +35,8 @@ const RESERVE_LIMIT: usize = 16 << 20;
 
 /// Largest message copied by split copy: the receive-buffer pool's largest
 /// class. (Larger ones would take fresh buffers, which two processes
-/// faulting in at once filled slower than the receiver alone: 32 MiB
-/// streaming 4.9 → 2.7 GB/s when tried.)
+/// faulting in at once fill slower than the receiver alone: 32 MiB
+/// streaming at about 0.55x the rate.)
 const SPLIT_MAX: usize = 64 << 20;
 
 /// Where a rendezvous announcement waits until its message is delivered:
@@ -150,7 +150,7 @@ impl RxState {
                         // at the user channel: the ring, which may hold the
                         // sender's next messages once the box drained, is
                         // read by the next poll (peeking it here, between a
-                        // ping-pong's message and its reply, cost 6% of an
+                        // ping-pong's message and its reply, costs 6% of an
                         // 8 B half round trip). Parking re-checks both under
                         // the lock (`looks_idle`), so nothing waits on it.
                         match self.fbox_run(t, p, budget) {

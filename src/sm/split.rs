@@ -1,8 +1,8 @@
 //! Split copy: the two processes of a large rendezvous copy it together.
 //!
 //! A rendezvous receiver copies the whole message out of the sender's memory
-//! with `process_vm_readv`, one core's worth of kernel copy (about 13 GB/s
-//! here), while the sender's core only waits. For messages of
+//! with `process_vm_readv`, one core's worth of kernel copy (a quarter of
+//! what a core's `memcpy` moves, or less), while the sender's core only waits. For messages of
 //! `SmConfig::split_min` or more the receiver offers the tail to the
 //! sender instead: it asks the sender (a control message) to write bytes
 //! `[k, len)` into its receive buffer with `process_vm_writev` while it

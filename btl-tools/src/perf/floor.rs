@@ -4,9 +4,9 @@
 //! no protocol: one line crossing between the cores per hop, which is what
 //! any shared-memory transport's small-message latency rests on.
 //!
-//! Why: the 2-core VMs this project is measured on change speed every few
-//! minutes (a line crossing took about 35 ns in one phase and 150 ns in
-//! the other, on the same machine, the same day). A run whose floor moved
+//! Why: shared and virtual machines change speed every few minutes (a
+//! line crossing can take four times as long in one phase as in the
+//! other, on the same machine). A run whose floor moved
 //! between its start and its end compares points taken in different
 //! phases, and the report says so.
 

@@ -111,7 +111,7 @@ pub struct Floor {
 }
 
 /// A run whose floors differ by more than this factor mixed the machine's
-/// phases (the two measured here differ by about 4x).
+/// phases (the phases of a shared machine can differ by about 4x).
 pub const FLOOR_DRIFT: f64 = 1.5;
 
 impl Header {

@@ -8,7 +8,7 @@
 //! warm-up [`Counts::plan`](super::plan::Counts::plan) gave async-btl; UCX
 //! counts single operations, so a windowed test's counts are multiplied by
 //! the window. How many operations UCX keeps in flight is its own default
-//! (passing our window as `-O` made `tag_bw` slower here and changed
+//! (passing our window as `-O` makes `tag_bw` slower and changes
 //! nothing for `ucp_put_bw` and `ucp_get`, which complete at once over
 //! shared memory). Both tools die with rank 0 (`PR_SET_PDEATHSIG`), so a
 //! killed run leaves no server waiting for a client.
@@ -352,7 +352,7 @@ mod tests {
     #[test]
     fn the_final_row_is_read_past_log_lines() {
         let text = "iterations,overall_lat,overall_bw,overall_mr\n\
-                    [1796.5] [vm:1:0] parser.c:1 UCX WARN unused variable\n\
+                    [1796.5] [host:1:0] parser.c:1 UCX WARN unused variable\n\
                     1000,0.9,1.0,10\n\
                     2000,0.5,2.0,20\n";
         assert_eq!(parse_csv(text, Test::Lat), Ok(0.5));

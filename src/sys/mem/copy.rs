@@ -6,24 +6,24 @@
 //! mapping, copy-out of large messages) take the routine the process chose
 //! when its first fabric opened ([`choose`]). By default that is a loop of
 //! 32-byte (AVX2) loads and stores wherever the CPU has AVX2. Why not
-//! glibc's copy, which picks `rep movsb` for these sizes: on the Intel
-//! Xeon VMs here `rep movsb` copies 128 KiB at 58 GB/s for about 4 ms,
-//! then the core drops to a lower clock and it copies at 50 GB/s (and
-//! everything else on that core slows with it) until several ms after it
-//! stops; the AVX2 loop copies at 55-56 GB/s and never lowers the clock
+//! glibc's copy, which picks `rep movsb` for these sizes: on CPUs that
+//! lower a core's clock under sustained `rep movsb`, it copies fast for a
+//! few milliseconds, then the core drops to a lower clock (and everything
+//! else on that core slows with it) until several ms after it stops, while
+//! the AVX2 loop runs a little slower at first and never lowers the clock
 //! (`benches/c/copy_clock.c` prints both as time series). So a stream of
-//! puts moves 1.10x more with the loop, while a burst shorter than ~4 ms
-//! moves 0.95x as much. Streams are what bulk copies are for; `BTL_COPY=libc`
-//! turns the loop off. A timed choice at start-up was tried and dropped:
-//! any timing short enough for start-up sees only `rep movsb`'s first,
-//! fast milliseconds.
+//! puts moves about 1.1x more with the loop, while a burst of a few
+//! milliseconds moves about 0.95x as much. Streams are what bulk copies
+//! are for; `BTL_COPY=libc` turns the loop off. The choice is not timed at
+//! start-up: any timing short enough for start-up sees only `rep movsb`'s
+//! first, fast milliseconds.
 //!
 //! Copies of half the L2 cache or more go back to `memmove` ([`bulk_max`]):
 //! they miss the cache anyway, and `rep movsb` stores missing lines
 //! faster.
 //!
-//! Copies below `BULK_MIN` stay in the L1 cache, where glibc's copy was
-//! the faster (255 against 198 GB/s at 16 KiB), and use it, except the
+//! Copies below `BULK_MIN` stay in the L1 cache, where glibc's copy is
+//! the faster (about 1.3x the loop's rate at 16 KiB), and use it, except the
 //! tiniest (a put of a few bytes), which [`copy_small`] does inline.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,8 +37,8 @@ pub(crate) const BULK_MIN: usize = 32 * 1024;
 /// Copies from `BULK_MIN` bytes up to (not including) this size take the
 /// vector loop: 0 until a fabric chooses it (and with `memmove` chosen),
 /// then [`bulk_max`]. One load and compare on the copy path, as a routine
-/// flag alone was (a second check there made small puts 0.95x: the bigger
-/// body changed what the compiler inlined around it).
+/// flag alone is (a second check there makes small puts 0.95x as fast:
+/// the bigger body changes what the compiler inlines around it).
 static VECTOR_BELOW: AtomicUsize = AtomicUsize::new(0);
 static CHOICE: OnceLock<CopyChoice> = OnceLock::new();
 
@@ -97,12 +97,10 @@ fn span() -> String {
 /// Where the vector loop stops: half this core's L2 cache. A copy that big
 /// cannot keep both its source and its destination in L2, so most of the
 /// lines it stores miss, and there glibc's `rep movsb`, which can write
-/// whole missing lines without first reading them, was the faster (puts of
-/// 1 MiB 1.11x the loop, gets 1.03x, in five interleaved btl-perf rounds
-/// on the 2 MiB-L2 Xeons here; a plain C loop of 1 MiB copies into shared
-/// memory 1.02-1.03x; criterion's `put_1MiB` 0.95-1.0x, so call it a small
-/// gain), while the clock drop that made us leave it matters less to a
-/// copy that waits on memory. Unknown L2: no limit.
+/// whole missing lines without first reading them, is the faster (puts of
+/// 1 MiB about 1.1x the loop's rate, gets about 1.03x, with a 2 MiB L2: a
+/// small gain), while the clock drop that makes the loop the choice below
+/// matters less to a copy that waits on memory. Unknown L2: no limit.
 fn bulk_max() -> usize {
     // SAFETY: sysconf only reads system information.
     let l2 = unsafe { libc::sysconf(libc::_SC_LEVEL2_CACHE_SIZE) };
@@ -156,9 +154,9 @@ pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
 
 /// Up to 16 bytes without a call (a small put's bytes cost less than the
 /// call to `memmove`): every byte is loaded before any is stored, so
-/// overlapping ranges move as with `memmove`. (Inlining 17-64 bytes too
-/// made puts of every size 0.92x as fast here: the bigger body changed
-/// what the compiler inlined around it.)
+/// overlapping ranges move as with `memmove`. (Not more: inlining 17-64
+/// bytes too makes puts of every size about 0.92x as fast, as the bigger
+/// body changes what the compiler inlines around it.)
 ///
 /// # Safety
 /// As [`copy`], with `n <= 16`.
@@ -207,7 +205,7 @@ unsafe fn copy_with(vector: bool, src: *const u8, dst: *mut u8, n: usize) {
 /// Four 32-byte loads, then four 32-byte stores, per 128 bytes, the
 /// stores aligned to whole cache lines: the bytes up to the destination's
 /// next 64-byte boundary, and the tail, by `memcpy`. (Unaligned stores
-/// that straddle lines made the loop a fifth slower than `memmove` here.)
+/// that straddle lines make the loop a fifth slower than `memmove`.)
 ///
 /// # Safety
 /// `src` valid for `n` bytes of reads, `dst` for `n` bytes of writes, the
