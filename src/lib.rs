@@ -104,7 +104,9 @@ mod sys;
 mod transport;
 
 pub use crate::core::dispatch::{Message, Receiver};
-pub use crate::core::endpoint::{AtomicFetch, Endpoint, Flush, Get, Put, Send, SendInline};
+pub use crate::core::endpoint::{
+    AtomicFetch, Endpoint, Flush, Get, Put, SendFuture, SendInlineFuture,
+};
 pub use crate::core::fabric::{Fabric, FabricBuilder, MemoryKind};
 pub use crate::core::region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};
 pub use crate::core::stats::Stats;

@@ -198,7 +198,8 @@ async fn a_key_keeps_its_mapping_but_not_past_revocation_or_into_another_job() {
 #[test]
 fn operation_futures_are_send_and_static() {
     fn check<T: Send + 'static>() {}
-    check::<async_btl::Send>();
+    check::<async_btl::SendFuture>();
+    check::<async_btl::SendInlineFuture<'static>>();
     check::<async_btl::Put>();
     check::<async_btl::Get>();
     check::<async_btl::Flush>();
@@ -346,4 +347,77 @@ async fn remote_key_bytes_decode_exactly() {
     }
     let closes = f.into_iter().map(|x| x.close());
     futures::future::try_join_all(closes).await.unwrap();
+}
+
+/// Operations that complete at once (into a peer's mapping) still yield to
+/// the runtime's other tasks: on a current-thread runtime a 10 ms ticker
+/// keeps ticking beside a loop of puts, gets, atomics, or `put_nbi` and
+/// `flush`, none of which ever waits.
+#[tokio::test(flavor = "current_thread")]
+async fn loops_of_immediate_operations_leave_room_for_other_tasks() {
+    let f = job(2, Config::default()).await;
+    let region = f[1].alloc_region(4096).unwrap();
+    let key = region.remote_key();
+    let ep = f[0].endpoint(1).unwrap();
+    let local = f[0].register(vec![1u8; 64]);
+    for what in ["put", "get", "fetch_add", "put_nbi+flush", "send"] {
+        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let t = ticks.clone();
+        let ticker = tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(10));
+            loop {
+                iv.tick().await;
+                t.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        let mut rx = f[1].receiver(3).unwrap();
+        let until = std::time::Instant::now() + Duration::from_millis(300);
+        let mut n = 0u64;
+        while std::time::Instant::now() < until {
+            match what {
+                "put" => ep.put(&local, 0..64, &key, 0).await.unwrap(),
+                "get" => ep.get(&local, 0..64, &key, 0).await.unwrap(),
+                "fetch_add" => drop(ep.fetch_add(&key, 64, 1).await.unwrap()),
+                "put_nbi+flush" => {
+                    ep.put_nbi(&local, 0..8, &key, 128).unwrap();
+                    ep.flush().await.unwrap();
+                }
+                _ => {
+                    ep.send_inline(3, b"x").await.unwrap();
+                    // Keep the receiver's queue short: sends never wait.
+                    if n % 64 == 63 {
+                        while let Some(Ok(_)) = futures::FutureExt::now_or_never(rx.recv()) {}
+                    }
+                }
+            }
+            n += 1;
+        }
+        ticker.abort();
+        let ticks = ticks.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            ticks >= 10,
+            "{what}: the ticker ran {ticks} times in 300 ms beside {n} operations"
+        );
+        drop(rx);
+    }
+    let closes = f.into_iter().map(|x| x.close());
+    futures::future::try_join_all(closes).await.unwrap();
+}
+
+/// A local read or write past a region's end is the caller's mistake
+/// (`Misuse`, naming the range), not a remote refusal.
+#[tokio::test(flavor = "current_thread")]
+async fn local_access_past_the_end_is_misuse() {
+    let f = Fabric::single().await.unwrap();
+    let r = f.register(vec![0u8; 16]);
+    let e = r.read(10, &mut [0u8; 8]).unwrap_err();
+    assert!(matches!(e, Error::Misuse(_)), "{e}");
+    assert!(
+        e.to_string().contains("10..18") && !e.to_string().contains("remote"),
+        "{e}"
+    );
+    let e = r.write(16, &[1]).unwrap_err();
+    assert!(matches!(e, Error::Misuse(_)), "{e}");
+    assert_eq!(r.to_vec(), vec![0u8; 16]);
+    f.close().await.unwrap();
 }

@@ -19,7 +19,7 @@ use crate::{AccessError, Error, Rank, Result, Tag};
 
 /// The way to one peer: cheap to clone, `Send + Sync`.
 ///
-/// Every operation returns a named future ([`Send`], [`Put`], [`Get`],
+/// Every operation returns a named future ([`SendFuture`], [`Put`], [`Get`],
 /// [`AtomicFetch`], [`Flush`]):
 /// - *Completion*: a send resolves at local completion (the data is no
 ///   longer needed and the message cannot be lost by this process); put,
@@ -112,9 +112,9 @@ impl Endpoint {
     /// copies it straight out of `data` (one copy instead of two), and the
     /// future resolves once it has. `data` is kept alive until then even if
     /// the future is dropped (`Stats::rendezvous_sends` counts these).
-    pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> Send {
+    pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> SendFuture {
         self.0.core.counters.add(Hot::Sends);
-        Send {
+        SendFuture {
             state: SendState::Start {
                 tag,
                 data: data.into(),
@@ -132,13 +132,14 @@ impl Endpoint {
     ///
     /// The future borrows the endpoint as it borrows `data` (no reference
     /// count to take and drop per message).
-    pub fn send_inline<'a>(&'a self, tag: Tag, data: &'a [u8]) -> SendInline<'a> {
+    pub fn send_inline<'a>(&'a self, tag: Tag, data: &'a [u8]) -> SendInlineFuture<'a> {
         self.0.core.counters.add(Hot::Sends);
-        SendInline {
+        SendInlineFuture {
             ep: &self.0,
             tag,
             data,
             queued: None,
+            sent: false,
             seen: OP_UNSEEN,
         }
     }
@@ -508,9 +509,32 @@ impl Endpoint {
     }
 }
 
+/// Count one unit of tokio's cooperative budget for an operation whose
+/// result is in hand: `Ready(())` to return it now, `Pending` (the task is
+/// woken at once) when the task used up its budget, so that a loop of
+/// operations that complete at once (copies into a mapped region, sends
+/// that find room) still lets the runtime's other tasks run. Outside a
+/// tokio runtime it always proceeds.
+#[inline]
+fn budget(cx: &mut Context<'_>) -> Poll<()> {
+    match tokio::task::coop::poll_proceed(cx) {
+        Poll::Ready(restore) => {
+            restore.made_progress();
+            Poll::Ready(())
+        }
+        Poll::Pending => Poll::Pending,
+    }
+}
+
 enum SendState {
-    Start { tag: Tag, data: Bytes },
+    Start {
+        tag: Tag,
+        data: Bytes,
+    },
     Wait(Arc<Completion>),
+    /// Sent, but the task's cooperative budget was used up: returned at
+    /// the next poll.
+    Sent(Result<()>),
     Done,
 }
 
@@ -520,25 +544,39 @@ enum SendState {
 /// Dropped before its first poll, nothing is sent. Once polled, the message
 /// is owned by the transport (the `Bytes` is kept, never freed early) and is
 /// delivered even if the future is dropped.
+///
+/// # Cooperation
+/// A send that completes at once still counts against tokio's cooperative
+/// budget: a loop of sends yields to the runtime's other tasks now and then
+/// (it returns `Pending` once, already sent, and `Ready` at the next poll).
 #[must_use = "futures do nothing unless polled"]
-pub struct Send {
+pub struct SendFuture {
     state: SendState,
     ep: Arc<Inner>,
     seen: u64,
 }
 
-impl Future for Send {
+impl Future for SendFuture {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         loop {
             match std::mem::replace(&mut self.state, SendState::Done) {
                 SendState::Start { tag, data } => {
-                    match self.ep.link.submit(Kind::User, tag, data) {
-                        Ok(None) => return Poll::Ready(Ok(())),
-                        Ok(Some(c)) => self.state = SendState::Wait(c),
-                        Err(e) => return Poll::Ready(Err(e)),
+                    let r = match self.ep.link.submit(Kind::User, tag, data) {
+                        Ok(None) => Ok(()),
+                        Ok(Some(c)) => {
+                            self.state = SendState::Wait(c);
+                            continue;
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if budget(cx).is_pending() {
+                        self.state = SendState::Sent(r);
+                        return Poll::Pending;
                     }
+                    return Poll::Ready(r);
                 }
+                SendState::Sent(r) => return Poll::Ready(r),
                 SendState::Wait(c) => {
                     let this = &mut *self;
                     let p = wait(&c, &this.ep.core, &mut this.seen, cx);
@@ -563,24 +601,40 @@ impl Future for Send {
 /// Dropped before it first returns `Pending`, either nothing or the whole
 /// message was sent (never part). After a `Pending`, the bytes were copied
 /// and queued; they are delivered even if the future is dropped.
+///
+/// # Cooperation
+/// As for [`SendFuture`]: a send that completes at once counts against
+/// tokio's cooperative budget (then it returns `Pending` once, already
+/// sent).
 #[must_use = "futures do nothing unless polled"]
-pub struct SendInline<'a> {
+pub struct SendInlineFuture<'a> {
     ep: &'a Inner,
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
+    /// Sent at a poll that found the budget used up.
+    sent: bool,
     seen: u64,
 }
 
-impl Future for SendInline<'_> {
+impl Future for SendInlineFuture<'_> {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = &mut *self;
         if let Some(c) = &this.queued {
             return wait(c, &this.ep.core, &mut this.seen, cx);
         }
+        if this.sent {
+            return Poll::Ready(Ok(()));
+        }
         match self.ep.link.try_send(Kind::User, self.tag, self.data) {
-            Ok(true) => return Poll::Ready(Ok(())),
+            Ok(true) => {
+                if budget(cx).is_pending() {
+                    self.sent = true;
+                    return Poll::Pending;
+                }
+                return Poll::Ready(Ok(()));
+            }
             Ok(false) => {}
             Err(e) => return Poll::Ready(Err(e)),
         }
@@ -630,6 +684,11 @@ impl OpState {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         match self {
             OpState::Ready(r) => {
+                // Done when the future was made (a copy into a mapped
+                // region): still one unit of the task's budget.
+                if r.is_some() && budget(cx).is_pending() {
+                    return Poll::Pending;
+                }
                 Poll::Ready(r.take().unwrap_or_else(|| {
                     Err(Error::Misuse("operation polled after completion".into()))
                 }))
@@ -708,10 +767,18 @@ impl Future for AtomicFetch {
     type Output = Result<u64>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<u64>> {
         match &mut self.0 {
-            AtomicState::Ready(r) => Poll::Ready(
-                r.take()
-                    .unwrap_or_else(|| Err(Error::Misuse("atomic polled after completion".into()))),
-            ),
+            AtomicState::Ready(r) => {
+                // Done when the future was made (an atomic on a mapped
+                // word): still one unit of the task's budget.
+                if r.is_some() && budget(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                Poll::Ready(
+                    r.take().unwrap_or_else(|| {
+                        Err(Error::Misuse("atomic polled after completion".into()))
+                    }),
+                )
+            }
             AtomicState::Wait(op) => match op.poll(cx) {
                 Poll::Pending => Poll::Pending,
                 Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
@@ -768,6 +835,12 @@ impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if !self.asked {
+            // One unit of the task's budget per flush: a `put_nbi` loop
+            // with a flush per window, all done at once into a mapped
+            // region, still lets other tasks run.
+            if budget(cx).is_pending() {
+                return Poll::Pending;
+            }
             // Behind every implicit put sent so far (in the bundle that
             // holds the last of them, if it is still open): the answer
             // confirms them (the pending request keeps `over` false until

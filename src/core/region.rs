@@ -308,12 +308,36 @@ impl MemoryRegion {
         self.inner.key.is_shared()
     }
     /// Copy `dst.len()` bytes from `offset` out of the region.
+    ///
+    /// # Errors
+    /// [`Error::Misuse`] when `offset..offset + dst.len()` is not inside
+    /// the region (nothing is copied).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        Ok(self.inner.raw.read(offset as u64, dst)?)
+        self.inner
+            .raw
+            .read(offset as u64, dst)
+            .map_err(|_| self.local_range_error(offset, dst.len()))
     }
     /// Copy `src` into the region at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::Misuse`] when `offset..offset + src.len()` is not inside
+    /// the region (nothing is written).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        Ok(self.inner.raw.write(offset as u64, src)?)
+        self.inner
+            .raw
+            .write(offset as u64, src)
+            .map_err(|_| self.local_range_error(offset, src.len()))
+    }
+
+    /// A local access outside the region: the caller's mistake, not a
+    /// peer's refusal.
+    fn local_range_error(&self, offset: usize, len: usize) -> Error {
+        Error::Misuse(format!(
+            "local range {offset}..{} is outside this {}-byte region",
+            offset.saturating_add(len),
+            self.len()
+        ))
     }
     /// The whole region, copied.
     pub fn to_vec(&self) -> Vec<u8> {

@@ -84,6 +84,8 @@ pub(crate) struct SmPeer {
     /// polls the box (see `fbox::FBox::push`'s prefetch).
     pub(crate) heard: AtomicBool,
     pub(crate) lost: AtomicBool,
+    /// Why it was lost (set before `lost`).
+    lost_reason: OnceLock<String>,
 }
 
 impl SmPeer {
@@ -93,10 +95,16 @@ impl SmPeer {
         self.lost.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// The error of an operation on this peer once it is lost, with the
+    /// cause it was lost for.
     pub(crate) fn lost_error(&self) -> Error {
         Error::PeerLost {
             rank: self.rank,
-            reason: "it was lost earlier".into(),
+            reason: self
+                .lost_reason
+                .get()
+                .cloned()
+                .unwrap_or_else(|| "it was lost".into()),
         }
     }
 
@@ -274,6 +282,7 @@ impl SmTransport {
                 split: AtomicBool::new(true),
                 heard: AtomicBool::new(false),
                 lost: AtomicBool::new(false),
+                lost_reason: OnceLock::new(),
             });
             *slot = Some(peer.clone());
             links.push((
@@ -314,6 +323,8 @@ impl SmTransport {
     /// Declare a peer lost: fail its queues, reclaim its fragments, tell the
     /// core. Must not be called with `tx` or `rx` held.
     pub(crate) fn lose(&self, peer: &SmPeer, reason: &str, how: Loss) {
+        // The first cause wins; readers that see `lost` see it.
+        let _ = peer.lost_reason.set(reason.to_string());
         if peer.lost.swap(true, std::sync::atomic::Ordering::AcqRel) {
             return;
         }

@@ -70,7 +70,12 @@ impl UdpLink {
         } else if self.peer.is_lost() {
             Err(Error::PeerLost {
                 rank: self.peer.rank,
-                reason: "it was lost earlier".into(),
+                reason: self
+                    .peer
+                    .lost_reason
+                    .get()
+                    .cloned()
+                    .unwrap_or_else(|| "it was lost".into()),
             })
         } else {
             Ok(())

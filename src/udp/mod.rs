@@ -456,6 +456,7 @@ impl UdpTransport {
                 gso: AtomicBool::new(whole),
                 stash_limit,
                 lost: AtomicBool::new(false),
+                lost_reason: OnceLock::new(),
                 busy: AtomicBool::new(false),
                 st: Mutex::new(PeerState::new(conn, now, self.config.bundle)),
             });
@@ -551,6 +552,8 @@ impl UdpTransport {
         let Some(peer) = self.peer(rank) else {
             return;
         };
+        // The first cause wins; readers that see `lost` see it.
+        let _ = peer.lost_reason.set(reason.to_string());
         // Pairs with the Acquire load in `Peer::is_lost`.
         if peer.lost.swap(true, Ordering::AcqRel) {
             return;

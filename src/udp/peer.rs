@@ -113,6 +113,8 @@ pub(crate) struct Peer {
     /// backpressure).
     pub(crate) stash_limit: usize,
     pub(crate) lost: AtomicBool,
+    /// Why it was lost (set before `lost`).
+    pub(crate) lost_reason: std::sync::OnceLock<String>,
     /// Our receive side holds this peer's data back (its tag is full): our
     /// keepalives say so (`Flags::BUSY`). Relaxed: a hint for keepalives.
     pub(crate) busy: AtomicBool,

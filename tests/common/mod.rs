@@ -354,11 +354,19 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
     let flush = tokio::spawn(ep.flush());
     println!("blocked={}", pending.len());
     println!("armed_ms={}", now_ms());
-    // The parent kills rank 1 now. Every pending future must fail.
+    // The parent kills rank 1 now. Every pending future must fail, and
+    // every failure, then and later, carries the cause of the loss.
+    let mut cause = None;
     for p in pending {
         let e = p.await.unwrap().unwrap_err();
         assert!(e.is_peer_lost(), "send: {e}");
+        cause.get_or_insert_with(|| e.to_string());
     }
+    let cause = cause.unwrap();
+    let same_cause = |e: async_btl::Error, what: &str| {
+        assert!(e.is_peer_lost(), "{what}: {e}");
+        assert_eq!(e.to_string(), cause, "{what} names another cause");
+    };
     if let Some(get) = get {
         let e = get.await.unwrap().unwrap_err();
         assert!(e.is_peer_lost(), "get: {e}");
@@ -370,19 +378,20 @@ pub async fn kill_scenario(f: async_btl::Fabric, control_free: bool) {
         Err(e) => assert!(e.is_peer_lost(), "flush: {e}"),
     }
     println!("failed_ms={}", now_ms());
-    assert!(ep
-        .send(1, bytes::Bytes::new())
-        .await
-        .unwrap_err()
-        .is_peer_lost());
-    assert!(ep.flush().await.unwrap_err().is_peer_lost());
-    assert!(ep
-        .put_nbi(&local, 0..64, &key, 0)
-        .unwrap_err()
-        .is_peer_lost());
-    assert!(f.barrier().await.unwrap_err().is_peer_lost());
-    let e = ep.get(&local, 0..64, &key, 0).await.unwrap_err();
-    assert!(e.is_peer_lost(), "get after the loss: {e}");
+    same_cause(
+        ep.send(1, bytes::Bytes::new()).await.unwrap_err(),
+        "send after the loss",
+    );
+    same_cause(ep.flush().await.unwrap_err(), "flush after the loss");
+    same_cause(
+        ep.put_nbi(&local, 0..64, &key, 0).unwrap_err(),
+        "put_nbi after the loss",
+    );
+    same_cause(f.barrier().await.unwrap_err(), "barrier after the loss");
+    same_cause(
+        ep.get(&local, 0..64, &key, 0).await.unwrap_err(),
+        "get after the loss",
+    );
     drop(f);
 }
 
