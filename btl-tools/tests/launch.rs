@@ -314,6 +314,37 @@ fn all_gather_under_open_mpi_mpirun() {
     assert_eq!(got, want);
 }
 
+/// With `--keep-going`, a rank that dies does not take the job down: the
+/// survivor sees `PeerLost` and finishes, and btl-run reports the dead
+/// rank's code. Without it, the survivor is stopped first.
+#[test]
+fn keep_going_lets_survivors_see_the_loss() {
+    let exe = std::env::current_exe().expect("test binary");
+    let run = |keep: bool| {
+        let mut cmd = Command::new(BTL_RUN);
+        cmd.args(["-n", "2", "--timeout", "60", "--grace", "1"]);
+        if keep {
+            cmd.arg("--keep-going");
+        }
+        cmd.args(["--env", "BTL_TEST_MODE=survive", "--"])
+            .arg(&exe)
+            .args(helper_args())
+            .output()
+            .expect("btl-run starts")
+    };
+    let out = run(true);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(5), "{out:?}");
+    assert!(
+        text.contains("[0] survivor saw the loss of rank 1"),
+        "{text}"
+    );
+    let out = run(false);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(5), "{out:?}");
+    assert!(!text.contains("survivor saw"), "{text}");
+}
+
 /// Not a test by itself: does nothing unless `BTL_TEST_MODE` is set by one
 /// of the tests above, which run it as a rank.
 #[test]
@@ -321,6 +352,29 @@ fn rank_helper() {
     let Ok(mode) = std::env::var("BTL_TEST_MODE") else {
         return;
     };
+    if mode == "survive" {
+        // Rank 1 dies after the job met; rank 0 waits for a message that
+        // will never come and must see the loss instead.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let f = async_btl::Fabric::from_env().await.expect("fabric");
+            let mut rx = f.receiver(1).expect("receiver");
+            f.barrier().await.expect("barrier");
+            if f.rank() == 1 {
+                std::process::exit(5);
+            }
+            let e = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .expect("the loss is reported in time")
+                .expect_err("no message comes");
+            assert!(e.is_peer_lost(), "{e}");
+            println!("\nsurvivor saw the loss of rank 1: {e}");
+        });
+        return;
+    }
     if mode == "selfrun" {
         if let Some(code) = run_self_if_unlaunched(3) {
             std::process::exit(code);

@@ -56,6 +56,7 @@ pub struct LocalJob {
     env: Vec<(OsString, OsString)>,
     timeout: Option<Duration>,
     grace: Duration,
+    keep_going: bool,
 }
 
 impl LocalJob {
@@ -69,7 +70,19 @@ impl LocalJob {
             env: Vec::new(),
             timeout: None,
             grace: DEFAULT_KILL_GRACE,
+            keep_going: false,
         }
+    }
+
+    /// Keep the other ranks running when one fails (like `mpirun`'s runs
+    /// with fault tolerance): the survivors see the failure as
+    /// `Error::PeerLost` on their pending operations and may carry on. The
+    /// launcher still exits with the first failure's code once every rank
+    /// has exited; a signal to the launcher or the job's timeout still
+    /// stops them all. Off by default: the first failure stops the job.
+    pub fn keep_going(mut self, on: bool) -> Self {
+        self.keep_going = on;
+        self
     }
 
     /// Arguments passed to every rank.
@@ -194,6 +207,7 @@ impl LocalJob {
 
         let pids: Vec<u32> = alive.values().copied().collect();
         let stop_code = supervise::Supervisor::new(alive, self.timeout, self.grace)
+            .keep_going(self.keep_going)
             .run(waits, &mut sigint, &mut sigterm)
             .await;
         // Every rank is reaped: remove the shared memory of those a signal

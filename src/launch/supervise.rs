@@ -21,6 +21,10 @@ pub(super) struct Supervisor {
     stop_code: Option<i32>,
     /// When the ranks still alive get SIGKILL.
     kill_at: Option<Instant>,
+    /// A failing rank does not stop the others.
+    keep_going: bool,
+    /// The first failing rank's exit code, in keep-going mode.
+    failed_code: Option<i32>,
 }
 
 impl Supervisor {
@@ -35,7 +39,15 @@ impl Supervisor {
             grace,
             stop_code: None,
             kill_at: None,
+            keep_going: false,
+            failed_code: None,
         }
+    }
+
+    /// Let the other ranks run on when one fails.
+    pub(super) fn keep_going(mut self, on: bool) -> Self {
+        self.keep_going = on;
+        self
     }
 
     /// Wait until every rank has exited; return the launcher's exit code.
@@ -72,21 +84,28 @@ impl Supervisor {
                 }
             }
         }
-        self.stop_code.unwrap_or(0)
+        self.stop_code.or(self.failed_code).unwrap_or(0)
     }
 
     fn exited(&mut self, rank: u32, status: std::io::Result<ExitStatus>) {
         let pid = self.alive.remove(&rank).unwrap_or(0);
         // Whatever the rank left running in its group goes too.
         child::signal_group(pid, libc::SIGKILL);
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => self.stop(
+        let (why, code) = match status {
+            Ok(s) if s.success() => return,
+            Ok(s) => (
                 format!("rank {rank} {}", child::describe(s)),
                 child::exit_code(s),
-                None,
             ),
-            Err(e) => self.stop(format!("waiting for rank {rank} failed: {e}"), 1, None),
+            Err(e) => (format!("waiting for rank {rank} failed: {e}"), 1),
+        };
+        if self.keep_going && self.stop_code.is_none() {
+            // The survivors see it as a lost peer; the launcher reports
+            // the first failure's code at the end.
+            tracing::error!("{why}; the other ranks keep going (--keep-going)");
+            self.failed_code.get_or_insert(code);
+        } else {
+            self.stop(why, code, None);
         }
     }
 

@@ -17,7 +17,9 @@ stderr to stderr). Ranks read stdin from /dev/null.
 
 When a rank fails, the others get SIGTERM, then SIGKILL after the grace
 period, and btl-run exits with the first failure's code (128 + signal
-number for a rank killed by a signal). Ctrl-C and SIGTERM are forwarded
+number for a rank killed by a signal). With --keep-going they run on
+instead, and see the failure as a lost peer (Error::PeerLost on what was
+pending on it); btl-run still exits with the first failure's code. Ctrl-C and SIGTERM are forwarded
 to the ranks; a second one kills them. If btl-run itself is killed, the
 ranks die with it.";
 
@@ -40,6 +42,11 @@ struct Args {
     /// Forward output as it is, without the rank prefix.
     #[arg(long)]
     no_prefix: bool,
+
+    /// When a rank fails, let the others run on (they see the failure as
+    /// a lost peer); exit with the first failure's code when all are done.
+    #[arg(long)]
+    keep_going: bool,
 
     /// Set an environment variable for every rank (repeatable).
     #[arg(long = "env", value_name = "K=V", value_parser = key_value)]
@@ -97,7 +104,8 @@ fn main() -> ExitCode {
         .args(command)
         .prefix_output(!args.no_prefix)
         .timeout(args.timeout)
-        .kill_grace(args.grace);
+        .kill_grace(args.grace)
+        .keep_going(args.keep_going);
     for (k, v) in args.env {
         job = job.env(k, v);
     }
