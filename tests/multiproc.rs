@@ -36,6 +36,7 @@ fn rank_main() {
             "alltoall" => alltoall(f).await,
             "alltoall_paths" => alltoall_paths(f).await,
             "putget" => putget(f).await,
+            "bystander" => bystander(f).await,
             "atomics" => {
                 let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
                 atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
@@ -655,6 +656,48 @@ fn four_processes_all_to_all_through_every_path() {
             rndv >= 3 * 120,
             "every large message went by rendezvous: {rndv}"
         );
+    }
+}
+
+/// Rank 2 dies; rank 1 closes when it sees that. The others' barriers
+/// name rank 2, the rank lost first, with its cause, not rank 1.
+async fn bystander(f: Fabric) {
+    f.barrier().await.unwrap();
+    if f.rank() == 2 {
+        std::process::abort();
+    }
+    let e = f.barrier().await.unwrap_err();
+    assert!(
+        matches!(&e, Error::PeerLost { rank: 2, .. }),
+        "rank {}: {e}",
+        f.rank()
+    );
+    if f.rank() == 1 {
+        return; // closes (drops its fabric) and exits
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let e = f.barrier().await.unwrap_err();
+    assert!(
+        matches!(&e, Error::PeerLost { rank: 2, .. }),
+        "rank {} after rank 1 left: {e}",
+        f.rank()
+    );
+    println!("blamed=2");
+}
+
+#[test]
+fn a_barrier_names_the_rank_lost_first_not_a_bystander() {
+    let outs = spawn_job(4, "bystander", &[]).wait(Duration::from_secs(60));
+    for (r, out) in outs.iter().enumerate() {
+        if r == 2 {
+            assert!(!out.status.success(), "rank 2 was to die");
+        } else if !out.status.success() {
+            dump(&outs);
+            panic!("rank {r} failed");
+        }
+    }
+    for r in [0, 3] {
+        assert_eq!(value(&outs[r], "blamed").as_deref(), Some("2"));
     }
 }
 

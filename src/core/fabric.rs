@@ -62,11 +62,37 @@ pub(crate) struct Core {
     gone: Vec<AtomicBool>,
 }
 
+/// One lost rank, as barriers and closes report it.
+struct Lost {
+    /// It closed its fabric (a bystander of an earlier loss, perhaps).
+    closed: bool,
+    /// Its place in the order of losses.
+    seq: u64,
+    why: String,
+}
+
+impl SyncState {
+    /// The rank to blame among the lost ones `need` picks: one that did
+    /// not leave in order before one that did, then the one lost first.
+    fn culprit(&self, need: impl Fn(Rank) -> bool) -> Option<Error> {
+        self.lost
+            .iter()
+            .filter(|(r, _)| need(**r))
+            .min_by_key(|(_, l)| (l.closed, l.seq))
+            .map(|(r, l)| Error::PeerLost {
+                rank: *r,
+                reason: l.why.clone(),
+            })
+    }
+}
+
 #[derive(Default)]
 struct SyncState {
     barrier: HashMap<u64, HashSet<Rank>>,
     byes: HashSet<Rank>,
-    lost: HashMap<Rank, String>,
+    /// Lost ranks: whether they left in order, the order they were lost
+    /// in, and why.
+    lost: HashMap<Rank, Lost>,
 }
 
 impl Core {
@@ -177,7 +203,7 @@ impl Core {
 
     /// Why `rank` was declared lost, if it was.
     pub(crate) fn lost_reason(&self, rank: Rank) -> Option<String> {
-        lock(&self.sync).lost.get(&rank).cloned()
+        lock(&self.sync).lost.get(&rank).map(|l| l.why.clone())
     }
 
     /// A complete user message arrived from `src` (no link needed).
@@ -231,12 +257,27 @@ impl Core {
         if how != Loss::Closed {
             Counters::bump(&self.counters.peers_lost);
         }
-        lock(&self.sync).lost.insert(rank, reason.to_string());
+        {
+            let mut s = lock(&self.sync);
+            let seq = s.lost.len() as u64;
+            // The first cause wins (a later "closed" must not hide a crash).
+            s.lost.entry(rank).or_insert_with(|| Lost {
+                closed: how == Loss::Closed,
+                seq,
+                why: reason.to_string(),
+            });
+        }
         self.rma.peer_lost(rank, reason);
         if how != Loss::Closed {
             self.dispatcher.peer_lost(rank, reason);
         }
         self.sync_notify.notify_waiters();
+    }
+
+    /// The error naming the rank to blame for a collective's failure, if
+    /// any rank is lost: one that did not leave in order, else the first.
+    pub(crate) fn first_lost(&self) -> Option<Error> {
+        lock(&self.sync).culprit(|_| true)
     }
 
     /// Wait until `done(state)` holds, failing if a peer in `need` is lost.
@@ -257,11 +298,10 @@ impl Core {
                     if done(&s) {
                         return Ok(());
                     }
-                    if let Some((r, why)) = s.lost.iter().find(|(r, _)| need(**r)) {
-                        return Err(Error::PeerLost {
-                            rank: *r,
-                            reason: why.clone(),
-                        });
+                    // The rank lost first, with its cause: a peer that
+                    // closed because another died is not the culprit.
+                    if let Some(e) = s.culprit(&need) {
+                        return Err(e);
                     }
                 }
                 n.await;
@@ -788,14 +828,30 @@ impl Fabric {
         let epoch = self.epoch.fetch_add(1, Ordering::Relaxed) + 1;
         let me = self.core.rank;
         let mut sends = Vec::new();
+        // A barrier over a lost peer fails naming the culprit with its
+        // cause (not whichever lost link the loop reaches first, nor a peer
+        // that closed because another died): the liveness checks run once
+        // more first, so that a death this rank has not noticed yet is
+        // found.
+        let blame = |e: Error| match e {
+            Error::PeerLost { .. } => {
+                for t in self.transports.iter() {
+                    t.check_peers();
+                }
+                self.core.first_lost().unwrap_or(e)
+            }
+            e => e,
+        };
         for r in (0..self.core.size).filter(|r| *r != me) {
             let link = self.core.link(r).ok_or(Error::Closed)?;
-            if let Some(c) = link.submit(Kind::Barrier, epoch, Bytes::new())? {
-                sends.push(c);
+            match link.submit(Kind::Barrier, epoch, Bytes::new()) {
+                Ok(Some(c)) => sends.push(c),
+                Ok(None) => {}
+                Err(e) => return Err(blame(e)),
             }
         }
         for c in sends {
-            std::future::poll_fn(|cx| c.poll(cx)).await?;
+            std::future::poll_fn(|cx| c.poll(cx)).await.map_err(blame)?;
         }
         let need = self.core.size as usize - 1;
         self.core
@@ -805,7 +861,8 @@ impl Fabric {
                 |s| s.barrier.get(&epoch).map_or(0, HashSet::len) >= need,
                 |_| true,
             )
-            .await?;
+            .await
+            .map_err(blame)?;
         lock(&self.core.sync).barrier.remove(&epoch);
         Ok(())
     }
