@@ -421,3 +421,30 @@ async fn local_access_past_the_end_is_misuse() {
     assert_eq!(r.to_vec(), vec![0u8; 16]);
     f.close().await.unwrap();
 }
+
+/// `try_recv` takes what has arrived without waiting, in order, and says
+/// `None` when nothing has; the receiver still works as a stream after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn try_recv_takes_what_arrived_without_waiting() {
+    let f = job(2, Config::default()).await;
+    let mut rx = f[1].receiver(4).unwrap();
+    assert!(rx.try_recv().unwrap().is_none(), "nothing sent yet");
+    let ep = f[0].endpoint(1).unwrap();
+    for i in 0..10u8 {
+        ep.send(4, vec![i; 100]).await.unwrap();
+    }
+    let mut got = Vec::new();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while got.len() < 10 && std::time::Instant::now() < until {
+        match rx.try_recv().unwrap() {
+            Some(m) => got.push(m.data[0]),
+            None => tokio::task::yield_now().await,
+        }
+    }
+    assert_eq!(got, (0..10).collect::<Vec<u8>>());
+    assert!(rx.try_recv().unwrap().is_none());
+    ep.send(4, &b"after"[..]).await.unwrap();
+    assert_eq!(&rx.recv().await.unwrap().data[..], b"after");
+    let closes = f.into_iter().map(|x| x.close());
+    futures::future::try_join_all(closes).await.unwrap();
+}

@@ -888,6 +888,32 @@ impl Receiver {
             .await
             .unwrap_or(Err(Error::Closed))
     }
+
+    /// The next message if one is here now, without waiting: what one poll
+    /// of [`recv`](Self::recv) finds, after one progress call of its own
+    /// (so a message already in shared memory is taken). `Ok(None)`: none
+    /// yet. Errors are those of `recv`: a lost peer's
+    /// [`Error::PeerLost`] once, [`Error::Closed`] when the fabric is
+    /// closed and nothing is left.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let mut rx = f.receiver(7)?;
+    /// // Drain what has arrived, then go on with other work.
+    /// while let Some(m) = rx.try_recv()? {
+    ///     println!("{} bytes from rank {}", m.data.len(), m.src);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn try_recv(&mut self) -> Result<Option<Message>> {
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        match Pin::new(&mut *self).poll_next(&mut cx) {
+            Poll::Ready(Some(Ok(m))) => Ok(Some(m)),
+            Poll::Ready(Some(Err(e))) => Err(e),
+            Poll::Ready(None) => Err(Error::Closed),
+            Poll::Pending => Ok(None),
+        }
+    }
 }
 
 impl Stream for Receiver {
