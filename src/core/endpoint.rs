@@ -139,7 +139,6 @@ impl Endpoint {
             tag,
             data,
             queued: None,
-            sent: false,
             seen: OP_UNSEEN,
         }
     }
@@ -512,9 +511,9 @@ impl Endpoint {
 /// Count one unit of tokio's cooperative budget for an operation whose
 /// result is in hand: `Ready(())` to return it now, `Pending` (the task is
 /// woken at once) when the task used up its budget, so that a loop of
-/// operations that complete at once (copies into a mapped region, sends
-/// that find room) still lets the runtime's other tasks run. Outside a
-/// tokio runtime it always proceeds.
+/// operations that complete at once (copies and atomics into a mapped
+/// region) still lets the runtime's other tasks run. Outside a tokio
+/// runtime it always proceeds.
 #[inline]
 fn budget(cx: &mut Context<'_>) -> Poll<()> {
     match tokio::task::coop::poll_proceed(cx) {
@@ -527,14 +526,8 @@ fn budget(cx: &mut Context<'_>) -> Poll<()> {
 }
 
 enum SendState {
-    Start {
-        tag: Tag,
-        data: Bytes,
-    },
+    Start { tag: Tag, data: Bytes },
     Wait(Arc<Completion>),
-    /// Sent, but the task's cooperative budget was used up: returned at
-    /// the next poll.
-    Sent(Result<()>),
     Done,
 }
 
@@ -546,9 +539,11 @@ enum SendState {
 /// delivered even if the future is dropped.
 ///
 /// # Cooperation
-/// A send that completes at once still counts against tokio's cooperative
-/// budget: a loop of sends yields to the runtime's other tasks now and then
-/// (it returns `Pending` once, already sent, and `Ready` at the next poll).
+/// A send that finds room completes at its first poll without consuming
+/// tokio's cooperative budget (streams of sends would pay a scheduler
+/// round trip every 128 of them); a send loop yields when the peer's
+/// queue fills and the send waits. A loop that must yield regardless
+/// should await `tokio::task::consume_budget()` itself.
 #[must_use = "futures do nothing unless polled"]
 pub struct SendFuture {
     state: SendState,
@@ -562,21 +557,12 @@ impl Future for SendFuture {
         loop {
             match std::mem::replace(&mut self.state, SendState::Done) {
                 SendState::Start { tag, data } => {
-                    let r = match self.ep.link.submit(Kind::User, tag, data) {
-                        Ok(None) => Ok(()),
-                        Ok(Some(c)) => {
-                            self.state = SendState::Wait(c);
-                            continue;
-                        }
-                        Err(e) => Err(e),
-                    };
-                    if budget(cx).is_pending() {
-                        self.state = SendState::Sent(r);
-                        return Poll::Pending;
+                    match self.ep.link.submit(Kind::User, tag, data) {
+                        Ok(None) => return Poll::Ready(Ok(())),
+                        Ok(Some(c)) => self.state = SendState::Wait(c),
+                        Err(e) => return Poll::Ready(Err(e)),
                     }
-                    return Poll::Ready(r);
                 }
-                SendState::Sent(r) => return Poll::Ready(r),
                 SendState::Wait(c) => {
                     let this = &mut *self;
                     let p = wait(&c, &this.ep.core, &mut this.seen, cx);
@@ -603,17 +589,13 @@ impl Future for SendFuture {
 /// and queued; they are delivered even if the future is dropped.
 ///
 /// # Cooperation
-/// As for [`SendFuture`]: a send that completes at once counts against
-/// tokio's cooperative budget (then it returns `Pending` once, already
-/// sent).
+/// As for [`SendFuture`].
 #[must_use = "futures do nothing unless polled"]
 pub struct SendInlineFuture<'a> {
     ep: &'a Inner,
     tag: Tag,
     data: &'a [u8],
     queued: Option<Arc<Completion>>,
-    /// Sent at a poll that found the budget used up.
-    sent: bool,
     seen: u64,
 }
 
@@ -624,17 +606,8 @@ impl Future for SendInlineFuture<'_> {
         if let Some(c) = &this.queued {
             return wait(c, &this.ep.core, &mut this.seen, cx);
         }
-        if this.sent {
-            return Poll::Ready(Ok(()));
-        }
         match self.ep.link.try_send(Kind::User, self.tag, self.data) {
-            Ok(true) => {
-                if budget(cx).is_pending() {
-                    self.sent = true;
-                    return Poll::Pending;
-                }
-                return Poll::Ready(Ok(()));
-            }
+            Ok(true) => return Poll::Ready(Ok(())),
             Ok(false) => {}
             Err(e) => return Poll::Ready(Err(e)),
         }
