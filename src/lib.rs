@@ -94,6 +94,9 @@ pub mod bootstrap;
 pub mod config;
 pub mod error;
 pub mod exchange;
+#[cfg(not(btl_loom))]
+#[doc(hidden)]
+pub mod fuzz_support;
 pub mod info;
 pub mod launch;
 pub mod udp;

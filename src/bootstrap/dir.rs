@@ -35,6 +35,20 @@ fn entry_mac(job: &JobInfo, rank: u32, round: u32, blob: &[u8]) -> [u8; 32] {
     job.job_key.mac(&[b"dir", &r, &s, &n, blob])
 }
 
+/// Our entry for `round`, carrying `blob`.
+pub(crate) fn encode_entry(job: &JobInfo, round: u32, blob: Vec<u8>) -> Result<Vec<u8>> {
+    let entry = Entry {
+        version: VERSION,
+        rank: job.rank,
+        size: job.size,
+        round,
+        mac: entry_mac(job, job.rank, round, &blob),
+        blob,
+    };
+    postcard::to_allocvec(&entry)
+        .map_err(|e| Error::Bootstrap(format!("encoding our rendezvous entry: {e}")))
+}
+
 /// Run one all-gather round through `dir`.
 pub(super) async fn gather(
     job: &JobInfo,
@@ -44,16 +58,7 @@ pub(super) async fn gather(
     timeout: Duration,
 ) -> Result<Vec<Vec<u8>>> {
     let deadline = Instant::now() + timeout;
-    let entry = Entry {
-        version: VERSION,
-        rank: job.rank,
-        size: job.size,
-        round,
-        mac: entry_mac(job, job.rank, round, &mine),
-        blob: mine,
-    };
-    let bytes = postcard::to_allocvec(&entry)
-        .map_err(|e| Error::Bootstrap(format!("encoding our rendezvous entry: {e}")))?;
+    let bytes = encode_entry(job, round, mine)?;
     let name = format!("g{round}-rank-{}", job.rank);
     let (d, b) = (dir.to_path_buf(), bytes);
     blocking(move || write_atomic(&d, &name, &b)).await?;
@@ -171,6 +176,18 @@ fn read_entry(job: &JobInfo, dir: &Path, round: u32, rank: u32) -> Result<Option
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::os(format!("reading {}", path.display()), e)),
     };
+    decode_entry(job, round, rank, &bytes, &path).map(Some)
+}
+
+/// Check rank `rank`'s entry for `round` (read from `path`, named in the
+/// errors) and return its blob.
+pub(crate) fn decode_entry(
+    job: &JobInfo,
+    round: u32,
+    rank: u32,
+    bytes: &[u8],
+    path: &Path,
+) -> Result<Vec<u8>> {
     let bad = |why: &str| {
         Err(Error::Bootstrap(format!(
             "{} {why}: another job is using this directory or the ranks were given different \
@@ -178,7 +195,7 @@ fn read_entry(job: &JobInfo, dir: &Path, round: u32, rank: u32) -> Result<Option
             path.display()
         )))
     };
-    let entry: Entry = match postcard::from_bytes(&bytes) {
+    let entry: Entry = match postcard::from_bytes(bytes) {
         Ok(e) => e,
         Err(_) => return bad("is not a rendezvous entry of this async-btl version"),
     };
@@ -193,7 +210,7 @@ fn read_entry(job: &JobInfo, dir: &Path, round: u32, rank: u32) -> Result<Option
     if !super::key::ct_eq(&mac, &entry.mac) {
         return bad("carries another job key");
     }
-    Ok(Some(entry.blob))
+    Ok(entry.blob)
 }
 
 /// Mark this rank done; the rank that sees every marker removes the

@@ -71,12 +71,12 @@
 //! remove the directory before rerunning with the same job id.
 
 mod client;
-mod dir;
+pub(crate) mod dir;
 mod env;
 mod key;
 mod server;
 mod spec;
-mod wire;
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod env_tests;

@@ -22,13 +22,13 @@ use super::JobKey;
 /// Protocol version; bump on any incompatible change.
 pub(super) const VERSION: u32 = 1;
 /// Largest frame read before the peer proved the key.
-pub(super) const MAX_HANDSHAKE: u32 = 4 << 10;
+pub(crate) const MAX_HANDSHAKE: u32 = 4 << 10;
 /// Largest frame read after that (one blob, or all of them).
-pub(super) const MAX_FRAME: u32 = 1 << 30;
+pub(crate) const MAX_FRAME: u32 = 1 << 30;
 
 /// Messages the server sends.
 #[derive(Debug, Serialize, Deserialize)]
-pub(super) enum ToClient {
+pub(crate) enum ToClient {
     Hello { version: u32, nonce: [u8; 32] },
     Accepted { proof: [u8; 32] },
     Refused { reason: String },
@@ -40,7 +40,7 @@ pub(super) enum ToClient {
 
 /// Messages the client sends.
 #[derive(Debug, Serialize, Deserialize)]
-pub(super) enum ToServer {
+pub(crate) enum ToServer {
     Join {
         version: u32,
         rank: u32,
@@ -77,7 +77,7 @@ pub(super) fn accept_proof(key: &JobKey, nc: &[u8; 32], ns: &[u8; 32], r: u32, n
 
 /// Why a frame could not be read.
 #[derive(Debug)]
-pub(super) enum FrameError {
+pub(crate) enum FrameError {
     /// The peer closed the connection cleanly between frames.
     Eof,
     /// I/O error (including a connection reset or a cut-off frame).
@@ -102,6 +102,12 @@ where
     W: AsyncWrite + Unpin,
     T: Serialize,
 {
+    w.write_all(&encode_frame(msg)?).await?;
+    w.flush().await
+}
+
+/// One frame's bytes: a little-endian u32 length, then the postcard bytes.
+pub(crate) fn encode_frame<T: Serialize>(msg: &T) -> std::io::Result<Vec<u8>> {
     let body = postcard::to_allocvec(msg)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let len = u32::try_from(body.len())
@@ -109,8 +115,31 @@ where
     let mut buf = Vec::with_capacity(4 + body.len());
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(&body);
-    w.write_all(&buf).await?;
-    w.flush().await
+    Ok(buf)
+}
+
+/// Check a frame's length prefix against the limit `max`.
+pub(crate) fn check_len(len: [u8; 4], max: u32) -> Result<usize, FrameError> {
+    let len = u32::from_le_bytes(len);
+    if len > max {
+        return Err(FrameError::Malformed(format!(
+            "frame of {len} bytes exceeds the limit of {max}"
+        )));
+    }
+    Ok(len as usize)
+}
+
+/// Decode a frame's body: one message and nothing after it.
+pub(crate) fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    let (msg, rest) =
+        postcard::take_from_bytes(body).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(FrameError::Malformed(format!(
+            "{} trailing bytes",
+            rest.len()
+        )));
+    }
+    Ok(msg)
 }
 
 /// Read one frame of at most `max` bytes.
@@ -131,23 +160,9 @@ where
             n => got += n,
         }
     }
-    let len = u32::from_le_bytes(len);
-    if len > max {
-        return Err(FrameError::Malformed(format!(
-            "frame of {len} bytes exceeds the limit of {max}"
-        )));
-    }
-    let mut body = vec![0u8; len as usize];
+    let mut body = vec![0u8; check_len(len, max)?];
     r.read_exact(&mut body).await.map_err(FrameError::Io)?;
-    let (msg, rest) =
-        postcard::take_from_bytes(&body).map_err(|e| FrameError::Malformed(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(FrameError::Malformed(format!(
-            "{} trailing bytes",
-            rest.len()
-        )));
-    }
-    Ok(msg)
+    decode_body(&body)
 }
 
 #[cfg(test)]

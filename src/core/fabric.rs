@@ -517,16 +517,7 @@ impl Fabric {
                 table.push(me.clone());
                 continue;
             }
-            let a: Published = postcard::from_bytes(raw).map_err(|e| {
-                Error::Bootstrap(format!("rank {r} published an unreadable address: {e}"))
-            })?;
-            if a.rank != r {
-                return Err(Error::Bootstrap(format!(
-                    "rank {r} published an address claiming rank {}",
-                    a.rank
-                )));
-            }
-            table.push(a);
+            table.push(Published::decode(r, raw)?);
         }
         for t in &opened {
             t.check_job(&table)?;

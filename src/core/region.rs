@@ -117,8 +117,9 @@ impl RemoteKey {
         postcard::to_allocvec(self).unwrap_or_default()
     }
     /// Decode what [`RemoteKey::to_bytes`] produced, exactly: anything else
-    /// (trailing bytes, more than 8 transport handles, a handle name over
-    /// 32 bytes or a handle over 1 KiB) is an error, never a panic.
+    /// (trailing bytes, a number written longer than it needs, more than 8
+    /// transport handles, a handle name over 32 bytes or a handle over
+    /// 1 KiB) is an error, never a panic.
     pub fn from_bytes(b: &[u8]) -> Result<RemoteKey> {
         let bad = |why: String| Error::Misuse(format!("not a remote key: {why}"));
         let (key, rest): (RemoteKey, _) =
@@ -127,6 +128,11 @@ impl RemoteKey {
             return Err(bad(format!("{} bytes after the key", rest.len())));
         }
         key.validate().map_err(bad)?;
+        // Postcard reads a varint padded with continuation bytes as the
+        // same number: one key, one encoding.
+        if key.to_bytes() != b {
+            return Err(bad("a number written longer than it needs".into()));
+        }
         Ok(key)
     }
     /// Refuse what no honest key holds.
@@ -625,5 +631,26 @@ impl Drop for PageBuf {
 impl std::fmt::Debug for PageBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PageBuf").field("len", &self.len).finish()
+    }
+}
+
+#[cfg(all(test, not(btl_loom)))]
+mod tests {
+    use super::*;
+
+    /// Found by the `remote_key` fuzz target: postcard reads a varint
+    /// padded with continuation bytes as the same number, so one key had
+    /// many encodings.
+    #[test]
+    fn a_key_has_one_encoding() {
+        let table = Arc::new(RegionTable::default());
+        let region = table.register(3, vec![0u8; 100]);
+        let b = region.remote_key().to_bytes();
+        assert_eq!(RemoteKey::from_bytes(&b).unwrap().to_bytes(), b);
+        // The owner (3) written in two bytes instead of one.
+        let mut long = vec![0x83, 0x00];
+        long.extend_from_slice(&b[1..]);
+        let e = RemoteKey::from_bytes(&long).unwrap_err().to_string();
+        assert!(e.contains("longer than it needs"), "{e}");
     }
 }

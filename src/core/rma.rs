@@ -128,7 +128,7 @@ const PART_HEADER: usize = REQ_HEADER + 16;
 const IMPLICIT_INLINE_MAX: usize = 1024;
 
 /// A request's header: the key id, then the offset (little-endian).
-fn req_header(key: &KeyId, offset: u64) -> [u8; REQ_HEADER] {
+pub(crate) fn req_header(key: &KeyId, offset: u64) -> [u8; REQ_HEADER] {
     let mut h = [0u8; REQ_HEADER];
     h[..16].copy_from_slice(key);
     h[16..].copy_from_slice(&offset.to_le_bytes());
@@ -141,7 +141,8 @@ fn encode_req(key: &KeyId, offset: u64, extra: usize) -> BytesMut {
     b
 }
 
-fn decode_req(data: &[u8]) -> Option<(KeyId, u64, &[u8])> {
+/// Read a request's header: the key id, the offset, and the rest.
+pub(crate) fn decode_req(data: &[u8]) -> Option<(KeyId, u64, &[u8])> {
     if data.len() < REQ_HEADER {
         return None;
     }
@@ -150,7 +151,9 @@ fn decode_req(data: &[u8]) -> Option<(KeyId, u64, &[u8])> {
     Some((key, off, &data[24..]))
 }
 
-fn encode_status(r: &Result<(), AccessError>, extra: usize) -> BytesMut {
+/// An answer's status: 0, or 1 and the postcard refusal; `extra` bytes of
+/// room for what follows.
+pub(crate) fn encode_status(r: &Result<(), AccessError>, extra: usize) -> BytesMut {
     let mut b = BytesMut::with_capacity(1 + extra);
     match r {
         Ok(()) => b.put_u8(0),
@@ -162,11 +165,57 @@ fn encode_status(r: &Result<(), AccessError>, extra: usize) -> BytesMut {
     b
 }
 
-fn decode_status(data: &[u8]) -> Option<(Result<(), AccessError>, &[u8])> {
+/// Read an answer's status and what follows it (nothing follows a
+/// refusal: bytes after the error make the answer malformed).
+pub(crate) fn decode_status(data: &[u8]) -> Option<(Result<(), AccessError>, &[u8])> {
     match data.split_first()? {
         (0, rest) => Some((Ok(()), rest)),
-        (1, rest) => Some((Err(postcard::from_bytes(rest).ok()?), &rest[rest.len()..])),
+        (1, rest) => match postcard::take_from_bytes(rest).ok()? {
+            (e, []) => Some((Err(e), &[][..])),
+            _ => None,
+        },
         _ => None,
+    }
+}
+
+/// A put part's request (`Kind::PutPart`), decoded: the key, where the
+/// whole put's extent starts at the target and its length, this part's
+/// offset in it, and its bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct PutPart<'a> {
+    pub(crate) key: KeyId,
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+    pub(crate) at: u64,
+    pub(crate) payload: &'a [u8],
+}
+
+impl PutPart<'_> {
+    /// Wire form (the header, then the bytes).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(PART_HEADER + self.payload.len());
+        b.extend_from_slice(&req_header(&self.key, self.start));
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.extend_from_slice(&self.at.to_le_bytes());
+        b.extend_from_slice(self.payload);
+        b
+    }
+
+    /// Read a part: `None` when its header is short or its bytes run past
+    /// the extent it names.
+    pub(crate) fn decode(data: &[u8]) -> Option<PutPart<'_>> {
+        let (key, start, rest) = decode_req(data)?;
+        let word = |i: usize| Some(u64::from_le_bytes(rest.get(i..i + 8)?.try_into().ok()?));
+        let (len, at) = (word(0)?, word(8)?);
+        let payload = &rest[16..];
+        at.checked_add(payload.len() as u64).filter(|e| *e <= len)?;
+        Some(PutPart {
+            key,
+            start,
+            len,
+            at,
+            payload,
+        })
     }
 }
 
@@ -675,11 +724,14 @@ impl Rma {
     /// malformed, else the outcome and whether it was the first and the
     /// last part.
     fn put_part(&self, data: &[u8]) -> Option<(Result<(), AccessError>, bool, bool)> {
-        let (key, start, rest) = decode_req(data)?;
-        let word = |i: usize| Some(u64::from_le_bytes(rest.get(i..i + 8)?.try_into().ok()?));
-        let (len, at) = (word(0)?, word(8)?);
-        let payload = &rest[16..];
-        let end = at.checked_add(payload.len() as u64).filter(|e| *e <= len)?;
+        let PutPart {
+            key,
+            start,
+            len,
+            at,
+            payload,
+        } = PutPart::decode(data)?;
+        let end = at + payload.len() as u64;
         let r = usize::try_from(len)
             .map_err(|_| AccessError::OutOfBounds {
                 offset: start,

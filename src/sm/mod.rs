@@ -378,7 +378,7 @@ impl SmTransport {
 }
 
 /// Decode a peer's `sm` address.
-fn decode_addr(peer: &Peer<'_>) -> Result<SmAddr> {
+pub(crate) fn decode_addr(peer: &Peer<'_>) -> Result<SmAddr> {
     postcard::from_bytes(peer.addr).map_err(|e| {
         Error::Bootstrap(format!(
             "rank {} published an unreadable sm address: {e}",

@@ -46,6 +46,89 @@ const REFUSED: u8 = 1;
 /// operation over messages.
 const NOT_ALLOWED: u8 = 2;
 
+/// A single-copy request, initiator to target: the key id and offset at
+/// the target, then the address and length of the initiator's own range
+/// (little-endian words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CmaRequest {
+    pub(crate) key: KeyId,
+    pub(crate) offset: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+impl CmaRequest {
+    /// Wire form.
+    pub(crate) fn encode(&self) -> BytesMut {
+        let mut req = BytesMut::with_capacity(REQUEST);
+        req.put_slice(&self.key);
+        req.put_u64_le(self.offset);
+        req.put_u64_le(self.addr);
+        req.put_u64_le(self.len);
+        req
+    }
+
+    /// Read a request: `None` unless it is exactly [`CmaRequest::encode`]'s
+    /// length (the target checks key and range against its table).
+    pub(crate) fn decode(req: &[u8]) -> Option<CmaRequest> {
+        let req: &[u8; REQUEST] = req.try_into().ok()?;
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&req[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let mut key = KeyId::default();
+        key.copy_from_slice(&req[..16]);
+        Some(CmaRequest {
+            key,
+            offset: word(16),
+            addr: word(24),
+            len: word(32),
+        })
+    }
+}
+
+/// A single-copy answer, target to initiator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CmaAnswer {
+    /// Copied.
+    Done,
+    /// Refused by the target's checks.
+    Refused(AccessError),
+    /// The kernel does not allow single copies between the pair.
+    NotAllowed,
+}
+
+impl CmaAnswer {
+    /// Wire form: a code byte, then (refused) the postcard error.
+    pub(crate) fn encode(&self) -> BytesMut {
+        let mut body = BytesMut::with_capacity(1);
+        match self {
+            CmaAnswer::Done => body.put_u8(OK),
+            CmaAnswer::NotAllowed => body.put_u8(NOT_ALLOWED),
+            CmaAnswer::Refused(e) => {
+                body.put_u8(REFUSED);
+                body.put_slice(&postcard::to_allocvec(e).unwrap_or_default());
+            }
+        }
+        body
+    }
+
+    /// Read an answer: `None` for anything [`CmaAnswer::encode`] does not
+    /// write (trailing bytes after the error included).
+    pub(crate) fn decode(body: &[u8]) -> Option<CmaAnswer> {
+        match body.split_first()? {
+            (&OK, []) => Some(CmaAnswer::Done),
+            (&NOT_ALLOWED, []) => Some(CmaAnswer::NotAllowed),
+            (&REFUSED, e) => match postcard::take_from_bytes::<AccessError>(e) {
+                Ok((e, [])) => Some(CmaAnswer::Refused(e)),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
 struct Op {
     peer: Rank,
     put: bool,
@@ -106,11 +189,13 @@ impl CmaOps {
             done: done.clone(),
         };
         lock(&self.ops).insert(id, op);
-        let mut req = BytesMut::with_capacity(REQUEST);
-        req.put_slice(key);
-        req.put_u64_le(offset);
-        req.put_u64_le(local.raw.addr() as u64);
-        req.put_u64_le(local.raw.len() as u64);
+        let req = CmaRequest {
+            key: *key,
+            offset,
+            addr: local.raw.addr() as u64,
+            len: local.raw.len() as u64,
+        }
+        .encode();
         let kind = if put { Kind::PutCma } else { Kind::GetCma };
         if let Err(e) = t.with_tx(|tx| tx.submit(t, p, kind, id, req.freeze())) {
             // Nothing reached the peer: nothing of ours is exposed.
@@ -132,15 +217,17 @@ impl CmaOps {
         id: u64,
         req: &[u8],
     ) -> std::result::Result<(), &'static str> {
-        if req.len() != REQUEST {
+        let Some(CmaRequest {
+            key,
+            offset: off,
+            addr,
+            len,
+        }) = CmaRequest::decode(req)
+        else {
             return Err("malformed single-copy request");
-        }
-        let word = |i: usize| u64::from_le_bytes(req[i..i + 8].try_into().unwrap_or_default());
-        let key: KeyId = req[..16].try_into().unwrap_or_default();
-        let (off, addr, len) = (word(16), word(24), word(32));
-        let mut body = BytesMut::with_capacity(1);
-        if !p.cma_ok() {
-            body.put_u8(NOT_ALLOWED);
+        };
+        let answer = if !p.cma_ok() {
+            CmaAnswer::NotAllowed
         } else {
             let r = usize::try_from(len)
                 .map_err(|_| AccessError::OutOfBounds {
@@ -151,32 +238,26 @@ impl CmaOps {
                 .and_then(|len| t.core.target_region(&key, off, len).map(|reg| (reg, len)))
                 .and_then(|(reg, len)| reg.raw().slice(off, len));
             match r {
-                Err(e) => {
-                    body.put_u8(REFUSED);
-                    body.put_slice(&postcard::to_allocvec(&e).unwrap_or_default());
-                }
+                Err(e) => CmaAnswer::Refused(e),
                 Ok(local) => {
                     let dir = if put { Cma::Read } else { Cma::Write };
                     match crate::sys::os::cma_copy(dir, p.seg.pid, local, addr) {
-                        Ok(()) => body.put_u8(OK),
+                        Ok(()) => CmaAnswer::Done,
                         Err(e) => match e.raw_os_error() {
                             Some(libc::EPERM | libc::ENOSYS | libc::EACCES) => {
-                                body.put_u8(NOT_ALLOWED)
+                                CmaAnswer::NotAllowed
                             }
-                            _ => {
-                                let e = AccessError::NotPermitted(format!(
-                                    "single-copy transfer failed: {e}"
-                                ));
-                                body.put_u8(REFUSED);
-                                body.put_slice(&postcard::to_allocvec(&e).unwrap_or_default());
-                            }
+                            _ => CmaAnswer::Refused(AccessError::NotPermitted(format!(
+                                "single-copy transfer failed: {e}"
+                            ))),
                         },
                     }
                 }
             }
-        }
+        };
+        let body = answer.encode().freeze();
         // A failure means the peer is gone; its loss is reported elsewhere.
-        let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaAck, id, body.freeze()));
+        let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaAck, id, body));
         Ok(())
     }
 
@@ -199,25 +280,16 @@ impl CmaOps {
         let Some(op) = op else {
             return Err("answer to an unknown single-copy operation");
         };
-        match body.split_first() {
-            Some((&OK, [])) => op.done.complete(Ok(())),
-            Some((&REFUSED, e)) => match postcard::from_bytes::<AccessError>(e) {
-                Ok(e) => op.done.complete(Err(Error::Access(e))),
-                Err(_) => {
-                    op.done.complete(Err(Error::PeerMisbehaved {
-                        rank: p.rank,
-                        what: "malformed single-copy answer".into(),
-                    }));
-                    return Err("malformed single-copy answer");
-                }
-            },
-            Some((&NOT_ALLOWED, [])) => {
+        match CmaAnswer::decode(body) {
+            Some(CmaAnswer::Done) => op.done.complete(Ok(())),
+            Some(CmaAnswer::Refused(e)) => op.done.complete(Err(Error::Access(e))),
+            Some(CmaAnswer::NotAllowed) => {
                 // Stop single copies with this peer; this operation goes
                 // over messages, completing the same slot.
                 p.cma.store(false, Ordering::Relaxed);
                 Self::emulate(t, p, op);
             }
-            _ => {
+            None => {
                 op.done.complete(Err(Error::PeerMisbehaved {
                     rank: p.rank,
                     what: "malformed single-copy answer".into(),

@@ -8,8 +8,8 @@ use super::fbox;
 use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
 use super::kind::Kind;
 use super::segment::CHANNELS;
-use super::split::{self, Tail};
-use super::tx::{channel, RTS_LEN, USER};
+use super::split::{self, SplitReq, Tail};
+use super::tx::{channel, Rts, RTS_LEN, USER};
 use super::{SmPeer, SmTransport};
 use crate::core::stats::Counters;
 use crate::sys::ring::{ConsumerState, ProducerState};
@@ -478,9 +478,7 @@ impl RxState {
             self.blocked[l] = true;
             return Step::Blocked;
         }
-        let word =
-            |i: usize| u64::from_le_bytes(rts[i * 8..i * 8 + 8].try_into().unwrap_or_default());
-        let (handle, addr, len) = (word(0), word(1), word(2));
+        let Rts { handle, addr, len } = Rts::decode(rts);
         if len > MAX_MESSAGE {
             return Step::Bad("message length beyond any limit");
         }
@@ -707,12 +705,7 @@ impl RxState {
     /// The receiver of our rendezvous `handle` asks us to write part of it
     /// into its buffer at `dst`: claim the part, write it, say how it went.
     fn split_write(&mut self, t: &SmTransport, p: &SmPeer, handle: u64, req: &[u8]) -> Step {
-        let word = |i: usize| {
-            req.get(i * 8..i * 8 + 8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_le_bytes)
-        };
-        let (Some(dst), Some(at), Some(n), 24) = (word(0), word(1), word(2), req.len()) else {
+        let Some(req) = SplitReq::decode(req) else {
             return Step::Bad("malformed split-copy request");
         };
         let found = t.with_tx(|tx| {
@@ -728,19 +721,14 @@ impl RxState {
                 return Step::Bad("split-copy request for a message we never announced")
             }
         };
-        let range = usize::try_from(at)
-            .ok()
-            .zip(usize::try_from(n).ok())
-            .and_then(|(at, n)| Some(at..at.checked_add(n)?))
-            .filter(|r| r.end <= data.len());
-        let Some(range) = range else {
+        let Some(range) = req.range(data.len()) else {
             return Step::Bad("split-copy request outside its message");
         };
         let w = p.seg.fbox(t.seg.local_rank).split_word();
         // Without single copy (refused once) we leave the tail to the
         // receiver, which takes it back.
         if p.cma_ok() && split::claim(w, handle) {
-            let r = crate::sys::os::cma_write_from(p.seg.pid, dst, &data[range]);
+            let r = crate::sys::os::cma_write_from(p.seg.pid, req.dst, &data[range]);
             if let Err(e) = &r {
                 tracing::info!(peer = p.rank, "split copy into the peer refused ({e})");
             }
@@ -819,10 +807,12 @@ impl RxState {
 /// Ask the sender of rendezvous `handle` to write `n` bytes of it, from
 /// offset `at`, to `dst` in our memory (split copy).
 fn ask_split(t: &SmTransport, p: &SmPeer, handle: u64, dst: u64, at: usize, n: usize) {
-    let mut req = [0u8; 24];
-    req[..8].copy_from_slice(&dst.to_le_bytes());
-    req[8..16].copy_from_slice(&(at as u64).to_le_bytes());
-    req[16..].copy_from_slice(&(n as u64).to_le_bytes());
+    let req = SplitReq {
+        dst,
+        at: at as u64,
+        n: n as u64,
+    }
+    .encode();
     // A failure means the peer is gone; its loss is reported elsewhere
     // (and the offer is taken back when we look at it).
     let data = Bytes::copy_from_slice(&req);

@@ -164,7 +164,7 @@ pub(crate) struct Segment {
     pub(crate) local_rank: u32,
 }
 
-fn encode(
+pub(crate) fn encode(
     params: &Params,
     job_tag: [u64; 2],
     total: usize,

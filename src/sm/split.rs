@@ -30,6 +30,53 @@
 
 use crate::sys::sync::{AtomicU64, Ordering};
 
+/// Bytes of a split-copy request.
+pub(crate) const SPLIT_REQ_LEN: usize = 24;
+
+/// A split-copy request, receiver to sender (a control message tagged
+/// with the rendezvous handle): write bytes `at..at + n` of the message to
+/// `dst` in the receiver's memory. Three little-endian words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SplitReq {
+    pub(crate) dst: u64,
+    pub(crate) at: u64,
+    pub(crate) n: u64,
+}
+
+impl SplitReq {
+    /// Wire form.
+    pub(crate) fn encode(&self) -> [u8; SPLIT_REQ_LEN] {
+        let mut b = [0u8; SPLIT_REQ_LEN];
+        b[..8].copy_from_slice(&self.dst.to_le_bytes());
+        b[8..16].copy_from_slice(&self.at.to_le_bytes());
+        b[16..].copy_from_slice(&self.n.to_le_bytes());
+        b
+    }
+
+    /// Read a request: `None` unless it is exactly [`SPLIT_REQ_LEN`] bytes
+    /// (the sender checks the range against its message).
+    pub(crate) fn decode(b: &[u8]) -> Option<SplitReq> {
+        let b: &[u8; SPLIT_REQ_LEN] = b.try_into().ok()?;
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        Some(SplitReq {
+            dst: word(0),
+            at: word(1),
+            n: word(2),
+        })
+    }
+
+    /// The bytes asked for, if they lie inside a message of `len` bytes.
+    pub(crate) fn range(&self, len: usize) -> Option<std::ops::Range<usize>> {
+        let at = usize::try_from(self.at).ok()?;
+        let end = at.checked_add(usize::try_from(self.n).ok()?)?;
+        (end <= len).then_some(at..end)
+    }
+}
+
 const OFFERED: u64 = 1;
 const CLAIMED: u64 = 2;
 const DONE: u64 = 3;

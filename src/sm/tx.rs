@@ -45,6 +45,42 @@ const PREFETCH_WRITE: usize = 8 * 1024;
 /// Bytes of a rendezvous announcement: handle, address, length.
 pub(crate) const RTS_LEN: usize = 24;
 
+/// A rendezvous announcement: the sender's handle for the message, and
+/// the address and length of its bytes in the sender's memory (three
+/// little-endian words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Rts {
+    pub(crate) handle: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+impl Rts {
+    /// Wire form.
+    pub(crate) fn encode(&self) -> [u8; RTS_LEN] {
+        let mut b = [0u8; RTS_LEN];
+        b[..8].copy_from_slice(&self.handle.to_le_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b[16..].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Read an announcement (any bytes are one: the receiver checks the
+    /// length against its limits and the range by copying from it).
+    pub(crate) fn decode(b: &[u8; RTS_LEN]) -> Rts {
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        Rts {
+            handle: word(0),
+            addr: word(1),
+            len: word(2),
+        }
+    }
+}
+
 /// A large message the peer reads from our memory (rendezvous): kept alive,
 /// unchanged (`Bytes` is immutable), until the peer says it is done.
 struct Rndv {
@@ -648,10 +684,12 @@ impl TxState {
     ) -> Result<Arc<Completion>> {
         let handle = self.next_handle;
         self.next_handle += 1;
-        let mut rts = [0u8; RTS_LEN];
-        rts[..8].copy_from_slice(&handle.to_le_bytes());
-        rts[8..16].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
-        rts[16..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        let rts = Rts {
+            handle,
+            addr: data.as_ptr() as u64,
+            len: data.len() as u64,
+        }
+        .encode();
         let done = Completion::new();
         self.rndv.insert(
             handle,

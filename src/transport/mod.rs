@@ -38,6 +38,21 @@ pub(crate) struct Published {
 }
 
 impl Published {
+    /// Read what rank `rank` published in the exchange: it must decode and
+    /// name that rank.
+    pub(crate) fn decode(rank: Rank, raw: &[u8]) -> Result<Published> {
+        let a: Published = postcard::from_bytes(raw).map_err(|e| {
+            crate::Error::Bootstrap(format!("rank {rank} published an unreadable address: {e}"))
+        })?;
+        if a.rank != rank {
+            return Err(crate::Error::Bootstrap(format!(
+                "rank {rank} published an address claiming rank {}",
+                a.rank
+            )));
+        }
+        Ok(a)
+    }
+
     /// The address `transport` published, if it did.
     pub(crate) fn addr(&self, transport: &str) -> Option<&[u8]> {
         self.addrs

@@ -53,7 +53,7 @@
 //! not carry; see `net::unusable`).
 
 pub(crate) mod config;
-mod frame;
+pub(crate) mod frame;
 mod io;
 mod link;
 mod net;
@@ -232,7 +232,7 @@ impl crate::Fabric {
 }
 
 /// Decode a peer's `udp` address.
-fn decode_addr(rank: Rank, addr: &[u8]) -> Result<UdpAddr> {
+pub(crate) fn decode_addr(rank: Rank, addr: &[u8]) -> Result<UdpAddr> {
     postcard::from_bytes(addr).map_err(|e| {
         Error::Bootstrap(format!(
             "rank {rank} published an unreadable udp address: {e}"

@@ -174,6 +174,18 @@ impl Sim {
         }
     }
 
+    /// Puts `data` on the wire to side `to`, arriving at `at` (a datagram
+    /// that no connection sent: forged, or a replay).
+    pub fn inject(&mut self, to: usize, at: Instant, data: Vec<u8>) {
+        self.tiebreak += 1;
+        self.wire.push(Reverse((at, self.tiebreak, to, data)));
+    }
+
+    /// The datagrams on the wire now: destination side and bytes.
+    pub fn in_flight(&self) -> impl Iterator<Item = (usize, &[u8])> {
+        self.wire.iter().map(|Reverse(d)| (d.2, d.3.as_slice()))
+    }
+
     /// Queues a message from side `from` to the other side.
     pub fn queue(&mut self, from: usize, msg: Bytes) {
         self.sides[from].outbox.push_back(msg);

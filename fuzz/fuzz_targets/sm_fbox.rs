@@ -1,0 +1,92 @@
+//! Drives an `sm` fast box: an honest sender, the receiver, and a hostile
+//! peer scribbling on any word of the box (marks, tags, payload, the
+//! `consumed` counter, the split-copy word). Nothing may panic or read out
+//! of bounds. While nobody scribbles, the receiver gets exactly what was
+//! pushed, in order.
+#![no_main]
+
+use async_btl::fuzz_support::{FastBox, Taken};
+use libfuzzer_sys::fuzz_target;
+
+struct Input<'a>(&'a [u8]);
+
+impl Input<'_> {
+    fn u8(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((b, rest)) => {
+                self.0 = rest;
+                *b
+            }
+            None => 0,
+        }
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.u8(), self.u8()])
+    }
+    fn u64(&mut self) -> u64 {
+        let mut b = [0u8; 8];
+        b.iter_mut().for_each(|x| *x = self.u8());
+        u64::from_le_bytes(b)
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut input = Input(data);
+    let slots = match input.u8() % 4 {
+        0 => FastBox::SEGMENT_SLOTS,
+        n => usize::from(n) * 3,
+    };
+    let mut b = FastBox::new(slots);
+    let mut scribbled = false;
+    let mut corrupt = false;
+    let mut pushed: std::collections::VecDeque<Taken> = Default::default();
+    let mut tag = 0u64;
+    while !input.0.is_empty() {
+        match input.u8() % 4 {
+            0 => {
+                let len = usize::from(input.u16()) % (FastBox::MAX_PAYLOAD + 2);
+                let rndv = input.u8() & 1 == 1;
+                let data: Vec<u8> = (0..len).map(|i| (i as u64 ^ tag) as u8).collect();
+                tag += 1;
+                match b.push(tag, &data, rndv) {
+                    Ok(true) => pushed.push_back(Taken { tag, rndv, data }),
+                    Ok(false) => {}
+                    Err(_) => corrupt = true,
+                }
+            }
+            1 | 2 => match b.take() {
+                Ok(Some(t)) => {
+                    if !scribbled {
+                        assert_eq!(Some(t), pushed.pop_front(), "not what was pushed");
+                    }
+                }
+                Ok(None) => {
+                    if !scribbled {
+                        assert!(pushed.is_empty(), "a pushed message was not found");
+                    }
+                }
+                Err(_) => corrupt = true,
+            },
+            _ => {
+                let i = usize::from(input.u16()) % b.words();
+                let v = match input.u8() % 3 {
+                    // A mark-like value: slot number and kind.
+                    0 => {
+                        (u64::from(input.u16()) << 16)
+                            | u64::from(input.u16() & 0xfff4)
+                            | u64::from(input.u8() % 5)
+                    }
+                    1 => u64::from(input.u8()),
+                    _ => input.u64(),
+                };
+                b.scribble(i, v);
+                scribbled = true;
+                let _ = b.split_state(input.u64());
+            }
+        }
+        if b.drained().is_err() {
+            corrupt = true;
+        }
+        assert!(scribbled || !corrupt, "an honest box read as corrupt");
+    }
+});
