@@ -439,3 +439,31 @@ async fn try_recv_takes_what_arrived_without_waiting() {
     let closes = f.into_iter().map(|x| x.close());
     futures::future::try_join_all(closes).await.unwrap();
 }
+
+/// After `close`, every operation through a kept endpoint fails with
+/// `Closed`, `flush` included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_after_close_fail_with_closed() {
+    let mut f = job(2, Config::default()).await;
+    let ep = f[0].endpoint(1).unwrap();
+    let region = f[1].alloc_region(64).unwrap();
+    let key = region.remote_key();
+    let local = f[0].register(vec![0u8; 8]);
+    ep.put(&local, 0..8, &key, 0).await.unwrap(); // maps it
+    let b = f.pop().unwrap();
+    let a = f.pop().unwrap();
+    futures::future::try_join(a.close(), b.close())
+        .await
+        .unwrap();
+    assert!(matches!(ep.send(1, &b"x"[..]).await, Err(Error::Closed)));
+    assert!(matches!(ep.flush().await, Err(Error::Closed)));
+    for e in [
+        ep.put(&local, 0..8, &key, 0).await.unwrap_err(),
+        ep.get(&local, 0..8, &key, 0).await.unwrap_err(),
+        ep.fetch_add(&key, 0, 1).await.unwrap_err(),
+        ep.put_nbi(&local, 0..8, &key, 0).unwrap_err(),
+    ] {
+        assert!(matches!(e, Error::Closed), "{e}");
+    }
+    drop(region);
+}

@@ -225,6 +225,9 @@ impl Endpoint {
                 return Ok(None);
             }
         }
+        if self.0.core.is_closed() {
+            return Err(Error::Closed);
+        }
         let at = Local {
             region: &local.inner,
             offset: range.start as u64,
@@ -362,6 +365,9 @@ impl Endpoint {
                 c.add(Hot::NativeAtomics);
                 return Ok(Ok(old));
             }
+        }
+        if self.0.core.is_closed() {
+            return Err(Error::Closed);
         }
         match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
             Native::Done(old) => {
@@ -807,6 +813,12 @@ impl Flush {
 impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.asked && self.ep.core.is_closed() {
+            // As send and put: nothing can be flushed through a closed
+            // fabric (one started before the close still reports how the
+            // drain went).
+            return Poll::Ready(Err(Error::Closed));
+        }
         if !self.asked {
             // One unit of the task's budget per flush: a `put_nbi` loop
             // with a flush per window, all done at once into a mapped

@@ -926,6 +926,11 @@ impl Fabric {
             return;
         }
         self.core.closing.notify_waiters();
+        // The one-sided fast path reads this, not `closed`: it then takes
+        // the slow path, which fails with `Closed`.
+        for g in &self.core.gone {
+            g.store(true, Ordering::Release);
+        }
         self.core.dispatcher.close();
         for t in self.transports.iter() {
             t.shutdown();
