@@ -11,38 +11,18 @@
 use async_btl::fuzz_support::{rma_kind, Outcome, RmaPair};
 use libfuzzer_sys::fuzz_target;
 
+#[path = "input.rs"]
+mod input;
+use input::Input;
+
 const LEN: usize = 256;
 
-struct Input<'a>(&'a [u8]);
-
-impl Input<'_> {
-    fn u8(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((b, rest)) => {
-                self.0 = rest;
-                *b
-            }
-            None => 0,
-        }
-    }
-    fn u64(&mut self) -> u64 {
-        let mut b = [0u8; 8];
-        b.iter_mut().for_each(|x| *x = self.u8());
-        u64::from_le_bytes(b)
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        let n = n.min(self.0.len());
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        head.to_vec()
-    }
-    /// An offset near the region, sometimes anywhere.
-    fn offset(&mut self) -> u64 {
-        match self.u8() % 8 {
-            0 => self.u64(),
-            1 => u64::MAX - u64::from(self.u8()),
-            _ => u64::from(self.u8()) + u64::from(self.u8() % 2) * 8,
-        }
+/// An offset near the region, sometimes anywhere.
+fn offset(input: &mut Input) -> u64 {
+    match input.u8() % 8 {
+        0 => input.u64(),
+        1 => u64::MAX - u64::from(input.u8()),
+        _ => u64::from(input.u8()) + u64::from(input.u8() % 2) * 8,
     }
 }
 
@@ -96,20 +76,20 @@ fuzz_target!(|data: &[u8]| {
     while !input.0.is_empty() {
         match input.u8() % 8 {
             0 => {
-                let off = input.offset();
+                let off = offset(&mut input);
                 let n = usize::from(input.u8());
                 let d = input.bytes(n);
                 ops.push(pair.put(off, &d));
                 queued.push(Op::Put(off, d));
             }
             1 => {
-                let (off, dst) = (input.offset(), input.offset());
+                let (off, dst) = (offset(&mut input), offset(&mut input));
                 let n = usize::from(input.u8());
                 ops.push(pair.get(off, dst, n));
                 queued.push(Op::Get);
             }
             2 => {
-                let off = input.offset();
+                let off = offset(&mut input);
                 let mut op = [0u8; 17];
                 op[0] = input.u8() % 3;
                 op[1..].copy_from_slice(

@@ -8,27 +8,9 @@
 use async_btl::fuzz_support::{FastBox, Taken};
 use libfuzzer_sys::fuzz_target;
 
-struct Input<'a>(&'a [u8]);
-
-impl Input<'_> {
-    fn u8(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((b, rest)) => {
-                self.0 = rest;
-                *b
-            }
-            None => 0,
-        }
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.u8(), self.u8()])
-    }
-    fn u64(&mut self) -> u64 {
-        let mut b = [0u8; 8];
-        b.iter_mut().for_each(|x| *x = self.u8());
-        u64::from_le_bytes(b)
-    }
-}
+#[path = "input.rs"]
+mod input;
+use input::Input;
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);

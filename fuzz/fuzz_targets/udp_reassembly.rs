@@ -19,37 +19,14 @@ use async_btl::udp::proto::{
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 
+#[path = "input.rs"]
+mod input;
+use input::Input;
+
 const JOB: u64 = 0xf022;
 const SEND_WINDOW: u32 = 16;
 const RECV_WINDOW: u32 = 16;
 const MAX_MESSAGE: u64 = 20_000;
-
-/// A cursor over the fuzz input; runs dry by returning zeros.
-struct Input<'a>(&'a [u8]);
-
-impl Input<'_> {
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-    fn u8(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((b, rest)) => {
-                self.0 = rest;
-                *b
-            }
-            None => 0,
-        }
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.u8(), self.u8()])
-    }
-    fn bytes(&mut self, n: usize) -> &[u8] {
-        let n = n.min(self.0.len());
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        head
-    }
-}
 
 fn config() -> Config {
     Config {
