@@ -82,6 +82,8 @@ pub(crate) struct Rma {
     /// them complete: their peer, their slot, and whether they are
     /// implicit (whose failure goes to the next flush).
     native: Mutex<Vec<(Rank, Arc<Completion>, bool)>>,
+    /// `native`'s length after its last whole sweep (see `track`).
+    native_swept: std::sync::atomic::AtomicUsize,
     /// Per peer rank: implicit puts sent and covered by a flush.
     implicit: Vec<Implicit>,
     /// Initiator side: the first failure of an implicit operation to each
@@ -235,6 +237,7 @@ impl Rma {
             counters,
             buffers,
             native: Mutex::new(Vec::new()),
+            native_swept: std::sync::atomic::AtomicUsize::new(0),
             implicit: (0..size).map(|_| Implicit::default()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
@@ -503,17 +506,24 @@ impl Rma {
     /// `flush` waits for it; an `implicit` one's failure goes to the next
     /// flush.
     pub(crate) fn track(&self, peer: Rank, done: Arc<Completion>, implicit: bool) {
-        lock(&self.native).push((peer, done, implicit));
+        let mut native = lock(&self.native);
+        // Finished entries leave at the next flush to their peer; a program
+        // that never flushes must not grow the list: sweep every peer's
+        // when it has doubled since the last sweep.
+        if native.len() >= self.native_swept.load(Ordering::Relaxed).max(64) * 2 {
+            self.sweep(&mut native, None);
+            self.native_swept.store(native.len(), Ordering::Relaxed);
+        }
+        native.push((peer, done, implicit));
     }
 
-    /// Natively posted operations on `peer` still running; the finished
-    /// ones are dropped from the list (an implicit one's failure kept for
-    /// the next flush).
-    fn native_running(&self, peer: Rank) -> usize {
-        let mut native = lock(&self.native);
+    /// Drop the finished operations of `peer` (of every peer: `None`) from
+    /// `native`, keeping an implicit one's failure for the next flush;
+    /// returns how many of `peer`'s still run.
+    fn sweep(&self, native: &mut Vec<(Rank, Arc<Completion>, bool)>, peer: Option<Rank>) -> usize {
         let mut running = 0;
         native.retain(|(p, c, implicit)| {
-            if *p != peer {
+            if peer.is_some_and(|peer| *p != peer) {
                 return true;
             }
             if *implicit {
@@ -521,7 +531,7 @@ impl Rma {
                     None => {}
                     Some(Ok(())) => return false,
                     Some(Err(e)) => {
-                        lock(&self.failed).entry(peer).or_insert(e);
+                        lock(&self.failed).entry(*p).or_insert(e);
                         return false;
                     }
                 }
@@ -532,6 +542,13 @@ impl Rma {
             true
         });
         running
+    }
+
+    /// Natively posted operations on `peer` still running; the finished
+    /// ones are dropped from the list (an implicit one's failure kept for
+    /// the next flush).
+    fn native_running(&self, peer: Rank) -> usize {
+        self.sweep(&mut lock(&self.native), Some(peer))
     }
 
     /// Number of operations still waiting on `peer` (or being settled).
@@ -906,6 +923,34 @@ mod tests {
         fn has_queued(&self) -> bool {
             false
         }
+    }
+
+    /// Natively posted operations that finished leave the list even when
+    /// the program never flushes; an implicit one's failure is kept for
+    /// the next flush.
+    #[test]
+    fn posted_operations_do_not_pile_up_without_a_flush() {
+        let (r, _) = rma(2);
+        for i in 0..10_000u32 {
+            let c = Completion::new();
+            r.track(1, c.clone(), false);
+            c.complete(Ok(()));
+            assert!(
+                lock(&r.native).len() <= 200,
+                "{} entries after {i}",
+                lock(&r.native).len()
+            );
+        }
+        let failed = Completion::new();
+        r.track(1, failed.clone(), true);
+        failed.complete(Err(Error::Closed));
+        for _ in 0..500 {
+            let c = Completion::new();
+            r.track(1, c.clone(), false);
+            c.complete(Ok(()));
+        }
+        assert_eq!(r.outstanding(1), 0);
+        assert!(matches!(r.take_failure(1), Some(Error::Closed)));
     }
 
     fn rma(size: u32) -> (Rma, Arc<RegionTable>) {
