@@ -592,10 +592,10 @@ impl PageBuf {
     /// The page size it aligns to.
     pub const ALIGN: usize = 4096;
 
-    /// `len` zeroed bytes (rounded to no size: exactly `len`), page-aligned.
+    /// Exactly `len` zeroed bytes, starting on a page boundary.
     pub fn zeroed(len: usize) -> PageBuf {
         let layout = Self::layout(len);
-        // SAFETY: the layout has a non-zero size (at least one page).
+        // SAFETY: the layout has a non-zero size (at least one byte).
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         let Some(ptr) = std::ptr::NonNull::new(p) else {
             std::alloc::handle_alloc_error(layout)
@@ -604,7 +604,7 @@ impl PageBuf {
     }
 
     fn layout(len: usize) -> std::alloc::Layout {
-        // At least a page, so a zero-length buffer still has a real
+        // At least one byte, so a zero-length buffer still has a real
         // allocation to free.
         std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
             .unwrap_or_else(|_| panic!("PageBuf of {len} bytes is larger than memory"))
