@@ -115,6 +115,9 @@ pub struct Config {
     pub close_timeout: Duration,
     /// Settings of the `udp` transport (`BTL_UDP_*`).
     pub udp: crate::UdpConfig,
+    /// Settings of the `rdma` transport (`BTL_RDMA_*`; read in every
+    /// build, used where it is built with the `rdma` feature).
+    pub rdma: crate::RdmaConfig,
     /// Transports allowed, in preference order (`BTL_TRANSPORTS=sm,udp`, like
     /// `UCX_TLS`). Empty means all.
     pub transports: Vec<String>,
@@ -133,6 +136,7 @@ impl Default for Config {
             boot_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
             udp: Default::default(),
+            rdma: Default::default(),
             transports: Vec::new(),
         }
     }
@@ -181,6 +185,7 @@ impl Config {
         }
         c.sm.read(&get)?;
         c.udp.read(&get)?;
+        c.rdma.read(&get)?;
         c.validate()?;
         Ok(c)
     }
@@ -198,6 +203,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.sm.validate()?;
         self.udp.validate()?;
+        self.rdma.validate()?;
         for t in &self.transports {
             if crate::transport::registry::find(t).is_none() {
                 return Err(Error::Config(format!(

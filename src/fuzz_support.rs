@@ -466,8 +466,8 @@ impl RmaPair {
         let tgt_regions = Arc::new(RegionTable::default());
         let ini = Rma::new(ini_regions.clone(), Arc::default(), Arc::default(), 2);
         let tgt = Rma::new(tgt_regions.clone(), Arc::default(), Arc::default(), 2);
-        let region = tgt_regions.register(1, vec![0u8; len]);
-        let dst = ini_regions.register(0, vec![0u8; dst_len]);
+        let region = tgt_regions.register(1, vec![0u8; len], &crate::core::region::no_nic);
+        let dst = ini_regions.register(0, vec![0u8; dst_len], &crate::core::region::no_nic);
         RmaPair {
             ini,
             tgt,
@@ -862,4 +862,17 @@ impl UdpExchange {
     pub fn unsent(&self, i: usize) -> usize {
         self.sim.sides[i % 2].outbox.len()
     }
+}
+
+/// Decode an `rdma` frame (header and body, as a receive buffer holds
+/// it); its re-encoding if accepted.
+pub fn rdma_frame(b: &[u8]) -> Option<Vec<u8>> {
+    let (h, body) = crate::rdma::wire::decode(b).ok()?;
+    Some(crate::rdma::wire::reencode(&h, &body))
+}
+
+/// Decode an `rdma` key handle (as a `RemoteKey` from a peer carries it);
+/// its re-encoding if accepted.
+pub fn rdma_key_handle(b: &[u8]) -> Option<Vec<u8>> {
+    crate::rdma::wire::Handle::decode(b).map(|h| h.encode())
 }

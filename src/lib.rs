@@ -102,6 +102,7 @@ pub mod launch;
 pub mod udp;
 
 mod core;
+pub(crate) mod rdma;
 pub(crate) mod sm;
 mod sys;
 mod transport;
@@ -117,6 +118,8 @@ pub use crate::sys::mem::CopyChoice;
 pub use config::{Config, CopyMode, ProgressMode};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
+pub use rdma::config::RdmaConfig;
+pub use rdma::stats::RdmaStats;
 pub use sm::config::SmConfig;
 pub use sm::stats::SmStats;
 pub use udp::config::UdpConfig;

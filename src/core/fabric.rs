@@ -746,7 +746,28 @@ impl Fabric {
     /// # let _ = (window, scratch, from_bytes); }
     /// ```
     pub fn register<B: crate::RegisterMemory>(&self, buffer: B) -> MemoryRegion {
-        self.core.rma.regions.register(self.core.rank, buffer)
+        self.core
+            .rma
+            .regions
+            .register(self.core.rank, buffer, &|id, raw| {
+                self.register_nics(id, raw)
+            })
+    }
+
+    /// Register a new region with every transport that reaches peers'
+    /// memory through hardware.
+    fn register_nics(
+        &self,
+        id: &crate::core::region::KeyId,
+        raw: crate::sys::mem::RawBuf,
+    ) -> (
+        Vec<crate::core::region::KeyHandle>,
+        Vec<crate::core::region::NicReg>,
+    ) {
+        self.transports
+            .iter()
+            .filter_map(|t| t.register_memory(id, raw))
+            .unzip()
     }
 
     /// Allocate a zeroed region in shared memory: same-node peers map it, so
@@ -768,7 +789,9 @@ impl Fabric {
             .core
             .rma
             .regions
-            .add_shared(self.core.rank, id, raw, keep, handle))
+            .add_shared(self.core.rank, id, raw, keep, handle, &|id, raw| {
+                self.register_nics(id, raw)
+            }))
     }
 
     /// A snapshot of the fabric's counters, every transport's included.

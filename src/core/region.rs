@@ -236,11 +236,28 @@ enum Backing {
     },
 }
 
+/// A transport's registration of a region's memory with its hardware (a
+/// NIC's memory registration), kept with the region: dropping it ends the
+/// hardware's access, and it is always dropped before the memory is freed.
+pub(crate) type NicReg = (&'static str, Box<dyn Any + Send + Sync>);
+
+/// What registers a new region's memory with the transports that reach
+/// peers' memory through hardware: their key handles and registrations.
+pub(crate) type Registrar<'a> = &'a dyn Fn(&KeyId, RawBuf) -> (Vec<KeyHandle>, Vec<NicReg>);
+
+/// A [`Registrar`] for a table no transport registers with.
+pub(crate) fn no_nic(_: &KeyId, _: RawBuf) -> (Vec<KeyHandle>, Vec<NicReg>) {
+    (Vec::new(), Vec::new())
+}
+
 pub(crate) struct RegionInner {
     pub(crate) id: KeyId,
     /// The key peers use (handed out by `MemoryRegion::remote_key`).
     key: RemoteKey,
     raw: RawBuf,
+    /// Hardware registrations of `raw` (declared before `backing`, so
+    /// dropped first: no NIC may still reach memory being freed).
+    nic: Vec<NicReg>,
     backing: Option<Backing>,
     table: Weak<RegionTable>,
 }
@@ -248,6 +265,15 @@ pub(crate) struct RegionInner {
 impl RegionInner {
     pub(crate) fn raw(&self) -> RawBuf {
         self.raw
+    }
+
+    /// `transport`'s hardware registration of this region, if it made one.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn nic(&self, transport: &str) -> Option<&(dyn Any + Send + Sync)> {
+        self.nic
+            .iter()
+            .find(|(t, _)| *t == transport)
+            .map(|(_, r)| &**r)
     }
 }
 
@@ -359,7 +385,11 @@ impl MemoryRegion {
         }
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => match inner.backing.take() {
-                Some(Backing::Heap(h)) => Ok(h.into_vec()),
+                Some(Backing::Heap(h)) => {
+                    // No NIC may reach the buffer once it is the caller's.
+                    inner.nic.clear();
+                    Ok(h.into_vec())
+                }
                 // (Checked above: never reached.)
                 other => {
                     inner.backing = other;
@@ -393,8 +423,11 @@ impl RegionTable {
         id: KeyId,
         raw: RawBuf,
         backing: Backing,
-        handles: Vec<KeyHandle>,
+        mut handles: Vec<KeyHandle>,
+        nics: Registrar<'_>,
     ) -> MemoryRegion {
+        let (more, nic) = nics(&id, raw);
+        handles.extend(more);
         let key = RemoteKey {
             owner,
             id,
@@ -406,6 +439,7 @@ impl RegionTable {
             id,
             key,
             raw,
+            nic,
             backing: Some(backing),
             table: Arc::downgrade(self),
         };
@@ -417,6 +451,7 @@ impl RegionTable {
         self: &Arc<Self>,
         owner: Rank,
         buf: B,
+        nics: Registrar<'_>,
     ) -> MemoryRegion {
         let id = crate::sys::os::random_bytes::<16>();
         // A `Vec` keeps its own form, so that `try_into_vec` can give it
@@ -439,7 +474,7 @@ impl RegionTable {
                 (raw, Backing::Owned { _keep: buf })
             }
         };
-        self.add(owner, id, raw, backing, Vec::new())
+        self.add(owner, id, raw, backing, Vec::new(), nics)
     }
 
     /// Register memory a transport allocated for peers to map: `keep` owns
@@ -451,8 +486,16 @@ impl RegionTable {
         raw: RawBuf,
         keep: Box<dyn Any + Send + Sync>,
         handle: KeyHandle,
+        nics: Registrar<'_>,
     ) -> MemoryRegion {
-        self.add(owner, id, raw, Backing::Owned { _keep: keep }, vec![handle])
+        self.add(
+            owner,
+            id,
+            raw,
+            Backing::Owned { _keep: keep },
+            vec![handle],
+            nics,
+        )
     }
 
     /// Look a live region up by id.
@@ -644,7 +687,7 @@ mod tests {
     #[test]
     fn a_key_has_one_encoding() {
         let table = Arc::new(RegionTable::default());
-        let region = table.register(3, vec![0u8; 100]);
+        let region = table.register(3, vec![0u8; 100], &no_nic);
         let b = region.remote_key().to_bytes();
         assert_eq!(RemoteKey::from_bytes(&b).unwrap().to_bytes(), b);
         // The owner (3) written in two bytes instead of one.

@@ -963,7 +963,7 @@ mod tests {
     fn implicit_puts_are_confirmed_by_one_flush_request_and_report_a_refusal_once() {
         let (ini, _) = rma(2);
         let (tgt, regions) = rma(2);
-        let region = regions.register(1, vec![0u8; 256]);
+        let region = regions.register(1, vec![0u8; 256], &crate::core::region::no_nic);
         let key = region.remote_key().id;
         let to_tgt = Wire::new(1);
         let to_ini = Wire::new(0);
@@ -1024,7 +1024,7 @@ mod tests {
     #[test]
     fn put_parts_are_checked_whole_and_hostile_ones_refused_without_a_panic() {
         let (tgt, regions) = rma(2);
-        let region = regions.register(1, vec![0u8; 1000]);
+        let region = regions.register(1, vec![0u8; 1000], &crate::core::region::no_nic);
         let key = region.remote_key().id;
         let to_ini = Wire::new(0);
         let part = |start: u64, len: u64, at: u64, data: &[u8]| {
@@ -1081,9 +1081,13 @@ mod tests {
     fn implicit_gets_wait_in_the_table_and_fail_into_the_next_flush() {
         let (ini, ini_regions) = rma(2);
         let (tgt, regions) = rma(2);
-        let region = regions.register(1, (0..=255).collect::<Vec<u8>>());
+        let region = regions.register(
+            1,
+            (0..=255).collect::<Vec<u8>>(),
+            &crate::core::region::no_nic,
+        );
         let key = region.remote_key().id;
-        let dst = ini_regions.register(0, vec![0u8; 32]);
+        let dst = ini_regions.register(0, vec![0u8; 32], &crate::core::region::no_nic);
         let (to_tgt, to_ini) = (Wire::new(1), Wire::new(0));
         ini.start_get(&to_tgt, &key, 40, (dst.inner.clone(), 0, 16), None)
             .unwrap();

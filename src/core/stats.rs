@@ -160,6 +160,7 @@ impl Counters {
             // (Filled by the transports: `Transport::add_stats`.)
             sm: Default::default(),
             udp: Default::default(),
+            rdma: Default::default(),
         }
     }
 }
@@ -200,6 +201,8 @@ pub struct Stats {
     pub sm: crate::SmStats,
     /// What `udp` counted of its own paths.
     pub udp: crate::UdpStats,
+    /// What `rdma` counted of its own paths.
+    pub rdma: crate::RdmaStats,
 }
 
 #[cfg(test)]

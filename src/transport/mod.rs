@@ -339,6 +339,21 @@ pub(crate) trait Transport: Send + Sync {
     /// Add this transport's counters to a snapshot.
     fn add_stats(&self, _s: &mut crate::Stats) {}
 
+    /// Register a new region's memory `raw` (key id `id`) with this
+    /// transport's hardware, if it reaches peers' memory that way (a NIC):
+    /// the handle peers need, carried in the region's key, and the
+    /// registration, kept with the region and dropped before its memory.
+    /// `None`: nothing to register (or it failed, and was logged and
+    /// counted: peers then reach the region through the target's
+    /// progress).
+    fn register_memory(
+        &self,
+        _id: &crate::core::region::KeyId,
+        _raw: RawBuf,
+    ) -> Option<(crate::core::region::KeyHandle, crate::core::region::NicReg)> {
+        None
+    }
+
     /// The concrete transport, for accessors of one transport's own
     /// (`Fabric::udp_stats`).
     fn as_any(&self) -> &dyn std::any::Any;

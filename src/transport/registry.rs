@@ -126,15 +126,6 @@ const fn planned(
 }
 
 #[linkme::distributed_slice(TRANSPORTS)]
-static RDMA: Entry = planned(
-    "rdma",
-    30,
-    Reach::Network,
-    "not part of this version (it will need the `rdma` feature and libfabric)",
-    rdma_devices,
-);
-
-#[linkme::distributed_slice(TRANSPORTS)]
 static SMCUDA: Entry = planned(
     "smcuda",
     50,
@@ -158,22 +149,4 @@ pub(crate) fn find(name: &str) -> Option<&'static Entry> {
 /// The names of every transport this build knows.
 pub(crate) fn names() -> Vec<&'static str> {
     entries().iter().map(|e| e.name).collect()
-}
-
-/// The RDMA devices the kernel lists.
-fn rdma_devices() -> std::result::Result<String, String> {
-    const DIR: &str = "/sys/class/infiniband";
-    let mut names: Vec<String> = std::fs::read_dir(DIR)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    if names.is_empty() {
-        Err(format!("{DIR}: no device"))
-    } else {
-        Ok(format!("{DIR}: {}", names.join(", ")))
-    }
 }

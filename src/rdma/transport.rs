@@ -1,0 +1,1598 @@
+//! The `rdma` transport over libfabric: one reliable-datagram endpoint per
+//! process, a completion queue read by the progress task, and per-peer
+//! credit, order and liveness state. See the module docs of `rdma`.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
+
+use super::config::RdmaConfig;
+use super::ofi::{self, Cqe, Ep, Mr, PostError, Read};
+use super::wire::{self, Body, Handle, Header, Type};
+use crate::core::completion::Completion;
+use crate::core::fabric::Core;
+use crate::core::region::{KeyHandle, KeyId, NicReg, RegionInner};
+use crate::sys::mem::RawBuf;
+use crate::sys::sync::lock;
+use crate::transport::{Kind, Link, Loss, Native, OneSided, Peer as PeerInfo, Transport};
+use crate::{AccessError, Error, Rank, Result};
+
+/// The transport's name.
+pub(crate) const NAME: &str = "rdma";
+/// Version of the key handle format.
+const HANDLE_VERSION: u16 = 1;
+/// Attempts at an RDMA operation the provider cancelled (it cancels the
+/// other operations to a peer when it tears the connection down after a
+/// refused key) before it fails.
+const RMA_ATTEMPTS: u32 = 3;
+/// While operations are in flight, the parked task looks at the queue at
+/// least this often (a wake-up of the wait fd may come without a
+/// completion, and manual-progress providers move data only when called).
+const BUSY_WAIT: Duration = Duration::from_millis(2);
+/// Most receive buffers posted.
+const MAX_POSTED: usize = 4096;
+
+/// What a process publishes about its `rdma` endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct RdmaAddr {
+    /// The provider (`tcp;ofi_rxm`).
+    provider: String,
+    /// Its fabric (a network): only ranks on one fabric reach each other.
+    fabric: String,
+    /// The endpoint's address, as `fi_av_insert` takes it.
+    name: Vec<u8>,
+}
+
+/// The NIC key of the region with id `id`, where the provider takes
+/// requested keys: 64 bits of a hash of the 128-bit random id, so a key
+/// with a forged id names no registration.
+fn derived_key(id: &KeyId) -> u64 {
+    use sha2::Digest;
+    let d = sha2::Sha256::new()
+        .chain_update(b"async-btl rdma key")
+        .chain_update(id)
+        .finalize();
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(a)
+}
+
+/// Counters, read by `add_stats`.
+#[derive(Default)]
+struct Counters {
+    writes: AtomicU64,
+    reads: AtomicU64,
+    rendezvous: AtomicU64,
+    credit_waits: AtomicU64,
+    reposts: AtomicU64,
+    foreign: AtomicU64,
+    reg_failures: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A posted operation's context: stable storage the provider may use
+/// (`FI_CONTEXT`/`FI_CONTEXT2` modes), and whose address names the
+/// operation in its completion.
+type Ctx = Box<[u64; 8]>;
+
+fn new_ctx() -> Ctx {
+    Box::new([0u64; 8])
+}
+
+fn ctx_ptr(c: &mut Ctx) -> *mut std::ffi::c_void {
+    c.as_mut_ptr().cast()
+}
+
+/// A posted operation, kept (with the memory it touches) until its
+/// completion is read.
+enum Op {
+    /// A receive buffer.
+    Recv { buf: Box<[u8]>, ctx: Ctx },
+    /// A frame sent to `peer`.
+    Send {
+        peer: Rank,
+        frame: Vec<u8>,
+        _ctx: Ctx,
+    },
+    /// A put or get.
+    Rma(RmaOp),
+    /// The receiver's read of a rendezvous message.
+    Fetch(FetchOp),
+}
+
+struct RmaOp {
+    write: bool,
+    peer: Rank,
+    /// Keeps the local memory (and its registration) alive.
+    region: Arc<RegionInner>,
+    offset: u64,
+    len: usize,
+    raddr: u64,
+    rkey: u64,
+    done: Arc<Completion>,
+    attempts: u32,
+    ctx: Ctx,
+}
+
+struct FetchOp {
+    peer: Rank,
+    seq: u32,
+    kind: Kind,
+    tag: u64,
+    buf: Vec<u8>,
+    /// The local registration of `buf`, where the provider needs one.
+    mr: Option<Mr>,
+    rts: wire::Rts,
+    attempts: u32,
+    ctx: Ctx,
+}
+
+/// A frame waiting to be posted.
+struct Out {
+    frame: Vec<u8>,
+    /// Uses a credit (and has its sequence number).
+    sequenced: bool,
+    /// Completes when posted (eager sends).
+    done: Option<Arc<Completion>>,
+}
+
+/// A sequenced frame that arrived, in its peer's order.
+enum In {
+    Ready(Kind, u64, Bytes),
+    /// A rendezvous message being read.
+    Reading,
+}
+
+/// A rendezvous message of ours that a peer is to read.
+struct Lent {
+    /// Dropped first: the peer can no longer read the bytes.
+    _mr: Mr,
+    _data: Bytes,
+    done: Arc<Completion>,
+}
+
+#[derive(Default)]
+struct PeerState {
+    credits: u32,
+    /// Credits we owe the peer (its frames we delivered).
+    owed: u32,
+    next_seq: u32,
+    queue: VecDeque<Out>,
+    /// Control frames (credits, pings, fins): no credit, no order.
+    ctrl: VecDeque<Vec<u8>>,
+    expect: u32,
+    arrived: BTreeMap<u32, In>,
+    lent: HashMap<u64, Lent>,
+    /// Sends posted and not completed.
+    in_flight: usize,
+    last_heard: Option<Instant>,
+    last_sent: Option<Instant>,
+    /// Puts and gets the provider refused for now (EAGAIN), to post again.
+    rma_retry: VecDeque<RmaOp>,
+    fetch_retry: VecDeque<FetchOp>,
+}
+
+struct Peer {
+    rank: Rank,
+    addr: u64,
+    lost: AtomicBool,
+    lost_reason: OnceLock<String>,
+}
+
+/// Everything under the transport's lock.
+struct State {
+    peers: Vec<PeerState>,
+    /// Posted operations by context address.
+    ops: HashMap<usize, Op>,
+    next_cookie: u64,
+    /// Receive buffers whose repost the provider refused for now.
+    unposted: Vec<(Box<[u8]>, Ctx)>,
+}
+
+/// The completion queue's fd, for tokio: the endpoint owns it, and is
+/// kept open by the `Arc` beside it for as long as tokio watches the fd.
+struct WaitFd {
+    fd: RawFd,
+    _ep: Arc<Ep>,
+}
+
+impl AsRawFd for WaitFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
+    }
+}
+
+/// Which providers the transport takes without being told, best first;
+/// and why it passes over the others.
+fn preference(name: &str) -> std::result::Result<u32, &'static str> {
+    let core = name.split(';').next().unwrap_or(name);
+    match core {
+        "verbs" => Ok(0),
+        "efa" => Ok(1),
+        "cxi" | "opx" | "psm3" | "psm2" => Ok(2),
+        "tcp" if name == "tcp;ofi_rxm" => Ok(9),
+        "shm" => Err("same-node peers use the sm transport"),
+        "net" => Err("its wait fd stays readable after the first transfer (a busy loop when idle)"),
+        "udp" => Err("its completion queue has no wait fd"),
+        "sockets" => Err("slow (hundreds of microseconds a write); name it in BTL_RDMA_PROVIDER to use it anyway"),
+        _ => Err("not known to work here; name it in BTL_RDMA_PROVIDER to try it"),
+    }
+}
+
+/// A provider found, with its rank in the preference order or why it is
+/// not used.
+type Surveyed = (ofi::Provider, std::result::Result<u32, String>);
+
+/// The providers libfabric offers here, each with whether it would be
+/// chosen and why not: (name, domain, Ok(rank) or Err(why)).
+pub(crate) fn survey(cfg: &RdmaConfig) -> std::result::Result<Vec<Surveyed>, String> {
+    let all = ofi::providers(None, cfg.addr.as_deref())?;
+    let mut seen = std::collections::HashSet::new();
+    Ok(all
+        .into_iter()
+        .filter(|p| seen.insert((p.name.clone(), p.domain.clone())))
+        .map(|p| {
+            let verdict = match &cfg.provider {
+                Some(want) if *want == p.name => Ok(0),
+                Some(want) => Err(format!("BTL_RDMA_PROVIDER={want}")),
+                None => preference(&p.name).map_err(str::to_string),
+            };
+            (p, verdict)
+        })
+        .collect())
+}
+
+/// The provider to open: the one named, else the best found.
+fn choose(cfg: &RdmaConfig) -> std::result::Result<String, String> {
+    let found = survey(cfg)?;
+    found
+        .iter()
+        .filter_map(|(p, v)| v.as_ref().ok().map(|r| (*r, p.name.clone())))
+        .min()
+        .map(|(_, n)| n)
+        .ok_or_else(|| {
+            let why: Vec<String> = found
+                .iter()
+                .map(|(p, v)| format!("{}: {}", p.name, v.as_ref().err().map_or("", |s| s)))
+                .collect();
+            match &cfg.provider {
+                Some(want) => format!("provider {want} not found (found: {})", why.join("; ")),
+                None => format!("no usable provider ({})", why.join("; ")),
+            }
+        })
+}
+
+/// Host check for `btl-info`: the providers found and the one chosen.
+pub(crate) fn probe() -> std::result::Result<String, String> {
+    let cfg = crate::Config::from_env()
+        .map(|c| c.rdma)
+        .unwrap_or_default();
+    let (maj, min) = ofi::version();
+    let found = survey(&cfg).map_err(|e| format!("libfabric {maj}.{min}: {e}"))?;
+    let chosen = choose(&cfg).ok();
+    let mut lines = vec![format!("libfabric {maj}.{min}")];
+    for (p, v) in &found {
+        let what = match v {
+            Ok(_) if chosen.as_deref() == Some(&p.name) => "chosen".to_string(),
+            Ok(_) => "usable, not chosen".to_string(),
+            Err(why) => format!("not used: {why}"),
+        };
+        lines.push(format!("{} on {} ({}): {what}", p.name, p.domain, p.fabric));
+    }
+    match chosen {
+        Some(_) => Ok(lines.join("; ")),
+        None => Err(lines.join("; ")),
+    }
+}
+
+/// The `rdma` transport of one process.
+pub(crate) struct RdmaTransport {
+    core: Arc<Core>,
+    config: RdmaConfig,
+    ep: Arc<Ep>,
+    fd: AsyncFd<WaitFd>,
+    me: RdmaAddr,
+    job: u64,
+    /// The provider wants local descriptors (`FI_MR_LOCAL`).
+    local_mr: bool,
+    /// Remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`).
+    virt_addr: bool,
+    /// The provider picks keys (`FI_MR_PROV_KEY`).
+    prov_key: bool,
+    /// Peers by rank.
+    peers: OnceLock<Vec<Option<Arc<Peer>>>>,
+    /// Ranks by address handle.
+    by_addr: OnceLock<HashMap<u64, Rank>>,
+    st: Mutex<State>,
+    /// One progress call at a time: deliveries leave in order.
+    turn: Mutex<()>,
+    counters: Counters,
+    armed: AtomicBool,
+    kick: Notify,
+    /// Something waits to be posted again (the provider said EAGAIN).
+    backlog: AtomicBool,
+}
+
+impl RdmaTransport {
+    /// Open the endpoint. Must run inside a tokio runtime.
+    pub(crate) fn open(core: Arc<Core>) -> Result<Arc<RdmaTransport>> {
+        let config = core.config().rdma.clone();
+        let prov = choose(&config).map_err(|e| Error::Config(format!("rdma: {e}")))?;
+        let cq = 4 * MAX_POSTED;
+        let ep = Ep::open(&prov, config.addr.as_deref(), cq)
+            .map_err(|e| Error::Config(format!("rdma: {e}")))?;
+        let c = ofi::consts();
+        let mr_mode = ep.provider.mr_mode;
+        let fd = ep
+            .wait_fd()
+            .map_err(|e| Error::Config(format!("rdma {prov}: {e}")))?;
+        let ep = Arc::new(ep);
+        // SAFETY: the fd belongs to the endpoint, which `WaitFd` keeps open
+        // (it holds an `Arc` of it) for the whole life of the `AsyncFd`;
+        // libfabric never closes or replaces a completion queue's wait fd
+        // before the queue itself is closed.
+        let fd = unsafe {
+            AsyncFd::register_with_interest(
+                WaitFd {
+                    fd,
+                    _ep: ep.clone(),
+                },
+                tokio::io::Interest::READABLE,
+            )
+        }
+        .map_err(|e| Error::os("rdma: watching the completion queue's fd", e.into()))?;
+        let name = ep.name().map_err(|e| Error::Config(format!("rdma: {e}")))?;
+        let me = RdmaAddr {
+            provider: prov.clone(),
+            fabric: ep.provider.fabric.clone(),
+            name,
+        };
+        tracing::debug!(
+            provider = %prov,
+            domain = %ep.provider.domain,
+            fabric = %ep.provider.fabric,
+            "rdma: opened"
+        );
+        let size = core.size() as usize;
+        Ok(Arc::new(RdmaTransport {
+            job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(29),
+            local_mr: mr_mode & c.mr_local != 0,
+            virt_addr: mr_mode & c.mr_virt_addr != 0,
+            prov_key: mr_mode & c.mr_prov_key != 0,
+            config,
+            ep,
+            fd,
+            me,
+            core,
+            peers: OnceLock::new(),
+            by_addr: OnceLock::new(),
+            st: Mutex::new(State {
+                peers: (0..size).map(|_| PeerState::default()).collect(),
+                ops: HashMap::new(),
+                next_cookie: 1,
+                unposted: Vec::new(),
+            }),
+            turn: Mutex::new(()),
+            counters: Counters::default(),
+            armed: AtomicBool::new(false),
+            kick: Notify::new(),
+            backlog: AtomicBool::new(false),
+        }))
+    }
+
+    fn peer(&self, rank: Rank) -> Option<&Arc<Peer>> {
+        self.peers.get()?.get(rank as usize)?.as_ref()
+    }
+
+    fn peer_list(&self) -> impl Iterator<Item = &Arc<Peer>> {
+        self.peers.get().into_iter().flatten().flatten()
+    }
+
+    fn lost_error(&self, p: &Peer) -> Error {
+        Error::PeerLost {
+            rank: p.rank,
+            reason: p
+                .lost_reason
+                .get()
+                .cloned()
+                .unwrap_or_else(|| "it was lost".into()),
+        }
+    }
+
+    fn check_alive(&self, p: &Peer) -> Result<()> {
+        if self.core.is_closed() {
+            Err(Error::Closed)
+        } else if p.lost.load(Ordering::Acquire) {
+            Err(self.lost_error(p))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Post receive buffers for every peer's credits.
+    fn post_receives(&self, peers: usize) {
+        let n = (peers * (self.config.credits as usize + 4)).clamp(16, MAX_POSTED);
+        let mut st = lock(&self.st);
+        for _ in 0..n {
+            let buf = vec![0u8; self.config.eager].into_boxed_slice();
+            self.repost(&mut st, buf, new_ctx());
+        }
+    }
+
+    /// Post a receive buffer (again).
+    fn repost(&self, st: &mut State, mut buf: Box<[u8]>, mut ctx: Ctx) {
+        let p = ctx_ptr(&mut ctx);
+        // SAFETY: the buffer and the context move into `st.ops` (boxed:
+        // their addresses do not change) and stay there until the
+        // receive's completion is read; at shutdown they go to the
+        // endpoint's graveyard, freed only after the endpoint is closed.
+        let r = unsafe {
+            self.ep
+                .post_recv(buf.as_mut_ptr(), buf.len(), std::ptr::null_mut(), p)
+        };
+        match r {
+            Ok(()) => {
+                st.ops.insert(p as usize, Op::Recv { buf, ctx });
+            }
+            Err(e) => {
+                if let PostError::Other(code) = e {
+                    tracing::debug!("rdma: posting a receive: {}", ofi::strerror(code));
+                }
+                st.unposted.push((buf, ctx));
+                self.backlog.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Post `frame` to `peer` now. `Err(frame)`: the provider refused it for
+    /// now.
+    fn post_frame(
+        &self,
+        st: &mut State,
+        peer: &Peer,
+        mut frame: Vec<u8>,
+    ) -> std::result::Result<(), Vec<u8>> {
+        let ps = &mut st.peers[peer.rank as usize];
+        Header::set_credits(&mut frame, ps.owed);
+        let mut ctx = new_ctx();
+        let p = ctx_ptr(&mut ctx);
+        // SAFETY: `frame` (a Vec whose heap buffer does not move when the
+        // Vec does) and the context go into `st.ops` until the send's
+        // completion is read (or the endpoint's graveyard at shutdown).
+        let r = unsafe {
+            self.ep.post_send(
+                frame.as_ptr(),
+                frame.len(),
+                std::ptr::null_mut(),
+                peer.addr,
+                p,
+            )
+        };
+        match r {
+            Ok(()) => {
+                ps.owed = 0;
+                ps.in_flight += 1;
+                ps.last_sent = Some(Instant::now());
+                st.ops.insert(
+                    p as usize,
+                    Op::Send {
+                        peer: peer.rank,
+                        frame,
+                        _ctx: ctx,
+                    },
+                );
+                Ok(())
+            }
+            Err(e) => {
+                if let PostError::Other(code) = e {
+                    tracing::debug!(
+                        peer = peer.rank,
+                        "rdma: posting a send: {}",
+                        ofi::strerror(code)
+                    );
+                }
+                Err(frame)
+            }
+        }
+    }
+
+    /// Post what waits for `peer`: control frames, then sequenced ones
+    /// while credits last. Returns frames posted.
+    fn push(&self, st: &mut State, peer: &Peer) -> usize {
+        let mut n = 0;
+        let r = peer.rank as usize;
+        while let Some(f) = st.peers[r].ctrl.pop_front() {
+            if let Err(f) = self.post_frame(st, peer, f) {
+                st.peers[r].ctrl.push_front(f);
+                self.backlog.store(true, Ordering::Relaxed);
+                return n;
+            }
+            n += 1;
+        }
+        loop {
+            let ps = &mut st.peers[r];
+            let Some(front) = ps.queue.front() else { break };
+            if front.sequenced && ps.credits == 0 {
+                break;
+            }
+            let Some(out) = ps.queue.pop_front() else {
+                break;
+            };
+            let sequenced = out.sequenced;
+            match self.post_frame(st, peer, out.frame) {
+                Ok(()) => {
+                    if sequenced {
+                        st.peers[r].credits -= 1;
+                    }
+                    if let Some(d) = out.done {
+                        d.complete(Ok(()));
+                    }
+                    n += 1;
+                }
+                Err(frame) => {
+                    st.peers[r].queue.push_front(Out {
+                        frame,
+                        sequenced,
+                        done: out.done,
+                    });
+                    self.backlog.store(true, Ordering::Relaxed);
+                    break;
+                }
+            }
+        }
+        // Retries of one-sided operations the provider refused for now.
+        while let Some(op) = st.peers[r].rma_retry.pop_front() {
+            if let Err(op) = self.post_rma(st, op) {
+                st.peers[r].rma_retry.push_front(op);
+                self.backlog.store(true, Ordering::Relaxed);
+                break;
+            }
+            n += 1;
+        }
+        while let Some(op) = st.peers[r].fetch_retry.pop_front() {
+            if let Err(op) = self.post_fetch(st, op) {
+                st.peers[r].fetch_retry.push_front(op);
+                self.backlog.store(true, Ordering::Relaxed);
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// A header for a frame to `peer` (its sequence number taken when
+    /// `typ` is sequenced).
+    fn header(&self, ps: &mut PeerState, typ: Type, kind: Kind, tag: u64) -> Header {
+        let seq = if typ.sequenced() {
+            let s = ps.next_seq;
+            ps.next_seq = ps.next_seq.wrapping_add(1);
+            s
+        } else {
+            0
+        };
+        Header {
+            typ,
+            kind: kind as u8,
+            credits: 0,
+            src: self.core.rank(),
+            seq,
+            tag,
+            job: self.job,
+        }
+    }
+
+    /// Queue a message (eager or rendezvous) to `peer` and post what can
+    /// go. Returns the completion to wait for, if the message is not yet
+    /// handed over.
+    fn send_message(
+        &self,
+        peer: &Peer,
+        kind: Kind,
+        tag: u64,
+        data: Bytes,
+    ) -> Result<Option<Arc<Completion>>> {
+        let eager = data.len() + wire::HEADER <= self.config.eager;
+        if eager {
+            let mut st = lock(&self.st);
+            self.check_alive(peer)?;
+            let ps = &mut st.peers[peer.rank as usize];
+            let mut frame = Vec::with_capacity(wire::HEADER + data.len());
+            self.header(ps, Type::Eager, kind, tag).encode(&mut frame);
+            frame.extend_from_slice(&data);
+            let done = Completion::new();
+            ps.queue.push_back(Out {
+                frame,
+                sequenced: true,
+                done: Some(done.clone()),
+            });
+            if ps.queue.len() > 1 || ps.credits == 0 {
+                bump(&self.counters.credit_waits);
+            }
+            self.push(&mut st, peer);
+            return Ok((!done.is_done()).then_some(done));
+        }
+        // Rendezvous: the peer reads the message from where it is.
+        let mut st = lock(&self.st);
+        self.check_alive(peer)?;
+        let key = if self.prov_key {
+            0
+        } else {
+            u64::from_le_bytes(crate::sys::os::random_bytes::<8>())
+        };
+        // SAFETY: `data` is kept beside the registration in `Lent` (the
+        // registration is dropped first), so the bytes stay allocated
+        // while it exists; the provider only reads them.
+        let mr = unsafe { Mr::register(&self.ep, data.as_ptr().cast_mut(), data.len(), key) }
+            .map_err(|code| Error::Exhausted {
+                what: format!(
+                    "rdma: registering a {}-byte message for the peer to read: {}",
+                    data.len(),
+                    ofi::strerror(code)
+                ),
+                hint: "raise the locked-memory limit (ulimit -l), or send smaller messages".into(),
+            })?;
+        bump(&self.counters.rendezvous);
+        let cookie = st.next_cookie;
+        st.next_cookie += 1;
+        let rts = wire::Rts {
+            len: data.len() as u64,
+            addr: if self.virt_addr {
+                data.as_ptr() as u64
+            } else {
+                0
+            },
+            key: mr.key,
+            cookie,
+        };
+        let ps = &mut st.peers[peer.rank as usize];
+        let mut frame = Vec::with_capacity(wire::HEADER + wire::RTS_BODY);
+        self.header(ps, Type::Rts, kind, tag).encode(&mut frame);
+        rts.encode(&mut frame);
+        let done = Completion::new();
+        ps.lent.insert(
+            cookie,
+            Lent {
+                _mr: mr,
+                _data: data,
+                done: done.clone(),
+            },
+        );
+        ps.queue.push_back(Out {
+            frame,
+            sequenced: true,
+            done: None,
+        });
+        self.push(&mut st, peer);
+        Ok(Some(done))
+    }
+
+    /// Post a put or get. `Err(op)`: refused for now.
+    fn post_rma(&self, st: &mut State, mut op: RmaOp) -> std::result::Result<(), RmaOp> {
+        let Some(peer) = self.peer(op.peer).cloned() else {
+            op.done
+                .complete(Err(Error::Misuse("rdma: no such peer".into())));
+            return Ok(());
+        };
+        let desc = op
+            .region
+            .nic(NAME)
+            .and_then(|r| r.downcast_ref::<Mr>())
+            .map_or(std::ptr::null_mut(), |m| m.desc());
+        let raw = op.region.raw();
+        let p = ctx_ptr(&mut op.ctx);
+        // SAFETY: `op.region` keeps the local memory `raw` (checked by the
+        // caller to hold `offset..offset+len`) allocated, and the context
+        // boxed, while `op` sits in `st.ops` until the completion is read
+        // (or in the endpoint's graveyard after shutdown).
+        let r = unsafe {
+            let buf = (raw.addr() as *mut u8).add(op.offset as usize);
+            self.ep
+                .post_rma(op.write, buf, op.len, desc, peer.addr, op.raddr, op.rkey, p)
+        };
+        match r {
+            Ok(()) => {
+                st.ops.insert(p as usize, Op::Rma(op));
+                Ok(())
+            }
+            Err(PostError::Again) => Err(op),
+            Err(PostError::Other(code)) => {
+                op.done.complete(Err(Error::Os {
+                    context: format!(
+                        "rdma: posting an RDMA {}",
+                        if op.write { "write" } else { "read" }
+                    ),
+                    source: std::io::Error::other(ofi::strerror(code)),
+                }));
+                Ok(())
+            }
+        }
+    }
+
+    /// Post the read of a rendezvous message. `Err(op)`: refused for now.
+    fn post_fetch(&self, st: &mut State, mut op: FetchOp) -> std::result::Result<(), FetchOp> {
+        let Some(peer) = self.peer(op.peer).cloned() else {
+            return Ok(());
+        };
+        let desc = op.mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc());
+        let p = ctx_ptr(&mut op.ctx);
+        // SAFETY: `op.buf` (heap memory that does not move with the Vec)
+        // and the context stay in `st.ops` until the completion is read.
+        let r = unsafe {
+            self.ep.post_rma(
+                false,
+                op.buf.as_mut_ptr(),
+                op.buf.len(),
+                desc,
+                peer.addr,
+                op.rts.addr,
+                op.rts.key,
+                p,
+            )
+        };
+        match r {
+            Ok(()) => {
+                st.ops.insert(p as usize, Op::Fetch(op));
+                Ok(())
+            }
+            Err(PostError::Again) => Err(op),
+            Err(PostError::Other(code)) => {
+                tracing::warn!(
+                    peer = op.peer,
+                    "rdma: posting a rendezvous read: {}",
+                    ofi::strerror(code)
+                );
+                // Dropped: the peer is failed below by its liveness, or the
+                // loss this causes.
+                Ok(())
+            }
+        }
+    }
+
+    /// Handle one received frame in `buf[..len]` from address `src`.
+    fn on_receive(
+        &self,
+        st: &mut State,
+        src: u64,
+        frame: &[u8],
+        lost: &mut Vec<(Rank, String, Loss)>,
+    ) {
+        let Some(rank) = self.by_addr.get().and_then(|m| m.get(&src)).copied() else {
+            bump(&self.counters.foreign);
+            tracing::debug!("rdma: dropped a message from an address not in this job");
+            return;
+        };
+        let (h, body) = match wire::decode(frame) {
+            Ok(x) => x,
+            Err(e) => {
+                bump(&self.counters.foreign);
+                tracing::warn!(peer = rank, "rdma: dropped a malformed frame: {e}");
+                return;
+            }
+        };
+        if h.job != self.job || h.src != rank {
+            bump(&self.counters.foreign);
+            tracing::warn!(peer = rank, "rdma: dropped a frame of another job or rank");
+            return;
+        }
+        let credits = self.config.credits;
+        let ps = &mut st.peers[rank as usize];
+        ps.last_heard = Some(Instant::now());
+        ps.credits = ps.credits.saturating_add(h.credits).min(credits);
+        let kind = if h.typ.sequenced() {
+            match Kind::from_u8(h.kind) {
+                Some(k) => Some(k),
+                None => {
+                    bump(&self.counters.foreign);
+                    lost.push((
+                        rank,
+                        format!("it sent a frame of unknown kind {}", h.kind),
+                        Loss::Misbehaved,
+                    ));
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        if let Some(kind) = kind {
+            // Duplicates (a send the provider reported cancelled that had
+            // arrived after all) are dropped; a frame beyond the credit
+            // window breaks the protocol.
+            let ahead = h.seq.wrapping_sub(ps.expect);
+            if ahead >= u32::MAX / 2 || ps.arrived.contains_key(&h.seq) {
+                return;
+            }
+            if ahead >= 2 * credits {
+                lost.push((
+                    rank,
+                    format!("it sent frame {} while {} was next", h.seq, ps.expect),
+                    Loss::Misbehaved,
+                ));
+                return;
+            }
+            match body {
+                Body::Eager(data) => {
+                    let mut v = self.core.buffers().take(data.len());
+                    v.extend_from_slice(data);
+                    let b = self.core.buffers().freeze(v);
+                    ps.arrived.insert(h.seq, In::Ready(kind, h.tag, b));
+                }
+                Body::Rts(rts) => {
+                    ps.arrived.insert(h.seq, In::Reading);
+                    let len = usize::try_from(rts.len).unwrap_or(usize::MAX);
+                    if len > isize::MAX as usize / 2 {
+                        lost.push((
+                            rank,
+                            format!("it announced a message of {len} bytes"),
+                            Loss::Misbehaved,
+                        ));
+                        return;
+                    }
+                    let mut buf = self.core.buffers().take(len);
+                    buf.resize(len, 0);
+                    let mr = if self.local_mr {
+                        // SAFETY: `buf` is kept in the same `FetchOp` as
+                        // its registration, which is dropped first
+                        // (`FetchOp::mr` is taken before `buf` is used).
+                        match unsafe { Mr::register(&self.ep, buf.as_mut_ptr(), len, 0) } {
+                            Ok(m) => Some(m),
+                            Err(code) => {
+                                lost.push((
+                                    rank,
+                                    format!(
+                                        "registering a receive buffer failed: {}",
+                                        ofi::strerror(code)
+                                    ),
+                                    Loss::Crashed,
+                                ));
+                                return;
+                            }
+                        }
+                    } else {
+                        None
+                    };
+                    let op = FetchOp {
+                        peer: rank,
+                        seq: h.seq,
+                        kind,
+                        tag: h.tag,
+                        buf,
+                        mr,
+                        rts,
+                        attempts: 0,
+                        ctx: new_ctx(),
+                    };
+                    if let Err(op) = self.post_fetch(st, op) {
+                        st.peers[rank as usize].fetch_retry.push_back(op);
+                        self.backlog.store(true, Ordering::Relaxed);
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
+        if let Body::Fin { cookie } = body {
+            match ps.lent.remove(&cookie) {
+                Some(l) => {
+                    let done = l.done.clone();
+                    drop(l);
+                    done.complete(Ok(()));
+                }
+                None => {
+                    bump(&self.counters.foreign);
+                    tracing::warn!(
+                        peer = rank,
+                        "rdma: a peer finished reading a message it was not lent"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Move in-order frames of every peer to `out`, as far as their tags
+    /// have room; return credits owed.
+    fn deliver(&self, st: &mut State, out: &mut Vec<(Rank, Kind, u64, Bytes)>) {
+        let half = (self.config.credits / 2).max(1);
+        for p in self.peer_list() {
+            let r = p.rank as usize;
+            let ps = &mut st.peers[r];
+            while let Some(In::Ready(kind, tag, data)) = ps.arrived.get(&ps.expect) {
+                if *kind == Kind::User && !self.core.has_room(*tag, data.len()) {
+                    break;
+                }
+                if let Some(In::Ready(kind, tag, data)) = ps.arrived.remove(&ps.expect) {
+                    out.push((p.rank, kind, tag, data));
+                }
+                ps.expect = ps.expect.wrapping_add(1);
+                ps.owed += 1;
+            }
+            if ps.owed >= half && ps.queue.is_empty() && ps.ctrl.is_empty() {
+                let f = wire::control(Type::Credit, self.core.rank(), self.job, 0, None);
+                ps.ctrl.push_back(f);
+            }
+        }
+    }
+
+    /// A completion: find its operation and finish it.
+    fn on_completion(&self, st: &mut State, e: &Cqe, lost: &mut Vec<(Rank, String, Loss)>) {
+        let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
+            return;
+        };
+        match op {
+            Op::Recv { buf, ctx } => {
+                let n = (e.len as usize).min(buf.len());
+                self.on_receive(st, e.src, &buf[..n], lost);
+                self.repost(st, buf, ctx);
+            }
+            Op::Send { peer, .. } => {
+                let ps = &mut st.peers[peer as usize];
+                ps.in_flight = ps.in_flight.saturating_sub(1);
+            }
+            Op::Rma(op) => {
+                bump(if op.write {
+                    &self.counters.writes
+                } else {
+                    &self.counters.reads
+                });
+                op.done.complete(Ok(()));
+            }
+            Op::Fetch(mut op) => {
+                op.mr = None;
+                let ps = &mut st.peers[op.peer as usize];
+                let data = self.core.buffers().freeze(std::mem::take(&mut op.buf));
+                ps.arrived.insert(op.seq, In::Ready(op.kind, op.tag, data));
+                let fin = wire::control(
+                    Type::Fin,
+                    self.core.rank(),
+                    self.job,
+                    0,
+                    Some(op.rts.cookie),
+                );
+                ps.ctrl.push_back(fin);
+            }
+        }
+    }
+
+    /// An error completion.
+    fn on_error(&self, st: &mut State, e: &ofi::CqErr, lost: &mut Vec<(Rank, String, Loss)>) {
+        let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
+            return;
+        };
+        let closing = self.core.is_closed();
+        let is_lost = |r: Rank| {
+            self.peer(r)
+                .map_or(true, |p| p.lost.load(Ordering::Acquire))
+        };
+        match op {
+            Op::Recv { buf, ctx } => {
+                if !closing {
+                    self.repost(st, buf, ctx);
+                } else {
+                    st.unposted.push((buf, ctx));
+                }
+            }
+            Op::Send { peer, frame, .. } => {
+                let ps = &mut st.peers[peer as usize];
+                ps.in_flight = ps.in_flight.saturating_sub(1);
+                if !closing && !is_lost(peer) {
+                    // Sent again (the receiver drops a copy that did
+                    // arrive); it used its credit already.
+                    bump(&self.counters.reposts);
+                    let sequenced = wire::decode(&frame).is_ok_and(|(h, _)| h.typ.sequenced());
+                    if sequenced {
+                        ps.credits += 1;
+                    }
+                    ps.queue.push_front(Out {
+                        frame,
+                        sequenced,
+                        done: None,
+                    });
+                    self.backlog.store(true, Ordering::Relaxed);
+                }
+            }
+            Op::Rma(mut op) => {
+                op.attempts += 1;
+                if is_lost(op.peer) {
+                    let err = self
+                        .peer(op.peer)
+                        .map_or(Error::Closed, |p| self.lost_error(p));
+                    op.done.complete(Err(err));
+                } else if closing {
+                    op.done.complete(Err(Error::Closed));
+                } else if op.attempts < RMA_ATTEMPTS {
+                    bump(&self.counters.reposts);
+                    op.ctx = new_ctx();
+                    st.peers[op.peer as usize].rma_retry.push_back(op);
+                    self.backlog.store(true, Ordering::Relaxed);
+                } else {
+                    tracing::debug!(
+                        peer = op.peer,
+                        "rdma: an RDMA {} failed: {} (provider error {})",
+                        if op.write { "write" } else { "read" },
+                        ofi::strerror(e.err),
+                        e.prov_errno
+                    );
+                    op.done
+                        .complete(Err(Error::Access(AccessError::UnknownKey)));
+                }
+            }
+            Op::Fetch(mut op) => {
+                op.attempts += 1;
+                if closing || is_lost(op.peer) {
+                    return;
+                }
+                if op.attempts < RMA_ATTEMPTS {
+                    bump(&self.counters.reposts);
+                    op.ctx = new_ctx();
+                    st.peers[op.peer as usize].fetch_retry.push_back(op);
+                    self.backlog.store(true, Ordering::Relaxed);
+                } else {
+                    lost.push((
+                        op.peer,
+                        format!(
+                            "its rendezvous message could not be read: {}",
+                            ofi::strerror(e.err)
+                        ),
+                        Loss::Misbehaved,
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Declare a peer lost: fail what waits on it, tell the core.
+    fn lose(&self, rank: Rank, reason: &str, how: Loss) {
+        let Some(peer) = self.peer(rank) else { return };
+        let _ = peer.lost_reason.set(reason.to_string());
+        if peer.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if how != Loss::Closed {
+            tracing::warn!(peer = rank, "rdma peer lost: {reason}");
+        }
+        let err = || self.lost_error(peer);
+        let (queued, lent, rma) = {
+            let mut st = lock(&self.st);
+            let ps = &mut st.peers[rank as usize];
+            ps.ctrl.clear();
+            let queued: Vec<Out> = ps.queue.drain(..).collect();
+            // What the peer may still read stays registered until our
+            // endpoint closes if it only closed; a crashed peer reads
+            // nothing more.
+            let lent: Vec<Lent> = ps.lent.drain().map(|(_, l)| l).collect();
+            let rma: Vec<RmaOp> = ps.rma_retry.drain(..).collect();
+            ps.fetch_retry.clear();
+            ps.arrived.clear();
+            // Posted puts and gets keep their memory until the provider
+            // completes them; their futures fail now.
+            for op in st.ops.values() {
+                if let Op::Rma(o) = op {
+                    if o.peer == rank {
+                        o.done.complete(Err(err()));
+                    }
+                }
+            }
+            (queued, lent, rma)
+        };
+        for o in queued {
+            if let Some(d) = o.done {
+                d.complete(Err(err()));
+            }
+        }
+        for l in lent {
+            l.done.complete(Err(err()));
+        }
+        for o in rma {
+            o.done.complete(Err(err()));
+        }
+        self.core.on_peer_lost(rank, reason, how);
+    }
+
+    /// Keepalives and liveness of every peer.
+    fn service(&self) {
+        let now = Instant::now();
+        let timeout = self.config.peer_timeout;
+        let every = timeout / 4;
+        let mut silent = Vec::new();
+        {
+            let mut st = lock(&self.st);
+            for p in self.peer_list() {
+                if p.lost.load(Ordering::Acquire) {
+                    continue;
+                }
+                let ps = &mut st.peers[p.rank as usize];
+                let heard = *ps.last_heard.get_or_insert(now);
+                if now.saturating_duration_since(heard) > timeout {
+                    silent.push(p.rank);
+                    continue;
+                }
+                let sent = ps.last_sent.unwrap_or(heard);
+                if now.saturating_duration_since(sent) >= every && ps.ctrl.is_empty() {
+                    ps.ctrl.push_back(wire::control(
+                        Type::Ping,
+                        self.core.rank(),
+                        self.job,
+                        0,
+                        None,
+                    ));
+                    // Counted as sent when queued, so a peer that refuses
+                    // posts (EAGAIN) does not queue a ping every pass.
+                    ps.last_sent = Some(now);
+                }
+                self.push(&mut st, p);
+            }
+        }
+        for r in silent {
+            self.lose(
+                r,
+                &format!("nothing heard from it for {timeout:?} (BTL_RDMA_PEER_TIMEOUT_MS)"),
+                Loss::Crashed,
+            );
+        }
+    }
+
+    /// Whether anything is posted besides receive buffers, or waits.
+    fn busy(&self, st: &State) -> bool {
+        self.backlog.load(Ordering::Relaxed)
+            || st.ops.values().any(|o| !matches!(o, Op::Recv { .. }))
+            || st
+                .peers
+                .iter()
+                .any(|p| !p.queue.is_empty() || !p.ctrl.is_empty())
+    }
+
+    fn counters(&self) -> crate::RdmaStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let c = &self.counters;
+        crate::RdmaStats {
+            writes: g(&c.writes),
+            reads: g(&c.reads),
+            rendezvous: g(&c.rendezvous),
+            credit_waits: g(&c.credit_waits),
+            reposts: g(&c.reposts),
+            foreign_messages: g(&c.foreign),
+            registration_failures: g(&c.reg_failures),
+        }
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        // Posted buffers stay allocated until the endpoint is closed.
+        let st = std::mem::replace(
+            &mut *lock(&self.st),
+            State {
+                peers: Vec::new(),
+                ops: HashMap::new(),
+                next_cookie: 0,
+                unposted: Vec::new(),
+            },
+        );
+        self.ep
+            .bury(Box::new(st.ops.into_values().collect::<Vec<Op>>()));
+    }
+}
+
+/// The link to one peer.
+struct RdmaLink {
+    t: Arc<RdmaTransport>,
+    peer: Arc<Peer>,
+}
+
+impl Link for RdmaLink {
+    fn peer(&self) -> Rank {
+        self.peer.rank
+    }
+
+    fn transport(&self) -> &'static str {
+        NAME
+    }
+
+    fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
+        if data.len() + wire::HEADER > self.t.config.eager {
+            return Ok(false);
+        }
+        let mut st = lock(&self.t.st);
+        self.t.check_alive(&self.peer)?;
+        let r = self.peer.rank as usize;
+        {
+            let ps = &st.peers[r];
+            if !ps.queue.is_empty() || ps.credits == 0 {
+                return Ok(false);
+            }
+        }
+        let ps = &mut st.peers[r];
+        let mut frame = Vec::with_capacity(wire::HEADER + data.len());
+        self.t.header(ps, Type::Eager, kind, tag).encode(&mut frame);
+        frame.extend_from_slice(data);
+        match self.t.post_frame(&mut st, &self.peer, frame) {
+            Ok(()) => {
+                st.peers[r].credits -= 1;
+                Ok(true)
+            }
+            Err(frame) => {
+                // It has its sequence number: it must go, in order.
+                st.peers[r].queue.push_back(Out {
+                    frame,
+                    sequenced: true,
+                    done: None,
+                });
+                self.t.backlog.store(true, Ordering::Relaxed);
+                Ok(true)
+            }
+        }
+    }
+
+    fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
+        self.t.send_message(&self.peer, kind, tag, data)
+    }
+
+    fn post(&self, op: OneSided<'_>) -> Result<Native> {
+        let (write, local, key, offset) = match op {
+            OneSided::Put { src, key, offset } => (true, src, key, offset),
+            OneSided::Get { dst, key, offset } => (false, dst, key, offset),
+            OneSided::Atomic { .. } => return Ok(Native::Emulate),
+        };
+        let Some(h) = key.handle(NAME).filter(|h| h.version == HANDLE_VERSION) else {
+            return Ok(Native::Emulate);
+        };
+        let Some(h) = Handle::decode(&h.data) else {
+            return Ok(Native::Emulate);
+        };
+        let len = local.raw.len();
+        if len == 0 {
+            return Ok(Native::Done(0));
+        }
+        if self.t.local_mr && local.region.nic(NAME).is_none() {
+            return Ok(Native::Emulate);
+        }
+        if len as u64 > self.t.ep.provider.max_msg {
+            return Ok(Native::Emulate);
+        }
+        let end = offset.saturating_add(len as u64);
+        if end > h.len {
+            return Err(Error::Access(AccessError::OutOfBounds {
+                offset,
+                end,
+                len: h.len,
+            }));
+        }
+        self.t.check_alive(&self.peer)?;
+        let rkey = if h.derived {
+            derived_key(&key.id)
+        } else {
+            h.key
+        };
+        let done = Completion::new();
+        let op = RmaOp {
+            write,
+            peer: self.peer.rank,
+            region: local.region.clone(),
+            offset: local.offset,
+            len,
+            raddr: h.base.wrapping_add(offset),
+            rkey,
+            done: done.clone(),
+            attempts: 0,
+            ctx: new_ctx(),
+        };
+        let mut st = lock(&self.t.st);
+        if let Err(op) = self.t.post_rma(&mut st, op) {
+            st.peers[self.peer.rank as usize].rma_retry.push_back(op);
+            self.t.backlog.store(true, Ordering::Relaxed);
+            if self.t.armed.load(Ordering::SeqCst) {
+                self.t.kick.notify_one();
+            }
+        }
+        Ok(Native::Posted(done))
+    }
+
+    fn has_queued(&self) -> bool {
+        let st = lock(&self.t.st);
+        st.peers
+            .get(self.peer.rank as usize)
+            .is_some_and(|p| !p.queue.is_empty())
+    }
+}
+
+#[async_trait]
+impl Transport for RdmaTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn address(&self) -> Result<Vec<u8>> {
+        postcard::to_allocvec(&self.me)
+            .map_err(|e| Error::Bootstrap(format!("encoding our rdma address: {e}")))
+    }
+
+    fn reaches(&self, peer: &PeerInfo<'_>) -> Result<bool> {
+        let a = decode_addr(peer.rank, peer.addr)?;
+        Ok(a.provider == self.me.provider && a.fabric == self.me.fabric)
+    }
+
+    fn connect(self: Arc<Self>, peers: &[PeerInfo<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let mut table: Vec<Option<Arc<Peer>>> = (0..self.core.size()).map(|_| None).collect();
+        let mut by_addr = HashMap::new();
+        let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
+        {
+            let mut st = lock(&self.st);
+            for p in peers {
+                let a = decode_addr(p.rank, p.addr)?;
+                let addr = self
+                    .ep
+                    .insert(&a.name)
+                    .map_err(|e| Error::Bootstrap(format!("rdma: rank {}: {e}", p.rank)))?;
+                let peer = Arc::new(Peer {
+                    rank: p.rank,
+                    addr,
+                    lost: AtomicBool::new(false),
+                    lost_reason: OnceLock::new(),
+                });
+                if by_addr.insert(addr, p.rank).is_some() {
+                    return Err(Error::Bootstrap(format!(
+                        "rdma: two ranks published one address (rank {})",
+                        p.rank
+                    )));
+                }
+                let slot = table.get_mut(p.rank as usize).ok_or_else(|| {
+                    Error::Bootstrap(format!("rdma peer rank {} out of range", p.rank))
+                })?;
+                *slot = Some(peer.clone());
+                st.peers[p.rank as usize].credits = self.config.credits;
+                links.push((
+                    p.rank,
+                    Arc::new(RdmaLink {
+                        t: self.clone(),
+                        peer,
+                    }),
+                ));
+            }
+        }
+        self.peers
+            .set(table)
+            .map_err(|_| Error::Misuse("rdma transport connected twice".into()))?;
+        let _ = self.by_addr.set(by_addr);
+        self.post_receives(peers.len());
+        Ok(links)
+    }
+
+    fn add_stats(&self, s: &mut crate::Stats) {
+        s.rdma = self.counters();
+    }
+
+    fn register_memory(&self, id: &KeyId, raw: RawBuf) -> Option<(KeyHandle, NicReg)> {
+        if raw.len() == 0 {
+            return None;
+        }
+        let requested = if self.prov_key { 0 } else { derived_key(id) };
+        // SAFETY: the registration is kept in the region beside the
+        // memory and dropped before it (`RegionInner::nic`), so `raw`
+        // stays allocated while it exists.
+        let mr = match unsafe {
+            Mr::register(&self.ep, raw.addr() as *mut u8, raw.len(), requested)
+        } {
+            Ok(m) => m,
+            Err(code) => {
+                bump(&self.counters.reg_failures);
+                tracing::warn!(
+                    "rdma: registering a region of {} bytes failed ({}); peers reach it through this process instead",
+                    raw.len(),
+                    ofi::strerror(code)
+                );
+                return None;
+            }
+        };
+        let h = Handle {
+            key: mr.key,
+            base: if self.virt_addr { raw.addr() as u64 } else { 0 },
+            len: raw.len() as u64,
+            derived: !self.prov_key && mr.key == requested,
+        };
+        Some((
+            KeyHandle::new(NAME, HANDLE_VERSION, h.encode()),
+            (NAME, Box::new(mr) as Box<dyn Any + Send + Sync>),
+        ))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn progress(&self) -> usize {
+        let Ok(_turn) = self.turn.try_lock() else {
+            return 0;
+        };
+        let mut work = 0;
+        let mut out = Vec::new();
+        let mut lost = Vec::new();
+        {
+            let mut st = lock(&self.st);
+            let mut cqe = [Cqe {
+                ctx: std::ptr::null_mut(),
+                flags: 0,
+                len: 0,
+                src: 0,
+            }; 32];
+            for _ in 0..4 {
+                match self.ep.read_cq(&mut cqe) {
+                    Read::Done(0) => break,
+                    Read::Done(n) => {
+                        work += n;
+                        for e in &cqe[..n] {
+                            self.on_completion(&mut st, e, &mut lost);
+                        }
+                    }
+                    Read::Error(e) => {
+                        work += 1;
+                        self.on_error(&mut st, &e, &mut lost);
+                    }
+                    Read::Failed(code) => {
+                        tracing::warn!(
+                            "rdma: reading the completion queue: {}",
+                            ofi::strerror(code)
+                        );
+                        break;
+                    }
+                }
+            }
+            if work > 0 || self.backlog.swap(false, Ordering::Relaxed) {
+                for (buf, ctx) in std::mem::take(&mut st.unposted) {
+                    self.repost(&mut st, buf, ctx);
+                }
+                self.deliver(&mut st, &mut out);
+                for p in self.peer_list() {
+                    if !p.lost.load(Ordering::Acquire) {
+                        work += self.push(&mut st, p);
+                    }
+                }
+            }
+        }
+        for (rank, why, how) in lost {
+            self.lose(rank, &why, how);
+        }
+        for (src, kind, tag, data) in out {
+            work += 1;
+            if kind == Kind::User {
+                self.core.deliver(src, tag, data);
+            } else if let Some(link) = self.core.link(src) {
+                self.core.on_message(&*link, src, kind, tag, data);
+            }
+        }
+        work
+    }
+
+    fn arm(&self) -> bool {
+        self.armed.store(true, Ordering::SeqCst);
+        // Messages held for room: the dispatcher's `space` signal wakes
+        // the driver; deliver what fits now.
+        self.backlog.store(true, Ordering::Relaxed);
+        if self.progress() > 0 {
+            return false;
+        }
+        self.ep.trywait()
+    }
+
+    fn disarm(&self) {
+        self.armed.store(false, Ordering::SeqCst);
+    }
+
+    async fn wait(&self, timeout: Duration) {
+        let busy = self.busy(&lock(&self.st));
+        let until = if busy {
+            BUSY_WAIT.min(timeout)
+        } else {
+            timeout
+        };
+        tokio::select! {
+            r = self.fd.readable() => {
+                // Cleared here and checked again by the next `arm`
+                // (`fi_trywait`), so a completion that came meanwhile is
+                // never slept through.
+                if let Ok(mut g) = r {
+                    g.clear_ready();
+                }
+            }
+            _ = self.kick.notified() => {}
+            _ = tokio::time::sleep(until) => {}
+        }
+    }
+
+    fn check_peers(&self) {
+        self.service();
+    }
+
+    fn drained(&self) -> bool {
+        let st = lock(&self.st);
+        self.peer_list().all(|p| {
+            let ps = &st.peers[p.rank as usize];
+            p.lost.load(Ordering::Acquire)
+                || (ps.queue.is_empty()
+                    && ps.ctrl.is_empty()
+                    && ps.lent.is_empty()
+                    && ps.in_flight == 0)
+        })
+    }
+
+    fn undrained(&self) -> Vec<String> {
+        let st = lock(&self.st);
+        self.peer_list()
+            .filter(|p| !p.lost.load(Ordering::Acquire))
+            .filter_map(|p| {
+                let ps = &st.peers[p.rank as usize];
+                (!ps.queue.is_empty() || !ps.lent.is_empty() || ps.in_flight > 0).then(|| {
+                    format!(
+                        "rdma rank {}: {} messages queued, {} sends in flight, {} large messages not yet read",
+                        p.rank,
+                        ps.queue.len(),
+                        ps.in_flight,
+                        ps.lent.len()
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn shutdown(&self) {
+        for s in self.undrained() {
+            tracing::warn!("closing with {s}");
+        }
+        let ranks: Vec<Rank> = self.peer_list().map(|p| p.rank).collect();
+        for r in ranks {
+            self.lose(r, "this fabric closed", Loss::Closed);
+        }
+    }
+}
+
+/// Decode a peer's `rdma` address.
+fn decode_addr(rank: Rank, addr: &[u8]) -> Result<RdmaAddr> {
+    postcard::from_bytes(addr).map_err(|e| {
+        Error::Bootstrap(format!(
+            "rank {rank} published an unreadable rdma address: {e}"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_keys_change_with_every_bit_of_the_id() {
+        let id = [7u8; 16];
+        let k = derived_key(&id);
+        for i in 0..16 {
+            let mut f = id;
+            f[i] ^= 1;
+            assert_ne!(derived_key(&f), k, "byte {i}");
+        }
+    }
+
+    #[test]
+    fn providers_are_preferred_hardware_first_and_the_unfit_ones_say_why() {
+        assert!(preference("verbs;ofi_rxm").unwrap() < preference("tcp;ofi_rxm").unwrap());
+        assert!(preference("efa").unwrap() < preference("tcp;ofi_rxm").unwrap());
+        for bad in [
+            "shm",
+            "net",
+            "net;ofi_rxm",
+            "udp;ofi_rxd",
+            "sockets",
+            "mystery",
+        ] {
+            assert!(preference(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The `rdma` transport between real processes over real libfabric, forced
+//! with `BTL_TRANSPORTS=rdma` on the `tcp;ofi_rxm` provider bound to
+//! 127.0.0.1 (each test re-executes this binary as the ranks). Where the
+//! build lacks the `rdma` feature, or libfabric has no `tcp;ofi_rxm` here,
+//! each test prints `skipped:` and why, and returns.
+
+mod common;
+
+use std::time::Duration;
+
+use async_btl::{Error, Fabric, RemoteKey};
+use common::*;
+
+/// Launch variables of every rdma test: rdma only, tcp;ofi_rxm on
+/// loopback, a short peer timeout.
+const RDMA: [(&str, &str); 4] = [
+    ("BTL_TRANSPORTS", "rdma"),
+    ("BTL_RDMA_PROVIDER", "tcp;ofi_rxm"),
+    ("BTL_RDMA_ADDR", "127.0.0.1"),
+    ("BTL_RDMA_PEER_TIMEOUT_MS", "1000"),
+];
+
+/// The eager limit of the tests' ranks (`BTL_RDMA_EAGER`'s default) less
+/// the 32-byte frame header: the largest eager message.
+const EAGER_PAYLOAD: usize = 8192 - 32;
+
+fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
+    let env: Vec<(&str, &str)> = RDMA.iter().chain(extra).copied().collect();
+    spawn_job(n, scenario, &env)
+}
+
+/// Why these tests cannot run here, if they cannot.
+fn no_rdma() -> Option<String> {
+    if !cfg!(feature = "rdma") {
+        return Some("built without the `rdma` feature (cargo test --features rdma)".into());
+    }
+    let out = std::process::Command::new("fi_info")
+        .args(["-p", "tcp;ofi_rxm", "-t", "FI_EP_RDM", "-n", "127.0.0.1"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!(
+            "libfabric offers no tcp;ofi_rxm on 127.0.0.1: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(format!("fi_info (libfabric-bin) cannot run: {e}")),
+    }
+}
+
+macro_rules! need_rdma {
+    () => {
+        if let Some(why) = no_rdma() {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+}
+
+/// The child side: runs the scenario named in BTL_TEST_SCENARIO.
+#[test]
+fn rank_main() {
+    let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
+        return; // the parent test process: nothing to do here
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let f = Fabric::from_env().await.expect("fabric from launcher env");
+        for r in (0..f.size()).filter(|r| *r != f.rank()) {
+            assert_eq!(f.transport_for(r), Some("rdma"));
+        }
+        match scenario.as_str() {
+            "sizes" => sizes(f).await,
+            "order" => order(f).await,
+            "alltoall" => alltoall(f).await,
+            "putget" => putget(f).await,
+            "atomics" => {
+                let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
+                atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
+            }
+            "stall" => stall(f).await,
+            "kill" => kill_scenario(f, true).await,
+            other => panic!("unknown scenario {other}"),
+        }
+    });
+}
+
+/// Around the eager limit, and the rendezvous sizes.
+const SIZES: [usize; 11] = [
+    0,
+    1,
+    8,
+    EAGER_PAYLOAD - 1,
+    EAGER_PAYLOAD,
+    EAGER_PAYLOAD + 1,
+    64 << 10,
+    1 << 20,
+    (1 << 20) + 7,
+    16 << 20,
+    3,
+];
+
+async fn sizes(f: Fabric) {
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, EAGER_PAYLOAD]).await;
+    } else {
+        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, EAGER_PAYLOAD]).await;
+    }
+    let s = f.stats();
+    println!("rendezvous={}", s.rdma.rendezvous);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn order(f: Fabric) {
+    let n: u64 = std::env::var("ORDER_N").map_or(100_000, |v| v.parse().unwrap());
+    order_check(&f, n).await;
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn alltoall(f: Fabric) {
+    all_to_all_check(&f, 300, |i| (i as usize * 337) % 70_000).await;
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn putget(f: Fabric) {
+    if f.rank() == 1 {
+        let heap = f.register(vec![0u8; 1 << 20]);
+        let shared = f.alloc_region(1 << 16).unwrap();
+        let ep = f.endpoint(0).unwrap();
+        ep.send(1, heap.remote_key().to_bytes()).await.unwrap();
+        ep.send(1, shared.remote_key().to_bytes()).await.unwrap();
+        f.barrier().await.unwrap(); // rank 0 is done
+        let mut got = vec![0u8; 200_000];
+        heap.read(12345, &mut got).unwrap();
+        assert_eq!(got, pattern(200_000, 1).to_vec(), "put into the region");
+        assert!(heap.to_vec()[(1 << 20) - 64..].iter().all(|b| *b == 0));
+        let mut got = vec![0u8; 100];
+        shared.read(300, &mut got).unwrap();
+        assert_eq!(got, pattern(100, 9).to_vec(), "put into alloc_region");
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        let heap = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+        let shared = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        let src = f.register(pattern(200_000, 1).to_vec());
+        ep.put(&src, 0..200_000, &heap, 12345).await.unwrap();
+        let back = f.register(vec![0u8; 200_000]);
+        ep.get(&back, 0..200_000, &heap, 12345).await.unwrap();
+        assert_eq!(back.to_vec(), pattern(200_000, 1).to_vec());
+        let small = f.register(pattern(100, 9).to_vec());
+        ep.put(&small, 0..100, &shared, 300).await.unwrap();
+        let e = ep
+            .put(&src, 0..64, &heap, (1 << 20) - 10)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        assert_forged_keys_refused(&ep, &src, &back, &heap, 1 << 20).await;
+        // After refused keys the connection still carries everything.
+        ep.get(&back, 0..200_000, &heap, 12345).await.unwrap();
+        assert_eq!(back.to_vec(), pattern(200_000, 1).to_vec());
+        assert_implicit_ops(&f, &ep, &heap, 500_000).await;
+        let s = f.stats();
+        println!("rdma_writes={}\nrdma_reads={}", s.rdma.writes, s.rdma.reads);
+        println!("emulated_puts={}", s.emulated_puts);
+        f.barrier().await.unwrap();
+    }
+    f.close().await.unwrap();
+}
+
+/// The receiver does not read for three peer timeouts: the sender must wait
+/// (bounded memory), not declare it lost, then everything arrives.
+async fn stall(f: Fabric) {
+    stall_scenario(&f, 120, Duration::from_secs(3)).await;
+    assert_eq!(f.stats().peers_lost, 0);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+#[test]
+fn rdma_sizes_between_processes() {
+    need_rdma!();
+    let outs = job(2, "sizes", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let rdv: u64 = value(&outs[0], "rendezvous").unwrap().parse().unwrap();
+    assert!(rdv >= 5, "the large messages went by rendezvous ({rdv})");
+}
+
+#[test]
+fn rdma_per_tag_order() {
+    need_rdma!();
+    assert_ok(&job(2, "order", &[]).wait(Duration::from_secs(180)));
+}
+
+#[test]
+fn rdma_four_processes_all_to_all() {
+    need_rdma!();
+    assert_ok(&job(4, "alltoall", &[]).wait(Duration::from_secs(180)));
+}
+
+#[test]
+fn rdma_put_get_by_rdma_write_and_read_with_bounds_and_forged_keys() {
+    need_rdma!();
+    let outs = job(2, "putget", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let writes: u64 = value(&outs[0], "rdma_writes").unwrap().parse().unwrap();
+    let reads: u64 = value(&outs[0], "rdma_reads").unwrap().parse().unwrap();
+    assert!(writes >= 2 && reads >= 2, "writes {writes}, reads {reads}");
+}
+
+#[test]
+fn rdma_four_ranks_fetch_add_and_a_cas_lock() {
+    need_rdma!();
+    let env = [("BTL_TEST_ADDS", "5000"), ("BTL_TEST_LOCKED", "200")];
+    let outs = job(4, "atomics", &env).wait(Duration::from_secs(180));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "atomics_ok").as_deref(), Some("1"));
+}
+
+#[test]
+fn rdma_stalled_receiver_holds_the_sender_back_without_false_loss() {
+    need_rdma!();
+    let outs = job(2, "stall", &[("BTL_RECV_BUDGET", "4194304")]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let before: u64 = value(&outs[0], "rss_before_kib").unwrap().parse().unwrap();
+    let peak: u64 = value(&outs[0], "rss_peak_kib").unwrap().parse().unwrap();
+    assert!(
+        peak < before + 48 * 1024,
+        "sender RSS grew from {before} KiB to {peak} KiB"
+    );
+}
+
+#[test]
+fn rdma_killed_peer_fails_pending_futures_within_the_timeout() {
+    need_rdma!();
+    let mut job = job(2, "kill", &[("BTL_RECV_BUDGET", "4194304")]);
+    let start = std::time::Instant::now();
+    let mut out0 = String::new();
+    use std::io::{BufRead, BufReader};
+    let stdout = job.children[0].stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    while let Some(Ok(l)) = lines.next() {
+        out0.push_str(&l);
+        out0.push('\n');
+        if l.contains("armed_ms=") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "rank 0 never blocked"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let killed_at = now_ms();
+    job.children[1].kill().unwrap();
+    let _ = job.children[1].wait();
+    for l in lines.map_while(Result::ok) {
+        out0.push_str(&l);
+        out0.push('\n');
+    }
+    let outs = job.wait(Duration::from_secs(30));
+    if !outs[0].status.success() {
+        eprintln!("{out0}");
+        dump(&outs);
+        panic!("rank 0 failed");
+    }
+    let failed: u128 = out0
+        .lines()
+        .find_map(|l| l.split_once("failed_ms=").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Timeout 1 s, checked on the heartbeat (100 ms): slack for a loaded
+    // machine, far below the 5 s default.
+    assert!(
+        failed - killed_at < 2500,
+        "peer loss took {} ms",
+        failed - killed_at
+    );
+}
