@@ -274,7 +274,9 @@ fn choose(cfg: &RdmaConfig) -> std::result::Result<String, String> {
         })
 }
 
-/// Host check for `btl-info`: the providers found and the one chosen.
+/// Host check for `btl-info`: the providers found, the one chosen (and
+/// on which domain: the first libfabric lists, which `BTL_RDMA_ADDR`
+/// picks), and why each other is not used.
 pub(crate) fn probe() -> std::result::Result<String, String> {
     let cfg = crate::Config::from_env()
         .map(|c| c.rdma)
@@ -282,18 +284,45 @@ pub(crate) fn probe() -> std::result::Result<String, String> {
     let (maj, min) = ofi::version();
     let found = survey(&cfg).map_err(|e| format!("libfabric {maj}.{min}: {e}"))?;
     let chosen = choose(&cfg).ok();
-    let mut lines = vec![format!("libfabric {maj}.{min}")];
-    for (p, v) in &found {
-        let what = match v {
-            Ok(_) if chosen.as_deref() == Some(&p.name) => "chosen".to_string(),
-            Ok(_) => "usable, not chosen".to_string(),
-            Err(why) => format!("not used: {why}"),
-        };
-        lines.push(format!("{} on {} ({}): {what}", p.name, p.domain, p.fabric));
+    let mut parts = vec![format!("libfabric {maj}.{min}")];
+    let mut names: Vec<&str> = Vec::new();
+    for (p, _) in &found {
+        if !names.contains(&p.name.as_str()) {
+            names.push(&p.name);
+        }
+    }
+    let domains = |n: &str| -> String {
+        found
+            .iter()
+            .filter(|(p, _)| p.name == n)
+            .map(|(p, _)| p.domain.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(c) = &chosen {
+        parts.push(format!("chosen: {c} on {}", domains(c)));
+    }
+    let mut unused = Vec::new();
+    for n in &names {
+        if chosen.as_deref() == Some(*n) {
+            continue;
+        }
+        let why = found
+            .iter()
+            .find(|(p, _)| p.name == *n)
+            .map(|(_, v)| match v {
+                Ok(_) => "usable, ranked lower".to_string(),
+                Err(why) => why.clone(),
+            })
+            .unwrap_or_default();
+        unused.push(format!("{n} ({why})"));
+    }
+    if !unused.is_empty() {
+        parts.push(format!("not used: {}", unused.join(", ")));
     }
     match chosen {
-        Some(_) => Ok(lines.join("; ")),
-        None => Err(lines.join("; ")),
+        Some(_) => Ok(parts.join("; ")),
+        None => Err(parts.join("; ")),
     }
 }
 
