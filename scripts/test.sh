@@ -11,6 +11,10 @@ command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
 command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils)
 command -v nft >/dev/null 2>&1 || need+=(nftables)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# The rdma transport builds against libfabric and its tests run over the
+# tcp;ofi_rxm provider (fi_info, from libfabric-bin, tells them it is there).
+[ -e /usr/include/rdma/fabric.h ] || need+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || need+=(libfabric-bin)
 if ((${#need[@]})); then
   if [ "$(id -u)" -ne 0 ]; then
     echo "test.sh: missing ${need[*]}; install them (apt-get install ${need[*]}) or run as root" >&2
@@ -24,11 +28,15 @@ fi
 before=$(ls /dev/shm 2>/dev/null | grep -c '^abtl\.' || true)
 
 # The workspace: the library (this directory) and btl-tools/ (btl-run,
-# btl-info, btl-perf).
+# btl-info, btl-perf). Everything is built and tested with the rdma
+# transport in (FEATURES); the default build, which needs no libfabric, is
+# linted too.
+FEATURES=async-btl/rdma,btl-tools/rdma
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --features "$FEATURES" -- -D warnings
 # Public docs build without broken links or other rustdoc warnings.
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features "$FEATURES"
 # The library stays lean: command-line, plotting and benchmark crates are
 # the tools' alone.
 lib_deps=$(cargo tree -p async-btl -e normal --prefix none)
@@ -39,11 +47,11 @@ fi
 # The example tests run the example binaries (target/debug/examples/NAME)
 # and btl-run (target/debug/btl-run), which a test build alone does not
 # leave there on a fresh checkout.
-cargo build --workspace --examples --bins
+cargo build --workspace --examples --bins --features "$FEATURES"
 # A watchdog, not a speed limit: a hung test fails the run in bounded time
 # (the whole suite takes a few minutes).
-timeout -k 30 1500 cargo test --workspace --all-targets
-timeout -k 30 600 cargo test --workspace --doc
+timeout -k 30 1500 cargo test --workspace --all-targets --features "$FEATURES"
+timeout -k 30 600 cargo test --workspace --doc --features "$FEATURES"
 # The loom models are the library's (btl-tools has none).
 RUSTFLAGS="--cfg btl_loom" CARGO_TARGET_DIR=target-loom cargo test -p async-btl --lib loom
 # The fuzz targets follow the library's API, and each runs clean for a few

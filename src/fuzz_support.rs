@@ -643,6 +643,13 @@ pub fn udp_addr(b: &[u8]) -> Option<Vec<u8>> {
         .and_then(|a| postcard::to_allocvec(&a).ok())
 }
 
+/// Decode an `rdma` address; its re-encoding if accepted.
+pub fn rdma_addr(b: &[u8]) -> Option<Vec<u8>> {
+    crate::rdma::wire::decode_addr(1, b)
+        .ok()
+        .and_then(|a| postcard::to_allocvec(&a).ok())
+}
+
 /// Which side of the bootstrap protocol a frame goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FrameTo {

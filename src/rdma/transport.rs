@@ -11,13 +11,12 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
 use super::config::RdmaConfig;
 use super::ofi::{self, Cqe, Ep, Mr, PostError, Read};
-use super::wire::{self, Body, Handle, Header, Type};
+use super::wire::{self, decode_addr, Body, Handle, Header, RdmaAddr, Type};
 use crate::core::completion::Completion;
 use crate::core::fabric::Core;
 use crate::core::region::{KeyHandle, KeyId, NicReg, RegionInner};
@@ -40,17 +39,6 @@ const RMA_ATTEMPTS: u32 = 3;
 const BUSY_WAIT: Duration = Duration::from_millis(2);
 /// Most receive buffers posted.
 const MAX_POSTED: usize = 4096;
-
-/// What a process publishes about its `rdma` endpoint.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct RdmaAddr {
-    /// The provider (`tcp;ofi_rxm`).
-    provider: String,
-    /// Its fabric (a network): only ranks on one fabric reach each other.
-    fabric: String,
-    /// The endpoint's address, as `fi_av_insert` takes it.
-    name: Vec<u8>,
-}
 
 /// The NIC key of the region with id `id`, where the provider takes
 /// requested keys: 64 bits of a hash of the 128-bit random id, so a key
@@ -1583,15 +1571,6 @@ impl Transport for RdmaTransport {
             self.lose(r, "this fabric closed", Loss::Closed);
         }
     }
-}
-
-/// Decode a peer's `rdma` address.
-fn decode_addr(rank: Rank, addr: &[u8]) -> Result<RdmaAddr> {
-    postcard::from_bytes(addr).map_err(|e| {
-        Error::Bootstrap(format!(
-            "rank {rank} published an unreadable rdma address: {e}"
-        ))
-    })
 }
 
 #[cfg(test)]

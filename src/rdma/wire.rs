@@ -266,6 +266,26 @@ impl Handle {
     }
 }
 
+/// What a process publishes about its `rdma` endpoint.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct RdmaAddr {
+    /// The provider (`tcp;ofi_rxm`).
+    pub(crate) provider: String,
+    /// Its fabric (a network): only ranks on one fabric reach each other.
+    pub(crate) fabric: String,
+    /// The endpoint's address, as `fi_av_insert` takes it.
+    pub(crate) name: Vec<u8>,
+}
+
+/// Decode a peer's `rdma` address.
+pub(crate) fn decode_addr(rank: crate::Rank, addr: &[u8]) -> crate::Result<RdmaAddr> {
+    postcard::from_bytes(addr).map_err(|e| {
+        crate::Error::Bootstrap(format!(
+            "rank {rank} published an unreadable rdma address: {e}"
+        ))
+    })
+}
+
 /// The bytes of a decoded frame, encoded again (what a fuzzer checks
 /// against the input).
 pub(crate) fn reencode(h: &Header, body: &Body<'_>) -> Vec<u8> {
