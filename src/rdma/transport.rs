@@ -1337,7 +1337,12 @@ impl Transport for RdmaTransport {
 
     fn reaches(&self, peer: &PeerInfo<'_>) -> Result<bool> {
         let a = decode_addr(peer.rank, peer.addr)?;
-        Ok(a.provider == self.me.provider && a.fabric == self.me.fabric)
+        // Not this rank: `self` carries its messages, and one-sided
+        // operations on its own memory take the same target checks as
+        // everyone else's, emulated.
+        Ok(peer.rank != self.core.rank()
+            && a.provider == self.me.provider
+            && a.fabric == self.me.fabric)
     }
 
     fn connect(self: Arc<Self>, peers: &[PeerInfo<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
