@@ -83,6 +83,7 @@ fn rank_main() {
             }
             "stall" => stall(f).await,
             "kill" => kill_scenario(f, true).await,
+            "serve3" => serve3(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -129,6 +130,12 @@ async fn alltoall(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Puts whose futures are dropped in `putget`: how many, their size, and
+/// where in the target region they go.
+const DROPPED: usize = 100;
+const SLOT: usize = 64;
+const DROPPED_AT: usize = 700_000;
+
 async fn putget(f: Fabric) {
     if f.rank() == 1 {
         let heap = f.register(vec![0u8; 1 << 20]);
@@ -144,6 +151,15 @@ async fn putget(f: Fabric) {
         let mut got = vec![0u8; 100];
         shared.read(300, &mut got).unwrap();
         assert_eq!(got, pattern(100, 9).to_vec(), "put into alloc_region");
+        for i in 0..DROPPED {
+            let mut got = vec![0u8; SLOT];
+            heap.read(DROPPED_AT + i * SLOT, &mut got).unwrap();
+            assert_eq!(
+                got,
+                pattern(SLOT, 1000 + i as u64).to_vec(),
+                "dropped put {i}"
+            );
+        }
     } else {
         let mut rx = f.receiver(1).unwrap();
         let heap = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
@@ -166,11 +182,100 @@ async fn putget(f: Fabric) {
         ep.get(&back, 0..200_000, &heap, 12345).await.unwrap();
         assert_eq!(back.to_vec(), pattern(200_000, 1).to_vec());
         assert_implicit_ops(&f, &ep, &heap, 500_000).await;
+        // Puts whose futures (and source regions) are dropped, half after
+        // one poll and half before any: each still lands whole, and no
+        // memory the NIC reads is freed under it (the target checks).
+        for i in 0..DROPPED {
+            let src = f.register(pattern(SLOT, 1000 + i as u64).to_vec());
+            let mut put = ep.put(&src, 0..SLOT, &heap, (DROPPED_AT + i * SLOT) as u64);
+            if i % 2 == 0 {
+                let _ = futures::poll!(&mut put);
+            }
+            drop(put);
+            drop(src);
+        }
+        ep.flush().await.unwrap();
         let s = f.stats();
         println!("rdma_writes={}\nrdma_reads={}", s.rdma.writes, s.rdma.reads);
         println!("emulated_puts={}", s.emulated_puts);
         f.barrier().await.unwrap();
     }
+    f.close().await.unwrap();
+}
+
+/// Rank 0 keeps using forged and out-of-range keys on rank 1's region
+/// while rank 2 streams messages and puts to rank 1: rank 0 gets
+/// `Error::Access` each time, and rank 2's traffic all arrives, in order,
+/// with its puts in place.
+async fn serve3(f: Fabric) {
+    const MSGS: u64 = 3000;
+    match f.rank() {
+        1 => {
+            let region = f.register(vec![0u8; 1 << 16]);
+            for r in [0, 2] {
+                let ep = f.endpoint(r).unwrap();
+                ep.send(1, region.remote_key().to_bytes()).await.unwrap();
+            }
+            let mut rx = f.receiver(2).unwrap();
+            for i in 0..MSGS {
+                let m = rx.recv().await.unwrap();
+                assert_eq!(m.src, 2);
+                assert_eq!(m.data, pattern(100 + (i % 300) as usize, i), "message {i}");
+            }
+            f.barrier().await.unwrap();
+            let mut got = vec![0u8; 32 * 1024];
+            region.read(32 * 1024, &mut got).unwrap();
+            assert_eq!(got, pattern(32 * 1024, 77).to_vec(), "rank 2's puts");
+            assert!(
+                region.to_vec()[..1024].iter().all(|b| *b == 0),
+                "forged puts wrote"
+            );
+        }
+        0 => {
+            let mut rx = f.receiver(1).unwrap();
+            let key = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+            let ep = f.endpoint(1).unwrap();
+            let src = f.register(pattern(1024, 5).to_vec());
+            let mut bad = key.to_bytes();
+            bad[5] ^= 0x55;
+            let forged = RemoteKey::from_bytes(&bad).unwrap();
+            for _ in 0..20 {
+                let e = ep.put(&src, 0..1024, &forged, 0).await.unwrap_err();
+                assert!(matches!(e, Error::Access(_)), "forged put: {e}");
+                let e = ep
+                    .put(&src, 0..1024, &key, (1 << 16) - 10)
+                    .await
+                    .unwrap_err();
+                assert!(matches!(e, Error::Access(_)), "out of range: {e}");
+            }
+            f.barrier().await.unwrap();
+        }
+        _ => {
+            let mut rx = f.receiver(1).unwrap();
+            let key = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+            let ep = f.endpoint(1).unwrap();
+            let data = f.register(pattern(32 * 1024, 77).to_vec());
+            for i in 0..MSGS {
+                ep.send(2, pattern(100 + (i % 300) as usize, i))
+                    .await
+                    .unwrap();
+                if i % 100 == 0 {
+                    let k = (i / 100) as usize % 32;
+                    ep.put(
+                        &data,
+                        k * 1024..(k + 1) * 1024,
+                        &key,
+                        (32 * 1024 + k * 1024) as u64,
+                    )
+                    .await
+                    .unwrap();
+                }
+            }
+            ep.put(&data, 0..32 * 1024, &key, 32 * 1024).await.unwrap();
+            f.barrier().await.unwrap();
+        }
+    }
+    f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
 
@@ -212,6 +317,48 @@ fn rdma_put_get_by_rdma_write_and_read_with_bounds_and_forged_keys() {
     let writes: u64 = value(&outs[0], "rdma_writes").unwrap().parse().unwrap();
     let reads: u64 = value(&outs[0], "rdma_reads").unwrap().parse().unwrap();
     assert!(writes >= 2 && reads >= 2, "writes {writes}, reads {reads}");
+}
+
+#[test]
+fn rdma_forged_keys_fail_at_the_initiator_while_the_target_serves_others() {
+    need_rdma!();
+    assert_ok(&job(3, "serve3", &[]).wait(Duration::from_secs(120)));
+}
+
+/// A hardware provider, where this host has one (`verbs;ofi_rxm` on an
+/// InfiniBand, RoCE or iWARP device, or `efa`): its name, or why not.
+fn hardware_provider() -> Result<&'static str, String> {
+    for p in ["verbs;ofi_rxm", "efa"] {
+        let out = std::process::Command::new("fi_info")
+            .args(["-p", p, "-t", "FI_EP_RDM"])
+            .output();
+        if out.is_ok_and(|o| o.status.success()) {
+            return Ok(p);
+        }
+    }
+    Err("no RDMA device here (fi_info finds neither verbs;ofi_rxm nor efa)".into())
+}
+
+#[test]
+fn rdma_hardware_providers_run_the_suite_where_a_device_exists() {
+    need_rdma!();
+    let prov = match hardware_provider() {
+        Ok(p) => p,
+        Err(why) => {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+    // The provider binds its device's address (no BTL_RDMA_ADDR).
+    for scenario in ["sizes", "putget", "order"] {
+        let env = [
+            ("BTL_TRANSPORTS", "rdma"),
+            ("BTL_RDMA_PROVIDER", prov),
+            ("BTL_RDMA_PEER_TIMEOUT_MS", "2000"),
+            ("ORDER_N", "20000"),
+        ];
+        assert_ok(&spawn_job(2, scenario, &env).wait(Duration::from_secs(120)));
+    }
 }
 
 #[test]

@@ -26,10 +26,12 @@
 //!   RDMA read; both are posted from the caller's task and completed by
 //!   the progress task from the completion queue. Atomics are emulated
 //!   over messages, applied by the target (the core's emulation).
-//!   An operation the provider cancels (it does so to a connection's other
-//!   operations when it tears the connection down after a refused key) is
-//!   posted again, up to three attempts; a refused key fails with
-//!   `Error::Access` and leaves the target's memory unchanged.
+//!   The provider tears a connection down after a refused key, cancelling
+//!   its other operations, and builds it again on the next post: an
+//!   operation cancelled that way is posted again after a short pause,
+//!   until the connection is back or the peer is lost; a refusal is
+//!   believed the second time and fails with `Error::Access`, the target's
+//!   memory unchanged.
 //! - **Messages.** Small messages go eagerly into receive buffers the
 //!   receiver posted, under the seed's credit scheme: a sender may have
 //!   `BTL_RDMA_CREDITS` frames unconsumed at a receiver, and the receiver

@@ -29,16 +29,43 @@ use crate::{AccessError, Error, Rank, Result};
 pub(crate) const NAME: &str = "rdma";
 /// Version of the key handle format.
 const HANDLE_VERSION: u16 = 1;
-/// Attempts at an RDMA operation the provider cancelled (it cancels the
-/// other operations to a peer when it tears the connection down after a
-/// refused key) before it fails.
-const RMA_ATTEMPTS: u32 = 3;
+/// Attempts at an RDMA operation the target refused before it fails with
+/// `Error::Access`: the refusal of another operation's key may cancel it
+/// too, so a refusal is believed the second time. (Operations cancelled
+/// because the connection went down are posted again until it is back or
+/// the peer is lost.)
+const KEY_ATTEMPTS: u32 = 2;
+/// How long the posts to a peer wait after its connection went down (the
+/// provider tears it down after a refused key, and builds it again on the
+/// next post).
+const BACKOFF: Duration = Duration::from_millis(5);
+
+/// Whether an error completion says the connection to the peer went down
+/// (rather than the target refusing the operation).
+fn connection_down(e: &ofi::CqErr) -> bool {
+    const DOWN: [i32; 7] = [
+        libc::EPIPE,
+        libc::ECONNABORTED,
+        libc::ECONNRESET,
+        libc::ENOTCONN,
+        libc::ETIMEDOUT,
+        libc::ECONNREFUSED,
+        libc::EHOSTUNREACH,
+    ];
+    DOWN.contains(&e.err) || DOWN.contains(&e.prov_errno)
+}
 /// While operations are in flight, the parked task looks at the queue at
 /// least this often (a wake-up of the wait fd may come without a
 /// completion, and manual-progress providers move data only when called).
 const BUSY_WAIT: Duration = Duration::from_millis(2);
 /// Most receive buffers posted.
 const MAX_POSTED: usize = 4096;
+/// Completion queue entries.
+const CQ_SIZE: usize = 4 * MAX_POSTED;
+/// Most operations posted at once (receives included): the rest wait in
+/// order until completions make room, so the completion queue never
+/// overflows.
+const MAX_OPS: usize = CQ_SIZE / 2;
 
 /// The NIC key of the region with id `id`, where the provider takes
 /// requested keys: 64 bits of a hash of the 128-bit random id, so a key
@@ -170,6 +197,8 @@ struct PeerState {
     /// Puts and gets the provider refused for now (EAGAIN), to post again.
     rma_retry: VecDeque<RmaOp>,
     fetch_retry: VecDeque<FetchOp>,
+    /// Posts to the peer wait until then (its connection went down).
+    backoff_until: Option<Instant>,
 }
 
 struct Peer {
@@ -177,6 +206,8 @@ struct Peer {
     addr: u64,
     lost: AtomicBool,
     lost_reason: OnceLock<String>,
+    /// It said goodbye (closed its fabric in order).
+    left: AtomicBool,
 }
 
 /// Everything under the transport's lock.
@@ -347,8 +378,7 @@ impl RdmaTransport {
     pub(crate) fn open(core: Arc<Core>) -> Result<Arc<RdmaTransport>> {
         let config = core.config().rdma.clone();
         let prov = choose(&config).map_err(|e| Error::Config(format!("rdma: {e}")))?;
-        let cq = 4 * MAX_POSTED;
-        let ep = Ep::open(&prov, config.addr.as_deref(), cq)
+        let ep = Ep::open(&prov, config.addr.as_deref(), CQ_SIZE)
             .map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let c = ofi::consts();
         let mr_mode = ep.provider.mr_mode;
@@ -530,6 +560,13 @@ impl RdmaTransport {
     fn push(&self, st: &mut State, peer: &Peer) -> usize {
         let mut n = 0;
         let r = peer.rank as usize;
+        if let Some(t) = st.peers[r].backoff_until {
+            if Instant::now() < t {
+                self.backlog.store(true, Ordering::Relaxed);
+                return 0;
+            }
+            st.peers[r].backoff_until = None;
+        }
         while let Some(f) = st.peers[r].ctrl.pop_front() {
             if let Err(f) = self.post_frame(st, peer, f) {
                 st.peers[r].ctrl.push_front(f);
@@ -697,6 +734,9 @@ impl RdmaTransport {
 
     /// Post a put or get. `Err(op)`: refused for now.
     fn post_rma(&self, st: &mut State, mut op: RmaOp) -> std::result::Result<(), RmaOp> {
+        if st.ops.len() >= MAX_OPS {
+            return Err(op);
+        }
         let Some(peer) = self.peer(op.peer).cloned() else {
             op.done
                 .complete(Err(Error::Misuse("rdma: no such peer".into())));
@@ -739,6 +779,9 @@ impl RdmaTransport {
 
     /// Post the read of a rendezvous message. `Err(op)`: refused for now.
     fn post_fetch(&self, st: &mut State, mut op: FetchOp) -> std::result::Result<(), FetchOp> {
+        if st.ops.len() >= MAX_OPS {
+            return Err(op);
+        }
         let Some(peer) = self.peer(op.peer).cloned() else {
             return Ok(());
         };
@@ -930,12 +973,20 @@ impl RdmaTransport {
                     break;
                 }
                 if let Some(In::Ready(kind, tag, data)) = ps.arrived.remove(&ps.expect) {
+                    if kind == Kind::Bye {
+                        // It closed in order: its silence from now on is
+                        // no loss.
+                        p.left.store(true, Ordering::Release);
+                    }
                     out.push((p.rank, kind, tag, data));
                 }
                 ps.expect = ps.expect.wrapping_add(1);
                 ps.owed += 1;
             }
-            if ps.owed >= half && ps.queue.is_empty() && ps.ctrl.is_empty() {
+            // Returned in the next frame, unless none can leave soon (none
+            // queued, or the queue waits for credits of the peer's: both
+            // sides waiting on each other's credits would stall).
+            if ps.owed >= half && ps.ctrl.is_empty() && (ps.queue.is_empty() || ps.credits == 0) {
                 let f = wire::control(Type::Credit, self.core.rank(), self.job, 0, None);
                 ps.ctrl.push_back(f);
             }
@@ -988,6 +1039,18 @@ impl RdmaTransport {
             return;
         };
         let closing = self.core.is_closed();
+        let down = connection_down(e);
+        let peer_of = match &op {
+            Op::Recv { .. } => None,
+            Op::Send { peer, .. } => Some(*peer),
+            Op::Rma(o) => Some(o.peer),
+            Op::Fetch(o) => Some(o.peer),
+        };
+        if let Some(ps) = peer_of.and_then(|r| st.peers.get_mut(r as usize)) {
+            // Whatever failed, the provider may have torn the connection
+            // down: give it a moment before posting to the peer again.
+            ps.backoff_until.get_or_insert(Instant::now() + BACKOFF);
+        }
         let is_lost = |r: Rank| {
             self.peer(r)
                 .map_or(true, |p| p.lost.load(Ordering::Acquire))
@@ -1020,7 +1083,9 @@ impl RdmaTransport {
                 }
             }
             Op::Rma(mut op) => {
-                op.attempts += 1;
+                if !down {
+                    op.attempts += 1;
+                }
                 if is_lost(op.peer) {
                     let err = self
                         .peer(op.peer)
@@ -1028,7 +1093,7 @@ impl RdmaTransport {
                     op.done.complete(Err(err));
                 } else if closing {
                     op.done.complete(Err(Error::Closed));
-                } else if op.attempts < RMA_ATTEMPTS {
+                } else if op.attempts < KEY_ATTEMPTS {
                     bump(&self.counters.reposts);
                     op.ctx = new_ctx();
                     st.peers[op.peer as usize].rma_retry.push_back(op);
@@ -1046,11 +1111,13 @@ impl RdmaTransport {
                 }
             }
             Op::Fetch(mut op) => {
-                op.attempts += 1;
+                if !down {
+                    op.attempts += 1;
+                }
                 if closing || is_lost(op.peer) {
                     return;
                 }
-                if op.attempts < RMA_ATTEMPTS {
+                if op.attempts < KEY_ATTEMPTS {
                     bump(&self.counters.reposts);
                     op.ctx = new_ctx();
                     st.peers[op.peer as usize].fetch_retry.push_back(op);
@@ -1079,15 +1146,20 @@ impl RdmaTransport {
         if how != Loss::Closed {
             tracing::warn!(peer = rank, "rdma peer lost: {reason}");
         }
-        let err = || self.lost_error(peer);
+        self.fail_peer(rank, &|| self.lost_error(peer));
+        self.core.on_peer_lost(rank, reason, how);
+    }
+
+    /// Fail everything queued or posted towards `rank` with `err()`.
+    fn fail_peer(&self, rank: Rank, err: &dyn Fn() -> Error) {
         let (queued, lent, rma) = {
             let mut st = lock(&self.st);
             let ps = &mut st.peers[rank as usize];
             ps.ctrl.clear();
             let queued: Vec<Out> = ps.queue.drain(..).collect();
-            // What the peer may still read stays registered until our
-            // endpoint closes if it only closed; a crashed peer reads
-            // nothing more.
+            // Messages lent to the peer: their registration is closed
+            // before their bytes are freed, so a peer still running reads
+            // nothing more of them.
             let lent: Vec<Lent> = ps.lent.drain().map(|(_, l)| l).collect();
             let rma: Vec<RmaOp> = ps.rma_retry.drain(..).collect();
             ps.fetch_retry.clear();
@@ -1114,7 +1186,6 @@ impl RdmaTransport {
         for o in rma {
             o.done.complete(Err(err()));
         }
-        self.core.on_peer_lost(rank, reason, how);
     }
 
     /// Keepalives and liveness of every peer.
@@ -1126,7 +1197,7 @@ impl RdmaTransport {
         {
             let mut st = lock(&self.st);
             for p in self.peer_list() {
-                if p.lost.load(Ordering::Acquire) {
+                if p.lost.load(Ordering::Acquire) || p.left.load(Ordering::Acquire) {
                     continue;
                 }
                 let ps = &mut st.peers[p.rank as usize];
@@ -1362,6 +1433,7 @@ impl Transport for RdmaTransport {
                     addr,
                     lost: AtomicBool::new(false),
                     lost_reason: OnceLock::new(),
+                    left: AtomicBool::new(false),
                 });
                 if by_addr.insert(addr, p.rank).is_some() {
                     return Err(Error::Bootstrap(format!(
@@ -1571,9 +1643,8 @@ impl Transport for RdmaTransport {
         for s in self.undrained() {
             tracing::warn!("closing with {s}");
         }
-        let ranks: Vec<Rank> = self.peer_list().map(|p| p.rank).collect();
-        for r in ranks {
-            self.lose(r, "this fabric closed", Loss::Closed);
+        for p in self.peer_list() {
+            self.fail_peer(p.rank, &|| Error::Closed);
         }
     }
 }
