@@ -7,7 +7,9 @@
 //! - **Provider.** `BTL_RDMA_PROVIDER` names one; else the best one
 //!   libfabric offers: hardware (`verbs;ofi_rxm`, `efa`, `cxi`, `psm2/3`,
 //!   `opx`) first, `tcp;ofi_rxm` last; never `shm` (same-node peers use
-//!   `sm`), nor providers whose completion queue cannot be slept on.
+//!   `sm`), nor providers whose completion queue cannot be slept on, nor
+//!   those that need every local buffer registered (`FI_MR_LOCAL`: eager
+//!   frames and receive buffers are plain memory).
 //!   `BTL_RDMA_ADDR` binds it to one address of this host (tests bind
 //!   `127.0.0.1` or a test namespace's address). One reliable-datagram
 //!   endpoint per process; peers' addresses travel in the job's exchange

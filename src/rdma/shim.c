@@ -24,10 +24,11 @@
 
 #define ABTL_FI_VERSION FI_VERSION(1, 9)
 
-/* The memory-registration modes the transport can work with. */
+/* The memory-registration modes the transport can work with. Not
+ * FI_MR_LOCAL: its eager frames and receive buffers are plain memory, so
+ * providers that need every local buffer registered are not offered. */
 #define ABTL_MR_MODES                                                         \
-    (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |      \
-     FI_MR_ENDPOINT)
+    (FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT)
 
 /* One open endpoint and what it hangs off. */
 struct abtl_ep {

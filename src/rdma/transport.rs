@@ -147,8 +147,6 @@ struct FetchOp {
     kind: Kind,
     tag: u64,
     buf: Vec<u8>,
-    /// The local registration of `buf`, where the provider needs one.
-    mr: Option<Mr>,
     rts: wire::Rts,
     attempts: u32,
     ctx: Ctx,
@@ -353,8 +351,6 @@ pub(crate) struct RdmaTransport {
     fd: AsyncFd<WaitFd>,
     me: RdmaAddr,
     job: u64,
-    /// The provider wants local descriptors (`FI_MR_LOCAL`).
-    local_mr: bool,
     /// Remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`).
     virt_addr: bool,
     /// The provider picks keys (`FI_MR_PROV_KEY`).
@@ -415,7 +411,6 @@ impl RdmaTransport {
         let size = core.size() as usize;
         Ok(Arc::new(RdmaTransport {
             job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(29),
-            local_mr: mr_mode & c.mr_local != 0,
             virt_addr: mr_mode & c.mr_virt_addr != 0,
             prov_key: mr_mode & c.mr_prov_key != 0,
             config,
@@ -785,7 +780,7 @@ impl RdmaTransport {
         let Some(peer) = self.peer(op.peer).cloned() else {
             return Ok(());
         };
-        let desc = op.mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc());
+        let desc = std::ptr::null_mut();
         let p = ctx_ptr(&mut op.ctx);
         // SAFETY: `op.buf` (heap memory that does not move with the Vec)
         // and the context stay in `st.ops` until the completion is read.
@@ -902,34 +897,12 @@ impl RdmaTransport {
                     }
                     let mut buf = self.core.buffers().take(len);
                     buf.resize(len, 0);
-                    let mr = if self.local_mr {
-                        // SAFETY: `buf` is kept in the same `FetchOp` as
-                        // its registration, which is dropped first
-                        // (`FetchOp::mr` is taken before `buf` is used).
-                        match unsafe { Mr::register(&self.ep, buf.as_mut_ptr(), len, 0) } {
-                            Ok(m) => Some(m),
-                            Err(code) => {
-                                lost.push((
-                                    rank,
-                                    format!(
-                                        "registering a receive buffer failed: {}",
-                                        ofi::strerror(code)
-                                    ),
-                                    Loss::Crashed,
-                                ));
-                                return;
-                            }
-                        }
-                    } else {
-                        None
-                    };
                     let op = FetchOp {
                         peer: rank,
                         seq: h.seq,
                         kind,
                         tag: h.tag,
                         buf,
-                        mr,
                         rts,
                         attempts: 0,
                         ctx: new_ctx(),
@@ -1017,7 +990,6 @@ impl RdmaTransport {
                 op.done.complete(Ok(()));
             }
             Op::Fetch(mut op) => {
-                op.mr = None;
                 let ps = &mut st.peers[op.peer as usize];
                 let data = self.core.buffers().freeze(std::mem::take(&mut op.buf));
                 ps.arrived.insert(op.seq, In::Ready(op.kind, op.tag, data));
@@ -1342,9 +1314,6 @@ impl Link for RdmaLink {
         let len = local.raw.len();
         if len == 0 {
             return Ok(Native::Done(0));
-        }
-        if self.t.local_mr && local.region.nic(NAME).is_none() {
-            return Ok(Native::Emulate);
         }
         if len as u64 > self.t.ep.provider.max_msg {
             return Ok(Native::Emulate);
