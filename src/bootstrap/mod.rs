@@ -82,7 +82,7 @@ pub(crate) mod wire;
 mod env_tests;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -162,6 +162,8 @@ pub struct JobInfo {
     pub rendezvous: RendezvousSpec,
     /// Number of [`all_gather`] rounds started by this process.
     rounds: Arc<AtomicU32>,
+    /// Connections refused by the rendezvous servers this process ran.
+    refused: Arc<AtomicU64>,
 }
 
 impl JobInfo {
@@ -181,6 +183,13 @@ impl JobInfo {
     /// and embedding). `TMPDIR` is read through `lookup` too.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<JobInfo>> {
         env::from_lookup(&lookup)
+    }
+
+    /// Connections refused, over every [`all_gather`] round so far, by the
+    /// TCP rendezvous server this process ran (rank 0 of a rendezvous
+    /// hosted by rank 0; 0 for every other process).
+    pub fn rendezvous_refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// Start explicit settings for `rank` of `size`.
@@ -278,6 +287,7 @@ impl JobInfoBuilder {
             job_key,
             rendezvous,
             rounds: Arc::new(AtomicU32::new(0)),
+            refused: Arc::new(AtomicU64::new(0)),
         })
     }
 }
