@@ -10,10 +10,12 @@
 mod common;
 
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use async_btl::Fabric;
+use async_btl::bootstrap::{all_gather, Host, JobInfo, JobKey, RendezvousSpec};
+use async_btl::{Error, Fabric};
 use common::*;
 
 /// Watchdog for one job; never a speed assertion.
@@ -237,4 +239,90 @@ fn a_flood_of_connections_beyond_the_descriptor_limit_does_not_stall_the_boot() 
     assert_eq!(total, timed_out + shed, "{}", stderr_of(&outs[0]));
     assert!(total <= flooded, "{}", stderr_of(&outs[0]));
     assert_eq!(stat(&outs[0], "rendezvous_refused"), Some(total));
+}
+/// A key computed from public facts only: a hash of the user id and the
+/// job id, as a stranger who knows both would compute it.
+fn key_from_public_facts(job_id: &str) -> JobKey {
+    use sha2::{Digest, Sha256};
+    // SAFETY: getuid cannot fail and touches no memory of ours.
+    let uid = unsafe { libc::getuid() };
+    let mut h = Sha256::new();
+    h.update(b"async-btl derived job key v1\0");
+    h.update(uid.to_le_bytes());
+    h.update(job_id.as_bytes());
+    JobKey::from_bytes(h.finalize().into())
+}
+
+fn secret_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "abtl-secret-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_stranger_with_the_public_facts_cannot_take_a_ranks_place() {
+    let port = free_port();
+    let dir = secret_dir();
+    let secret = dir.join("secret");
+    let mut env = tcp_env(port);
+    // No BTL_JOB_KEY: the ranks derive the key from the user's secret.
+    env.push(("BTL_JOB_KEY", String::new()));
+    env.push(("BTL_SECRET_FILE", secret.display().to_string()));
+    let mut job = prepare_job(2, "boot", &as_refs(&env));
+    job.start(0);
+
+    // The stranger joins as rank 1 with the key computed from public facts.
+    let stranger = JobInfo::builder(1, 2)
+        .rendezvous(RendezvousSpec::Tcp {
+            addr: format!("127.0.0.1:{port}"),
+            hosted_by: Host::Rank0,
+        })
+        .job_id("test-boot")
+        .job_key(key_from_public_facts("test-boot"))
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let got = rt.block_on(all_gather(
+        &stranger,
+        b"stranger".to_vec(),
+        Duration::from_secs(20),
+    ));
+    let err = match got {
+        Ok(blobs) => {
+            job.children.iter_mut().for_each(|c| drop(c.kill()));
+            panic!(
+                "the stranger joined as rank 1 and received {} address blobs",
+                blobs.len()
+            );
+        }
+        Err(e) => e,
+    };
+    assert!(
+        matches!(&err, Error::Bootstrap(m) if m.contains("refused rank 1") && m.contains("wrong job key")),
+        "the stranger should be told it was refused for its key: {err}"
+    );
+
+    // The real rank 1 still gets in, and rank 0 says whom it refused.
+    job.start(1);
+    let outs = job.wait(WATCHDOG);
+    assert_ok(&outs);
+    let log0 = stderr_of(&outs[0]);
+    assert!(
+        log0.contains("rank 1 at 127.0.0.1:") && log0.contains("presented a wrong job key"),
+        "rank 0 should name the refused rank and its address:\n{log0}"
+    );
+    let (total, _, bad_key, _) = refusals(&outs[0]).expect("refusals reported");
+    assert_eq!((total, bad_key), (1, 1), "{log0}");
+    assert_eq!(stat(&outs[0], "rendezvous_refused"), Some(1));
+    let meta = std::fs::metadata(&secret).expect("the secret file was created");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -193,8 +193,9 @@ impl Shared {
         );
         let other = self.count(Refusal::Protocol) + self.count(Refusal::Left);
         tracing::warn!(
-            "rendezvous refused {total} connections in all ({timed_out} timed out, {bad_key} \
-             bad key, {shed} shed, {other} other)"
+            "rendezvous refused {total} connection{} in all ({timed_out} timed out, {bad_key} \
+             bad key, {shed} shed, {other} other)",
+            if total == 1 { "" } else { "s" }
         );
     }
 }
@@ -631,7 +632,9 @@ async fn wait_round(
 }
 
 /// The hint that goes with a wrong job key.
-pub(crate) const SAME_KEY_HINT: &str = "every rank must be given the same BTL_JOB_KEY";
+pub(crate) const SAME_KEY_HINT: &str = "every rank must be given the same BTL_JOB_KEY, or, \
+     without one, read the same per-user secret file (a home directory shared by every node, or \
+     the same BTL_SECRET_FILE)";
 
 /// One unauthenticated connection, under [`HANDSHAKE_LIMIT`]: hello, join,
 /// proof check. `Some` when it proved the key and belongs to the current
