@@ -237,7 +237,13 @@ fn a_flood_of_connections_beyond_the_descriptor_limit_does_not_stall_the_boot() 
         stderr_of(&outs[0])
     );
     assert_eq!(total, timed_out + shed, "{}", stderr_of(&outs[0]));
-    assert!(total <= flooded, "{}", stderr_of(&outs[0]));
+    // Every stranger is refused, and at most a few of rank 1's attempts
+    // besides: a rank whose handshake is shed reconnects.
+    assert!(
+        (flooded..=flooded + 10).contains(&total),
+        "{total} refused for {flooded} strangers:\n{}",
+        stderr_of(&outs[0])
+    );
     assert_eq!(stat(&outs[0], "rendezvous_refused"), Some(total));
 }
 /// A key computed from public facts only: a hash of the user id and the
