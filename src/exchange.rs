@@ -20,6 +20,13 @@ use crate::{Error, Rank, Result};
 pub trait AddressExchange: Send + Sync {
     /// Publish `mine` as rank `rank`'s blob and return every rank's blob.
     async fn all_gather(&self, rank: Rank, mine: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+
+    /// Connections this process's side of the exchange refused so far
+    /// (reported as [`Stats::rendezvous_refused`](crate::Stats)); 0 for an
+    /// exchange that serves nobody.
+    fn refused(&self) -> u64 {
+        0
+    }
 }
 
 type Slots = Vec<Option<Vec<u8>>>;
@@ -103,5 +110,9 @@ impl AddressExchange for JobExchange {
             )));
         }
         crate::bootstrap::all_gather(&self.job, mine, self.timeout).await
+    }
+
+    fn refused(&self) -> u64 {
+        self.job.rendezvous_refused()
     }
 }

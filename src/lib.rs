@@ -81,8 +81,8 @@
 //! [`Config::from_env`] reads the `BTL_*` variables (README, "Configuration").
 //! The crate logs through `tracing`: install a subscriber (for example
 //! `tracing_subscriber::fmt()` with an `EnvFilter` reading `RUST_LOG`) to
-//! see warnings such as a lost peer or a missing `BTL_JOB_KEY`, and at
-//! `debug` the launcher found and the route chosen per peer.
+//! see warnings such as a lost peer or a connection the rendezvous refused,
+//! and at `debug` the launcher found and the route chosen per peer.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(clippy::undocumented_unsafe_blocks)]

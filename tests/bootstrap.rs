@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use async_btl::bootstrap::{all_gather, Host, JobInfo, JobKey, RendezvousServer, RendezvousSpec};
+use async_btl::bootstrap::{
+    all_gather, Host, JobInfo, JobKey, RendezvousServer, RendezvousSpec, ServerStats,
+};
 use async_btl::Error;
 
 const T: Duration = Duration::from_secs(10);
@@ -126,7 +128,7 @@ async fn wrong_key_is_refused_and_counted() {
         matches!(&err, Error::Bootstrap(m) if m.contains("refused") && m.contains("job key")),
         "{err}"
     );
-    assert_eq!(stats.refused(), 1);
+    assert_eq!((stats.refused(), stats.bad_key()), (1, 1));
     // The right ranks still get through afterwards.
     for r in run_ranks(&[0, 1], 2, &spec, &key, 1, T).await {
         r.expect("gathered");
@@ -188,4 +190,66 @@ async fn directory_entry_with_another_key_is_rejected() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A launcher's server, serving in a task, and its counters.
+async fn launcher_server(size: u32, key: &JobKey) -> (RendezvousSpec, ServerStats) {
+    let server = RendezvousServer::bind("127.0.0.1:0", size, key.clone(), T)
+        .await
+        .unwrap();
+    let stats = server.stats();
+    let spec = RendezvousSpec::Tcp {
+        addr: server.local_addr().unwrap().to_string(),
+        hosted_by: Host::Launcher,
+    };
+    tokio::spawn(server.serve());
+    (spec, stats)
+}
+
+#[tokio::test]
+async fn silent_strangers_beyond_the_cap_are_shed_and_ranks_still_join() {
+    let key = JobKey::random();
+    let (spec, stats) = launcher_server(4, &key).await;
+    let RendezvousSpec::Tcp { addr, .. } = &spec else {
+        unreachable!()
+    };
+    // More silent connections than the server lets handshake at once (64).
+    let mut silent = Vec::new();
+    for _ in 0..100 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let start = std::time::Instant::now();
+    while stats.shed() < 36 {
+        assert!(
+            start.elapsed() < T,
+            "only {} of the 100 shed, {} refused",
+            stats.shed(),
+            stats.refused()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for r in run_ranks(&[0, 1, 2, 3], 4, &spec, &key, 2, T).await {
+        r.expect("gathered");
+    }
+    assert_eq!(stats.bad_key(), 0);
+    assert!(stats.refused() >= stats.shed());
+}
+
+#[tokio::test]
+async fn a_join_sent_halfway_is_cut_off_at_the_handshake_limit() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (spec, stats) = launcher_server(2, &JobKey::random()).await;
+    let RendezvousSpec::Tcp { addr, .. } = &spec else {
+        unreachable!()
+    };
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The first two bytes of a length prefix, and nothing more.
+    slow.write_all(&[8, 0]).await.unwrap();
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(T, slow.read_to_end(&mut sink)).await;
+    assert!(
+        closed.is_ok(),
+        "the server kept a half-sent join open for {T:?}"
+    );
+    assert_eq!((stats.refused(), stats.timed_out()), (1, 1));
 }

@@ -184,9 +184,13 @@ impl Example {
         let label = format!("{} under mpirun -np 3", self.name);
         let shm = ShmDir::new(&format!("{}-mpi", self.name));
         let shm_env = format!("BTL_SHM_DIR={}", shm.0.display());
+        // No BTL_JOB_KEY: the key comes from a per-user secret, kept here
+        // rather than in the real home directory.
+        let secret_env = format!("BTL_SECRET_FILE={}", shm.0.join("secret").display());
         let out = command(&shm, "mpirun")
             .args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
-            .args(["-x", &shm_env, "-x", "RUST_LOG", "-x", "PINGPONG_ITERS"])
+            .args(["-x", &shm_env, "-x", &secret_env])
+            .args(["-x", "RUST_LOG", "-x", "PINGPONG_ITERS"])
             .arg(example(self.name))
             .output()
             .expect("mpirun starts");

@@ -1,7 +1,8 @@
 //! What a job's log looks like to its user: the examples' logs carry no
 //! terminal colour codes when stderr is not a terminal, and a job started
-//! without `BTL_JOB_KEY` warns about it once, from rank 0, saying how to set
-//! one under the launcher found.
+//! without `BTL_JOB_KEY` derives its key from a per-user secret file it
+//! creates private (0600), says so once at `debug`, from rank 0, and warns
+//! about nothing.
 //!
 //! Like `tests/examples.rs`, this runs the built example binaries
 //! (`target/<profile>/examples/pingpong`) and `btl-run`: `cargo test` builds
@@ -15,7 +16,7 @@ use std::process::{Child, Command, Output, Stdio};
 /// Watchdog for one job (seconds); never a speed assertion.
 const LIMIT: &str = "60";
 
-/// The warning a job without a key logs.
+/// The note rank 0 of a job without a key logs at `debug`.
 const NO_KEY: &str = "BTL_JOB_KEY is not set";
 
 /// `target/<profile>/<path>`, next to this test's `deps/` folder.
@@ -126,36 +127,82 @@ fn a_piped_log_has_no_colour_codes_under_btl_run() {
     assert_plain("pingpong under btl-run -n 2", &stderr_of("btl-run", out));
 }
 
-/// The lines of `stderr` that carry the missing-key warning.
+/// The lines of `stderr` that say the key was derived from the secret.
 fn no_key_lines(stderr: &str) -> Vec<&str> {
     stderr.lines().filter(|l| l.contains(NO_KEY)).collect()
 }
 
+/// A private directory for the per-user secret of one job, so that tests
+/// never touch the real one in `$HOME`.
+struct SecretDir(PathBuf);
+
+impl SecretDir {
+    fn new(label: &str) -> SecretDir {
+        let dir =
+            std::env::temp_dir().join(format!("abtl-logs-secret-{}-{label}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create a secret directory");
+        SecretDir(dir)
+    }
+
+    fn file(&self) -> PathBuf {
+        self.0.join("secret")
+    }
+
+    /// The ranks created the secret, private to its owner.
+    fn assert_private(&self) {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(self.file()).expect("the ranks created the secret");
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    }
+}
+
+impl Drop for SecretDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// No warning mentions the job key: without `BTL_JOB_KEY`, the key comes
+/// from a secret, which is nothing to warn about.
+fn assert_no_key_warning(stderr: &str) {
+    let warned: Vec<_> = stderr
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("key"))
+        .collect();
+    assert!(warned.is_empty(), "unexpected warnings: {warned:?}");
+}
+
 #[test]
-fn a_job_without_a_key_warns_once_under_mpirun_and_says_how_to_set_one() {
+fn a_job_without_a_key_under_mpirun_derives_it_from_a_private_secret() {
     if Command::new("mpirun").arg("--version").output().is_err() {
         eprintln!("skipped: mpirun not found (apt-get install openmpi-bin)");
         return;
     }
     let shm = ShmDir::new("key-mpi");
+    let secret = SecretDir::new("key-mpi");
     let shm_env = format!("BTL_SHM_DIR={}", shm.0.display());
-    let out = command(&shm, "mpirun", "warn")
+    let secret_env = format!("BTL_SECRET_FILE={}", secret.file().display());
+    let out = command(&shm, "mpirun", "async_btl::bootstrap=debug")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
-        .args(["-x", &shm_env, "-x", "RUST_LOG", "-x", "PINGPONG_ITERS"])
+        .args(["-x", &shm_env, "-x", &secret_env])
+        .args(["-x", "RUST_LOG", "-x", "PINGPONG_ITERS"])
         .arg(pingpong())
         .output()
         .expect("mpirun starts");
     let stderr = stderr_of("mpirun -np 3", out);
     let lines = no_key_lines(&stderr);
-    assert_eq!(lines.len(), 1, "want the warning once:\n{stderr}");
+    assert_eq!(lines.len(), 1, "want the note once, from rank 0:\n{stderr}");
     assert!(
-        lines[0].contains("mpirun -x BTL_JOB_KEY"),
-        "the warning should say how to pass a key under mpirun:\n{stderr}"
+        lines[0].contains(&*secret.file().to_string_lossy()),
+        "the note should name the secret file:\n{stderr}"
     );
+    assert_no_key_warning(&stderr);
+    secret.assert_private();
 }
 
 #[test]
-fn a_job_without_a_key_warns_once_under_torchrun_variables() {
+fn a_job_without_a_key_under_torchrun_variables_derives_it_from_a_private_secret() {
     // Three ranks started by hand with torchrun's variables, rank 0 serving
     // the rendezvous next to MASTER_PORT.
     let port = {
@@ -163,29 +210,27 @@ fn a_job_without_a_key_warns_once_under_torchrun_variables() {
         l.local_addr().expect("its address").port()
     };
     let shm = ShmDir::new("key-torch");
+    let secret = SecretDir::new("key-torch");
     let ranks: Vec<Child> = (0..3)
         .map(|rank| {
-            command(&shm, pingpong(), "warn")
+            command(&shm, pingpong(), "async_btl::bootstrap=debug")
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "3")
                 .env("LOCAL_RANK", rank.to_string())
                 .env("LOCAL_WORLD_SIZE", "3")
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("BTL_SECRET_FILE", secret.file())
                 .spawn()
                 .expect("pingpong starts")
         })
         .collect();
-    let mut all = String::new();
     for (rank, child) in ranks.into_iter().enumerate() {
         let out = child.wait_with_output().expect("rank finishes");
         let stderr = stderr_of(&format!("rank {rank}"), out);
         let found = no_key_lines(&stderr).len();
         assert_eq!(found, usize::from(rank == 0), "rank {rank}:\n{stderr}");
-        all.push_str(&stderr);
+        assert_no_key_warning(&stderr);
     }
-    assert!(
-        all.contains("BTL_JOB_KEY=$(openssl rand -hex 32)"),
-        "the warning should say how to set a key:\n{all}"
-    );
+    secret.assert_private();
 }

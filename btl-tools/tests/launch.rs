@@ -290,6 +290,10 @@ fn all_gather_under_open_mpi_mpirun() {
         return;
     }
     let exe = std::env::current_exe().expect("test binary");
+    // No BTL_JOB_KEY: the key comes from a per-user secret, kept here
+    // rather than in the real home directory.
+    let secret = std::env::temp_dir().join(format!("abtl-launch-secret-{}", std::process::id()));
+    let secret_env = format!("BTL_SECRET_FILE={}", secret.join("secret").display());
     let out = Command::new("timeout")
         .args([
             "120",
@@ -300,11 +304,13 @@ fn all_gather_under_open_mpi_mpirun() {
             "3",
         ])
         .args(["-x", "BTL_TEST_MODE=gather", "-x", "RUST_LOG=error"])
+        .args(["-x", &secret_env])
         .arg(exe)
         .args(helper_args())
         .stdin(Stdio::null())
         .output()
         .expect("mpirun starts");
+    let _ = std::fs::remove_dir_all(&secret);
     assert!(out.status.success(), "{out:?}");
     let got: BTreeSet<String> = lines(&out.stdout)
         .into_iter()

@@ -32,6 +32,7 @@ pub(super) async fn gather(
     if target.ip().is_unspecified() {
         target.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
+    let stats = server.stats();
     let mut serving = tokio::spawn(server.serve());
     let result = exchange(
         job,
@@ -56,6 +57,8 @@ pub(super) async fn gather(
             }
         },
     };
+    job.refused
+        .fetch_add(stats.refused(), std::sync::atomic::Ordering::Relaxed);
     match served {
         Ok(Err(e)) if result.is_ok() => Err(e),
         _ => result,
@@ -260,7 +263,9 @@ async fn try_join(
                 Ok(Some(stream))
             } else {
                 Err(Attempt::Fatal(Error::Bootstrap(format!(
-                    "the rendezvous at {addr} could not prove it holds our job key: it belongs to another job, or the ranks were given different BTL_JOB_KEYs"
+                    "the rendezvous at {addr} could not prove it holds our job key: it belongs \
+                     to another job, or {}",
+                    super::server::SAME_KEY_HINT
                 ))))
             }
         }

@@ -140,7 +140,7 @@ fn finish(id: Identity, get: Lookup<'_>) -> Result<JobInfo> {
         Some(hex) => {
             JobKey::from_hex(&hex).map_err(|e| Error::Config(format!("BTL_JOB_KEY: {e}")))?
         }
-        None => super::derived_key(&job_id, id.rank, id.kind),
+        None => super::derived_key(&job_id, id.rank, id.kind, get)?,
     };
     tracing::debug!(
         launcher = %id.kind,

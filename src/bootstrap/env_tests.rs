@@ -6,11 +6,23 @@ use std::path::PathBuf;
 use super::{Host, JobInfo, LauncherKind, RendezvousSpec};
 use crate::Error;
 
+/// A per-user secret for these tests (one per user, reused by every run),
+/// never the real one in `$HOME`.
+fn test_secret() -> PathBuf {
+    std::env::temp_dir()
+        .join(format!("abtl-env-tests-{}", super::current_uid()))
+        .join("secret")
+}
+
 fn parse(vars: &[(&str, &str)]) -> crate::Result<Option<JobInfo>> {
-    let map: HashMap<String, String> = vars
+    let mut map: HashMap<String, String> = vars
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+    if !vars.iter().any(|(k, _)| *k == "NO_SECRET") {
+        map.entry("BTL_SECRET_FILE".into())
+            .or_insert_with(|| test_secret().display().to_string());
+    }
     JobInfo::from_lookup(move |k| map.get(k).cloned())
 }
 
@@ -327,9 +339,27 @@ fn derived_key_when_none_given() {
         ("BTL_JOB_ID", "j"),
     ];
     let a = ok(&vars);
-    assert!(a
-        .job_key
-        .ct_eq(&super::JobKey::derive("j", super::current_uid())));
+    let secret = super::secret::load_or_create(&test_secret()).unwrap();
+    assert!(a.job_key.ct_eq(&super::JobKey::for_job(&secret, "j")));
+    // Another job id, another key; the key is never the hash of public
+    // facts alone.
+    let mut other = vars;
+    other[3] = ("BTL_JOB_ID", "k");
+    assert!(!ok(&other).job_key.ct_eq(&a.job_key));
+}
+
+#[test]
+fn no_place_for_the_secret_is_an_error_with_the_ways_out() {
+    let vars = [
+        ("BTL_RANK", "0"),
+        ("BTL_SIZE", "2"),
+        ("BTL_RENDEZVOUS", "tcp:h:1"),
+        ("NO_SECRET", "1"),
+    ];
+    config_err(&vars, &["HOME", "BTL_SECRET_FILE", "BTL_JOB_KEY"]);
+    let mut with_key = vars.to_vec();
+    with_key.push(("BTL_JOB_KEY", KEY));
+    assert_eq!(ok(&with_key).job_key.to_hex(), KEY);
 }
 
 #[test]
@@ -348,6 +378,7 @@ fn builder_checks_its_settings() {
     let j = JobInfo::builder(1, 2)
         .rendezvous(spec)
         .job_id("x")
+        .job_key(super::JobKey::random())
         .build()
         .unwrap();
     assert_eq!(

@@ -8,7 +8,7 @@ use std::fmt;
 
 use hmac::{Hmac, Mac};
 use rand::RngCore;
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use crate::{Error, Result};
 
@@ -76,18 +76,13 @@ impl JobKey {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Derive a key from the job id and the user id.
-    ///
-    /// Any process of the same user that knows the job id can compute it, so
-    /// it only keeps jobs apart by accident, not by design: it is **not a
-    /// secret**. Launchers that can hand out a real key should set
-    /// `BTL_JOB_KEY`.
-    pub fn derive(job_id: &str, uid: u32) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"async-btl derived job key v1\0");
-        h.update(uid.to_le_bytes());
-        h.update(job_id.as_bytes());
-        JobKey(h.finalize().into())
+    /// The key of job `job_id` derived from a secret: HMAC-SHA-256 under
+    /// `secret` of the job id. Jobs given no `BTL_JOB_KEY` use the per-user
+    /// secret file (see the [bootstrap module](super)); only a process
+    /// that can read the secret can compute the key, and each job id gets
+    /// a key of its own.
+    pub fn for_job(secret: &[u8; 32], job_id: &str) -> Self {
+        JobKey(JobKey(*secret).mac(&[b"async-btl job key v2", job_id.as_bytes()]))
     }
 
     /// Compare two keys in time independent of where they differ.
@@ -157,11 +152,11 @@ mod tests {
     }
 
     #[test]
-    fn derived_keys_depend_on_job_and_uid() {
-        let a = JobKey::derive("job1", 1000);
-        assert!(a.ct_eq(&JobKey::derive("job1", 1000)));
-        assert!(!a.ct_eq(&JobKey::derive("job2", 1000)));
-        assert!(!a.ct_eq(&JobKey::derive("job1", 1001)));
+    fn job_keys_depend_on_job_and_secret() {
+        let a = JobKey::for_job(&[1; 32], "job1");
+        assert!(a.ct_eq(&JobKey::for_job(&[1; 32], "job1")));
+        assert!(!a.ct_eq(&JobKey::for_job(&[1; 32], "job2")));
+        assert!(!a.ct_eq(&JobKey::for_job(&[2; 32], "job1")));
     }
 
     #[test]

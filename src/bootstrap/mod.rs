@@ -53,13 +53,23 @@
 //!
 //! # Job key
 //!
-//! Every exchange proves knowledge of the job key (see [`JobKey`]). Without
-//! `BTL_JOB_KEY` the key is derived from the job id and the user id: that
-//! keeps concurrent jobs apart, but any process of the same user can compute
-//! it, so it is **not a secret**: rank 0 logs a warning, once per job, that
-//! says how to set one under the launcher found (under `mpirun`:
-//! `export BTL_JOB_KEY=$(openssl rand -hex 32)`, then `mpirun -x BTL_JOB_KEY …`).
-//! `btl-run` always hands its ranks a random key.
+//! Every exchange proves knowledge of the job key (see [`JobKey`]).
+//! `btl-run` always hands its ranks a fresh random `BTL_JOB_KEY`. Under the
+//! other launchers, a job given no `BTL_JOB_KEY` derives its key from the
+//! job id and a **per-user secret** ([`JobKey::for_job`]): 32 random bytes
+//! in `BTL_SECRET_FILE`, else `$XDG_CONFIG_HOME/async-btl/secret`, else
+//! `$HOME/.config/async-btl/secret`, created on first use with mode 0600
+//! (in a directory of mode 0700) and refused when another user owns it or
+//! its mode lets anyone else in. Only the user's own processes can read it,
+//! so another user who knows the job id cannot compute the key. The ranks
+//! of a job must all read the same secret: a home directory shared by the
+//! nodes gives them that; otherwise set `BTL_SECRET_FILE` to a shared file,
+//! or give every rank the same `BTL_JOB_KEY` (under `mpirun`:
+//! `export BTL_JOB_KEY=$(openssl rand -hex 32)`, then `mpirun -x BTL_JOB_KEY
+//! …`). A rank whose key differs is refused by the rendezvous with a message
+//! that says so, and rank 0 logs which rank, from which address. Where no
+//! secret can be kept (no writable home), set one of the two variables;
+//! without them the job fails with an [`Error::Config`] saying so.
 //!
 //! # Directory clean-up
 //!
@@ -74,6 +84,7 @@ mod client;
 pub(crate) mod dir;
 mod env;
 mod key;
+mod secret;
 mod server;
 mod spec;
 pub(crate) mod wire;
@@ -82,7 +93,7 @@ pub(crate) mod wire;
 mod env_tests;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -162,6 +173,8 @@ pub struct JobInfo {
     pub rendezvous: RendezvousSpec,
     /// Number of [`all_gather`] rounds started by this process.
     rounds: Arc<AtomicU32>,
+    /// Connections refused by the rendezvous servers this process ran.
+    refused: Arc<AtomicU64>,
 }
 
 impl JobInfo {
@@ -181,6 +194,13 @@ impl JobInfo {
     /// and embedding). `TMPDIR` is read through `lookup` too.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Option<JobInfo>> {
         env::from_lookup(&lookup)
+    }
+
+    /// Connections refused, over every [`all_gather`] round so far, by the
+    /// TCP rendezvous server this process ran (rank 0 of a rendezvous
+    /// hosted by rank 0; 0 for every other process).
+    pub fn rendezvous_refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// Start explicit settings for `rank` of `size`.
@@ -229,7 +249,8 @@ impl JobInfoBuilder {
         self
     }
 
-    /// The job key (default: derived from job id and uid; not secret).
+    /// The job key (default: derived from the job id and the per-user
+    /// secret, see the [module docs](self)).
     pub fn job_key(mut self, key: JobKey) -> Self {
         self.job_key = Some(key);
         self
@@ -245,7 +266,9 @@ impl JobInfoBuilder {
     ///
     /// # Errors
     /// [`Error::Config`] when a rank does not fit its size, the local counts
-    /// do not fit the job, or the rendezvous is missing.
+    /// do not fit the job, the rendezvous is missing, or, with no key given,
+    /// the per-user secret cannot be used (its location comes from the
+    /// process environment).
     pub fn build(self) -> Result<JobInfo> {
         let (rank, size) = (self.rank, self.size);
         if rank >= size {
@@ -265,9 +288,12 @@ impl JobInfoBuilder {
         let job_id = self
             .job_id
             .unwrap_or_else(|| format!("{}-{rendezvous}", self.launcher.short_name()));
-        let job_key = self
-            .job_key
-            .unwrap_or_else(|| derived_key(&job_id, rank, self.launcher));
+        let job_key = match self.job_key {
+            Some(key) => key,
+            None => derived_key(&job_id, rank, self.launcher, &|name| {
+                std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+            })?,
+        };
         Ok(JobInfo {
             rank,
             size,
@@ -278,6 +304,7 @@ impl JobInfoBuilder {
             job_key,
             rendezvous,
             rounds: Arc::new(AtomicU32::new(0)),
+            refused: Arc::new(AtomicU64::new(0)),
         })
     }
 }
@@ -322,21 +349,32 @@ pub(crate) fn current_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-/// The key of a job given none, and the warning that says so: once per
-/// job, by rank 0 (every rank derives the same key, so one line tells it).
-fn derived_key(job_id: &str, rank: Rank, launcher: LauncherKind) -> JobKey {
+/// The key of a job given none: from the per-user secret (created on first
+/// use) and the job id. Rank 0 says so at `debug`, once per job.
+fn derived_key(
+    job_id: &str,
+    rank: Rank,
+    launcher: LauncherKind,
+    get: &dyn Fn(&str) -> Option<String>,
+) -> Result<JobKey> {
+    let with_hint = |e: Error| match e {
+        Error::Config(m) => Error::Config(format!("{m}. {}", job_key_hint(launcher))),
+        other => other,
+    };
+    let path = secret::location(get).map_err(with_hint)?;
+    let secret = secret::load_or_create(&path).map_err(with_hint)?;
     if rank == 0 {
-        tracing::warn!(
+        tracing::debug!(
             job_id,
-            "BTL_JOB_KEY is not set: using a key derived from the job id and user id; it keeps \
-             jobs apart but is not a secret. {}",
-            job_key_hint(launcher)
+            secret = %path.display(),
+            "BTL_JOB_KEY is not set: the job key is derived from the job id and the per-user \
+             secret, which every rank must read the same"
         );
     }
-    JobKey::derive(job_id, current_uid())
+    Ok(JobKey::for_job(&secret, job_id))
 }
 
-/// How to give every rank of a job started by `launcher` the same secret key.
+/// How to give every rank of a job started by `launcher` the same key.
 fn job_key_hint(launcher: LauncherKind) -> &'static str {
     match launcher {
         LauncherKind::OpenMpi => {

@@ -503,6 +503,9 @@ impl Fabric {
         let blob = postcard::to_allocvec(&me)
             .map_err(|e| Error::Bootstrap(format!("encoding our address: {e}")))?;
         let all = exchange.all_gather(b.rank, blob).await?;
+        core.counters
+            .rendezvous_refused
+            .store(exchange.refused(), std::sync::atomic::Ordering::Relaxed);
         if all.len() != b.size as usize {
             return Err(Error::Bootstrap(format!(
                 "the exchange returned {} addresses for {} ranks",

@@ -12,6 +12,8 @@ pub(crate) struct Counters {
     pub(crate) bad_frames: AtomicU64,
     pub(crate) access_refused: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
+    /// Set once the address exchange is done.
+    pub(crate) rendezvous_refused: AtomicU64,
     /// Counters bumped once per operation (see [`Hot`]).
     hot: HotCounters,
 }
@@ -149,6 +151,7 @@ impl Counters {
             bad_frames: g(&self.bad_frames),
             access_refused: g(&self.access_refused),
             peers_lost: g(&self.peers_lost),
+            rendezvous_refused: g(&self.rendezvous_refused),
             sends: self.hot.get(Hot::Sends),
             recvs: self.hot.get(Hot::Recvs),
             direct_puts: self.hot.get(Hot::DirectPuts),
@@ -179,6 +182,11 @@ pub struct Stats {
     pub access_refused: u64,
     /// Peers declared lost.
     pub peers_lost: u64,
+    /// Connections the job's TCP rendezvous refused while this process
+    /// served it (rank 0 with `BTL_RENDEZVOUS_HOST=rank0`; 0 elsewhere):
+    /// wrong job keys, handshakes cut off or timed out, connections shed
+    /// under a flood. The boot log's warning breaks it down by cause.
+    pub rendezvous_refused: u64,
     /// Messages sent.
     pub sends: u64,
     /// Messages received and queued for a tag (fast-box messages are added

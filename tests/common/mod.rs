@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 pub struct Job {
     pub children: Vec<Child>,
     dir: std::path::PathBuf,
+    size: u32,
+    scenario: String,
+    env: Vec<(String, String)>,
+    key: String,
 }
 
 pub fn spawn_job(n: u32, scenario: &str, env: &[(&str, &str)]) -> Job {
@@ -24,39 +28,31 @@ pub fn spawn_job_wrapped(
     env: &[(&str, &str)],
     wrap: &dyn Fn(u32) -> Vec<String>,
 ) -> Job {
+    let mut job = prepare_job(n, scenario, env);
+    for r in 0..n {
+        job.start_wrapped(r, &wrap(r));
+    }
+    job
+}
+
+/// A job of `n` ranks with none started yet: start them one at a time with
+/// [`Job::start`] (in rank order, so that [`Job::wait`] returns the outputs
+/// by rank). `env` comes after the launcher variables, so it can replace
+/// them; an empty value unsets one for the library (`("BTL_JOB_KEY", "")`).
+pub fn prepare_job(n: u32, scenario: &str, env: &[(&str, &str)]) -> Job {
     let dir = std::env::temp_dir().join(format!("abtl-test-{}-{}", std::process::id(), rand_hex()));
     std::fs::create_dir_all(&dir).unwrap();
-    let key = rand_hex() + &rand_hex();
-    let exe = std::env::current_exe().unwrap();
-    let children = (0..n)
-        .map(|r| {
-            let prefix = wrap(r);
-            let mut c = match prefix.split_first() {
-                Some((first, rest)) => {
-                    let mut c = Command::new(first);
-                    c.args(rest).arg(&exe);
-                    c
-                }
-                None => Command::new(&exe),
-            };
-            c.args(["rank_main", "--exact", "--nocapture", "--test-threads=1"])
-                .env("BTL_TEST_SCENARIO", scenario)
-                .env("BTL_RANK", r.to_string())
-                .env("BTL_SIZE", n.to_string())
-                .env("BTL_LOCAL_RANK", r.to_string())
-                .env("BTL_LOCAL_SIZE", n.to_string())
-                .env("BTL_JOB_KEY", &key)
-                .env("BTL_JOB_ID", format!("test-{scenario}"))
-                .env("BTL_RENDEZVOUS", format!("dir:{}", dir.display()))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in env {
-                c.env(k, v);
-            }
-            c.spawn().expect("spawn rank")
-        })
-        .collect();
-    Job { children, dir }
+    Job {
+        children: Vec::new(),
+        dir,
+        size: n,
+        scenario: scenario.to_string(),
+        env: env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        key: rand_hex() + &rand_hex(),
+    }
 }
 
 fn rand_hex() -> String {
@@ -66,6 +62,39 @@ fn rand_hex() -> String {
 }
 
 impl Job {
+    /// Start `rank` (this binary, re-executed, running `rank_main`).
+    pub fn start(&mut self, rank: u32) {
+        self.start_wrapped(rank, &[]);
+    }
+
+    fn start_wrapped(&mut self, r: u32, prefix: &[String]) {
+        let exe = std::env::current_exe().unwrap();
+        let mut c = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        let n = self.size;
+        c.args(["rank_main", "--exact", "--nocapture", "--test-threads=1"])
+            .env("BTL_TEST_SCENARIO", &self.scenario)
+            .env("BTL_RANK", r.to_string())
+            .env("BTL_SIZE", n.to_string())
+            .env("BTL_LOCAL_RANK", r.to_string())
+            .env("BTL_LOCAL_SIZE", n.to_string())
+            .env("BTL_JOB_KEY", &self.key)
+            .env("BTL_JOB_ID", format!("test-{}", self.scenario))
+            .env("BTL_RENDEZVOUS", format!("dir:{}", self.dir.display()))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for (k, v) in &self.env {
+            c.env(k, v);
+        }
+        self.children.push(c.spawn().expect("spawn rank"));
+    }
+
     /// Wait for every rank (watchdog: `limit`), returning outputs in rank order.
     pub fn wait(mut self, limit: Duration) -> Vec<Output> {
         let start = Instant::now();
