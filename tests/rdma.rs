@@ -472,3 +472,22 @@ fn rdma_killed_peer_fails_pending_futures_within_the_timeout() {
         failed - killed_at
     );
 }
+
+#[test]
+fn linking_libfabric_leaves_the_programs_signal_handling_alone() {
+    need_rdma!();
+    // Some libfabric builds link libinfinipath, which takes over SIGINT,
+    // SIGTERM, SIGSEGV and others when loaded (ending the process with
+    // code 1): this test binary links it through the `rdma` feature, and
+    // must still have the default actions the harness started with.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGABRT, libc::SIGILL] {
+        // SAFETY: reading the current action into a zeroed struct; no
+        // handler is installed.
+        let handler = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(sig, std::ptr::null(), &mut sa), 0);
+            sa.sa_sigaction
+        };
+        assert_eq!(handler, libc::SIG_DFL, "signal {sig} has a handler");
+    }
+}

@@ -10,6 +10,9 @@
  * caller passed beyond the call, except the buffers and contexts of posted
  * operations, which the caller keeps alive until their completion is read.
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,6 +71,44 @@ struct abtl_prov {
     uint32_t progress;
     uint32_t wait_fd;
 };
+
+/*
+ * libinfinipath (the PSM library some libfabric builds, Debian's among
+ * them, link for the old `psm` provider) installs handlers for SIGINT,
+ * SIGILL, SIGABRT, SIGBUS, SIGSEGV and SIGTERM when it is loaded, before
+ * the program's main. They end the process with exit code 1: a tokio
+ * program's own SIGTERM/SIGINT handling (which chains to the handler it
+ * found) and Rust's stack-overflow report would be overridden in every
+ * program that links async-btl with the `rdma` feature. This constructor
+ * runs after the shared libraries' own and puts back the default action
+ * for each of those signals whose handler lies in libinfinipath; any other
+ * handler is left alone.
+ */
+__attribute__((constructor)) static void abtl_restore_signals(void)
+{
+    static const int sigs[] = {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGSEGV, SIGTERM};
+    size_t i;
+
+    for (i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+        struct sigaction sa;
+        Dl_info di;
+        void *h;
+
+        if (sigaction(sigs[i], NULL, &sa) != 0)
+            continue;
+        h = (sa.sa_flags & SA_SIGINFO) ? (void *)sa.sa_sigaction
+                                       : (void *)sa.sa_handler;
+        if (h == (void *)SIG_DFL || h == (void *)SIG_IGN)
+            continue;
+        if (dladdr(h, &di) && di.dli_fname &&
+            strstr(di.dli_fname, "libinfinipath")) {
+            memset(&sa, 0, sizeof(sa));
+            sa.sa_handler = SIG_DFL;
+            sigemptyset(&sa.sa_mask);
+            sigaction(sigs[i], &sa, NULL);
+        }
+    }
+}
 
 uint32_t abtl_fi_version(void) { return fi_version(); }
 
