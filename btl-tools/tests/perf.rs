@@ -338,10 +338,10 @@ fn ucx_baseline_beside_async_btl() {
         .any(|r| r["baseline"] == "ucx" && r["test"] == "put_bw"));
 }
 
-#[test]
-fn a_missing_ucx_is_a_note_not_a_failure() {
-    // A PATH with `timeout` (which `run` needs) and nothing else.
-    let dir = std::env::temp_dir().join(format!("btl-perf-path-{}", std::process::id()));
+/// A directory to use as PATH, holding `timeout` (which `run` needs) and
+/// nothing else.
+fn bare_path(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("btl-perf-path-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let timeout = std::env::split_paths(&std::env::var_os("PATH").unwrap())
         .map(|d| d.join("timeout"))
@@ -349,14 +349,115 @@ fn a_missing_ucx_is_a_note_not_a_failure() {
         .expect("timeout is on PATH");
     let _ = std::fs::remove_file(dir.join("timeout"));
     std::os::unix::fs::symlink(timeout, dir.join("timeout")).unwrap();
+    dir
+}
+
+#[test]
+fn a_missing_ucx_is_a_note_not_a_failure() {
+    let dir = bare_path("ucx");
     let out = run(Command::new(PERF)
         .env("PATH", &dir)
-        .args(["--test", "lat", "--baseline", "ucx", "--json"])
+        .args(["--test", "lat", "--baseline", "ucx,ucx-tcp", "--json"])
+        .args(QUICK));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    for b in ["ucx skipped", "ucx-tcp skipped"] {
+        assert!(
+            notes.contains(b) && notes.contains("apt-get install ucx-utils"),
+            "{b}: {notes}"
+        );
+    }
+    assert!(series(&j).contains(&("lat".to_string(), "async-btl/sm".to_string())));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ucx_tcp_baseline_beside_async_btl() {
+    if !have_ucx() {
+        eprintln!("skipped: ucx_perftest not found (apt-get install ucx-utils)");
+        return;
+    }
+    let out = run(Command::new(PERF).args([
+        "--test",
+        "lat,put_lat,put_bw",
+        "--baseline",
+        "ucx-tcp",
+        "--min-size",
+        "8",
+        "--max-size",
+        "8",
+        "--iters",
+        "50",
+        "--json",
+    ]));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    let want: BTreeSet<(String, u64)> = [("lat".to_string(), 8), ("put_bw".to_string(), 8)].into();
+    assert_eq!(points_of(&j, "ucx-tcp"), want, "notes: {notes}");
+    assert!(
+        notes.contains("ucx-tcp: ") && notes.contains("UCX_TLS=tcp UCX_NET_DEVICES=lo"),
+        "{notes}"
+    );
+}
+
+/// Whether the libfabric baseline can be built here: a C compiler and
+/// libfabric's headers.
+fn have_libfabric_dev() -> bool {
+    have("cc") && std::path::Path::new("/usr/include/rdma/fabric.h").exists()
+}
+
+#[test]
+fn ofi_baseline_beside_async_btl() {
+    if !have_libfabric_dev() {
+        eprintln!("skipped: no cc or no libfabric headers (apt-get install libfabric-dev)");
+        return;
+    }
+    let out = run(Command::new(PERF)
+        .env_remove("BTL_RDMA_PROVIDER")
+        .env_remove("BTL_RDMA_ADDR")
+        .args([
+            "--test",
+            "lat,bw,put_lat,put_bw,get_bw,bibw",
+            "--baseline",
+            "ofi",
+            "--min-size",
+            "8",
+            "--max-size",
+            "16",
+            "--iters",
+            "50",
+            "--json",
+        ]));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    let want: BTreeSet<(String, u64)> = ["lat", "bw", "put_lat", "put_bw", "get_bw"]
+        .iter()
+        .flat_map(|t| [8, 16].map(|s| (t.to_string(), s)))
+        .collect();
+    assert_eq!(points_of(&j, "ofi"), want, "notes: {notes}");
+    assert!(
+        notes.contains("ofi: libfabric") && notes.contains("provider tcp;ofi_rxm"),
+        "{notes}"
+    );
+    assert!(notes.contains("bound to 127.0.0.1"), "{notes}");
+    assert!(j["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| r["baseline"] == "ofi" && r["test"] == "put_lat"));
+}
+
+#[test]
+fn a_missing_compiler_is_a_note_for_ofi() {
+    let dir = bare_path("ofi");
+    let out = run(Command::new(PERF)
+        .env("PATH", &dir)
+        .args(["--test", "lat", "--baseline", "ofi", "--json"])
         .args(QUICK));
     let j = json(&out);
     let notes = j["header"]["notes"].to_string();
     assert!(
-        notes.contains("ucx skipped") && notes.contains("apt-get install ucx-utils"),
+        notes.contains("ofi skipped") && notes.contains("cc not found"),
         "{notes}"
     );
     assert!(series(&j).contains(&("lat".to_string(), "async-btl/sm".to_string())));

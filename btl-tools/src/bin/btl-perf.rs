@@ -47,7 +47,17 @@ So can UCX: `--baseline ucx` runs its own `ucx_perftest` (apt-get install
 ucx-utils) over its shared-memory transports (UCX_TLS=sm,self), one server
 and client pair per point on the ranks' cores, for lat, bw, put_bw, get_bw,
 msg_rate, and the atomics (ucp_fadd, ucp_cswap, ucp_add). A test it cannot
-run is a note; the others go on.
+run is a note; the others go on. `--baseline ucx-tcp` runs the same tests
+over UCX's TCP transport on loopback (UCX_TLS=tcp, UCX_NET_DEVICES=lo).
+
+And so can libfabric itself: `--baseline ofi` compiles a small C program
+with `cc -O2 ... -lfabric` (apt-get install libfabric-dev) and runs it in
+two processes on the ranks' cores, on the provider and address the rdma
+transport is given (BTL_RDMA_PROVIDER, BTL_RDMA_ADDR; else tcp;ofi_rxm on
+127.0.0.1), with the same progress (poll the completion queue, then park
+on its wait fd), for lat and bw (fi_send/fi_recv), msg_rate, put_lat and
+put_bw (fi_writemsg with FI_DELIVERY_COMPLETE), get_lat and get_bw
+(fi_readmsg). Its figures are what the rdma transport's are compared with.
 
 With the ranks pinned to two cores (the default), rank 0 also reads the
 machine's own hop before and after each run: an 8-byte ping-pong between
@@ -66,6 +76,8 @@ const EXAMPLES: &str = "Examples:
   btl-perf --test lat,bw --baseline ompi,ompi-tcp,unix --min-size 8 --max-size 1M
   btl-perf --transport sm --test lat,bw,put_bw --baseline ompi,ucx --repeat 3
   btl-perf --transport sm --test atomic_lat,atomic_cswap_lat,atomic_rate --baseline ucx,ompi
+  BTL_RDMA_PROVIDER='tcp;ofi_rxm' BTL_RDMA_ADDR=127.0.0.1 btl-perf --compare rdma,udp \
+      --test lat,bw,put_lat,put_bw,get_bw --baseline ofi,ucx-tcp --repeat 3 --pick median
   mpirun -np 2 btl-perf --test lat --plot lat.svg";
 
 /// Command-line arguments.
@@ -142,7 +154,9 @@ struct Args {
 
     /// Baselines, comma-separated: unix, tcp, udp, ompi (Open MPI, shared
     /// memory), ompi-tcp (Open MPI, TCP on loopback), ucx (UCX's
-    /// ucx_perftest over shared memory), or none.
+    /// ucx_perftest over shared memory), ucx-tcp (ucx_perftest over TCP on
+    /// loopback), ofi (raw libfabric on the rdma transport's provider), or
+    /// none.
     #[arg(long, value_name = "LIST", default_value = "unix,tcp,udp", value_parser = baselines)]
     baseline: std::vec::Vec<Baseline>,
 

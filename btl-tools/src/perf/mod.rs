@@ -13,15 +13,17 @@
 //! test does on each side), [`plan`] (iterations per size), [`machine`] (the
 //! report header), [`floor`] (the machine's own hop, read around each run), [`report`] (table, JSON, CSV), [`plot`] (SVG), [`pin`]
 //! (CPU affinity), [`session`] (one rank's whole run), [`tool`] (running
-//! the baselines' external tools), [`ompi`] (Open MPI
-//! as a baseline, run under its own `mpirun`), [`ucx`] (UCX as a baseline,
-//! through its own `ucx_perftest`).
+//! the baselines' external tools and built-in C programs), [`ompi`] (Open MPI
+//! as a baseline, run under its own `mpirun`), [`ofi`] (libfabric itself
+//! as a baseline, a C program on the `rdma` transport's provider), [`ucx`]
+//! (UCX as a baseline, through its own `ucx_perftest`).
 //!
 //! Nothing here asserts a speed: it measures and reports.
 
 pub mod floor;
 pub mod machine;
 pub mod method;
+pub mod ofi;
 pub mod ompi;
 pub mod pin;
 pub mod plan;
@@ -203,8 +205,9 @@ impl Unit {
 }
 
 /// A baseline measured in the same run: a tokio socket, with the same
-/// method and in the same processes, or (opt-in) Open MPI or UCX, with the
-/// same sizes and counts in their own two processes ([`ompi`], [`ucx`]).
+/// method and in the same processes, or (opt-in) Open MPI, UCX or raw
+/// libfabric, with the same sizes and counts in their own two processes
+/// ([`ompi`], [`ucx`], [`ofi`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Baseline {
@@ -221,17 +224,25 @@ pub enum Baseline {
     OmpiTcp,
     /// UCX's `ucx_perftest` over its shared-memory transports.
     Ucx,
+    /// UCX's `ucx_perftest` over its TCP transport on loopback.
+    #[serde(rename = "ucx-tcp")]
+    UcxTcp,
+    /// libfabric itself (a C program, `baseline/ofi_pp.c`) on the provider
+    /// the `rdma` transport uses (`tcp;ofi_rxm` on 127.0.0.1 by default).
+    Ofi,
 }
 
 impl Baseline {
     /// Every baseline, in report order.
-    pub const ALL: [Baseline; 6] = [
+    pub const ALL: [Baseline; 8] = [
         Baseline::Unix,
         Baseline::Tcp,
         Baseline::Udp,
         Baseline::Ompi,
         Baseline::OmpiTcp,
         Baseline::Ucx,
+        Baseline::UcxTcp,
+        Baseline::Ofi,
     ];
 
     /// Name in reports and on the command line.
@@ -243,6 +254,8 @@ impl Baseline {
             Baseline::Ompi => "ompi",
             Baseline::OmpiTcp => "ompi-tcp",
             Baseline::Ucx => "ucx",
+            Baseline::UcxTcp => "ucx-tcp",
+            Baseline::Ofi => "ofi",
         }
     }
 
@@ -251,22 +264,29 @@ impl Baseline {
         matches!(self, Baseline::Ompi | Baseline::OmpiTcp)
     }
 
+    /// Whether this is UCX's `ucx_perftest` (over any of its transports).
+    pub fn is_ucx(self) -> bool {
+        matches!(self, Baseline::Ucx | Baseline::UcxTcp)
+    }
+
     /// Whether this runs in processes of its own, started by rank 0 after
-    /// everything else (Open MPI, UCX), as opposed to a tokio socket in the
-    /// ranks themselves.
+    /// everything else (Open MPI, UCX, libfabric), as opposed to a tokio
+    /// socket in the ranks themselves.
     pub fn is_external(self) -> bool {
-        self.is_mpi() || self == Baseline::Ucx
+        self.is_mpi() || self.is_ucx() || self == Baseline::Ofi
     }
 
     /// Whether this baseline measures `test`. UDP has no `bibw`: its credit
     /// protocol would need one socket read from two places at once. Open
-    /// MPI runs what its program implements ([`ompi::supports`]), UCX what
-    /// its tool measures the same way ([`ucx::supports`]).
+    /// MPI and libfabric run what their programs implement
+    /// ([`ompi::supports`], [`ofi::supports`]), UCX what its tool measures
+    /// the same way ([`ucx::supports`]).
     pub fn measures(self, test: Test) -> bool {
         match self {
             Baseline::Udp => test != Test::Bibw,
             Baseline::Ompi | Baseline::OmpiTcp => ompi::supports(test),
-            Baseline::Ucx => ucx::supports(test),
+            Baseline::Ucx | Baseline::UcxTcp => ucx::supports(test),
+            Baseline::Ofi => ofi::supports(test),
             Baseline::Unix | Baseline::Tcp => true,
         }
     }
@@ -349,5 +369,8 @@ mod tests {
             assert_eq!(serde_json::to_value(b).unwrap(), b.name());
         }
         assert!(Baseline::OmpiTcp.measures(Test::PutBw) && !Baseline::Ompi.measures(Test::GetLat));
+        assert!(Baseline::Ofi.measures(Test::GetBw) && !Baseline::Ofi.measures(Test::Bibw));
+        assert!(Baseline::UcxTcp.measures(Test::Lat) && !Baseline::UcxTcp.measures(Test::PutLat));
+        assert!(Baseline::Ofi.is_external() && Baseline::UcxTcp.is_external());
     }
 }

@@ -25,7 +25,7 @@ use std::time::Duration;
 use tokio::process::Command;
 
 use super::plan::Plan;
-use super::tool::{free_cores, run_tool};
+use super::tool::{free_cores, parse_output, program_args, run_tool};
 use super::{Baseline, Test};
 
 /// The benchmark program, `btl-tools/baseline/mpi_pp.c`, built into btl-perf
@@ -83,7 +83,12 @@ pub fn mca(b: Baseline) -> &'static [&'static str] {
             "osc",
             "pt2pt",
         ],
-        Baseline::Unix | Baseline::Tcp | Baseline::Udp | Baseline::Ucx => &[],
+        Baseline::Unix
+        | Baseline::Tcp
+        | Baseline::Udp
+        | Baseline::Ucx
+        | Baseline::UcxTcp
+        | Baseline::Ofi => &[],
     }
 }
 
@@ -104,59 +109,6 @@ pub fn nested_launcher() -> Option<&'static str> {
     LAUNCHER_VARS
         .into_iter()
         .find(|v| std::env::var_os(v).is_some())
-}
-
-/// The program's arguments for `points`: each test's name, then one
-/// `SIZE:ITERS:WARMUP:WINDOW` per size.
-pub fn program_args(points: &[(Test, usize, Plan)]) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut last = None;
-    for &(test, size, plan) in points {
-        if last != Some(test) {
-            out.push(test.name().to_string());
-            last = Some(test);
-        }
-        out.push(format!(
-            "{size}:{}:{}:{}",
-            plan.iters, plan.warmup, plan.window
-        ));
-    }
-    out
-}
-
-/// Parse the program's output into one value per (test, size) of `want`,
-/// in `want`'s order. Comment and blank lines are skipped; any other line
-/// must read `TEST SIZE VALUE` for a wanted point with a finite positive
-/// value, and every wanted point must appear exactly once.
-pub fn parse_output(text: &str, want: &[(Test, usize)]) -> Result<Vec<f64>, String> {
-    let mut got: Vec<Option<f64>> = vec![None; want.len()];
-    for line in text.lines().map(str::trim) {
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let bad = || format!("unexpected output line {line:?}");
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let [t, size, value] = f[..] else {
-            return Err(bad());
-        };
-        let test: Test = t.parse().map_err(|_| bad())?;
-        let size: usize = size.parse().map_err(|_| bad())?;
-        let value: f64 = value.parse().map_err(|_| bad())?;
-        if !(value.is_finite() && value > 0.0) {
-            return Err(bad());
-        }
-        let i = want
-            .iter()
-            .position(|p| *p == (test, size))
-            .ok_or_else(|| format!("output for a point not asked for: {line:?}"))?;
-        if got[i].replace(value).is_some() {
-            return Err(format!("{test} at {size} B reported twice"));
-        }
-    }
-    got.into_iter()
-        .zip(want)
-        .map(|(v, (t, s))| v.ok_or_else(|| format!("no result for {t} at {s} B")))
-        .collect()
 }
 
 /// The program, compiled into a temporary directory that is removed when
@@ -269,33 +221,5 @@ mod tests {
             );
         }
         assert!(SOURCE.contains("MPI_Fetch_and_op") && SOURCE.contains("MPI_Accumulate"));
-    }
-
-    #[test]
-    fn output_parses_in_request_order() {
-        let want = [(Test::Lat, 8), (Test::Bw, 8)];
-        let text = "# open-mpi\n\nbw 8 123.5\nlat 8 0.25\n";
-        assert_eq!(parse_output(text, &want), Ok(vec![0.25, 123.5]));
-    }
-
-    #[test]
-    fn malformed_output_is_an_error() {
-        let want = [(Test::Lat, 8)];
-        for bad in [
-            "lat 8",
-            "lat 8 0.5 extra",
-            "lat eight 0.5",
-            "lat 8 fast",
-            "lat 8 -1",
-            "lat 8 NaN",
-            "lat 8 inf",
-            "nope 8 0.5",
-            "lat 16 0.5",
-            "lat 8 0.5\nlat 8 0.6",
-            "",
-            "mpirun: something went wrong",
-        ] {
-            assert!(parse_output(bad, &want).is_err(), "{bad:?} was accepted");
-        }
     }
 }

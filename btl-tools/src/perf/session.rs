@@ -1,12 +1,13 @@
 //! One rank's whole run: open the fabric, connect the socket baselines,
 //! measure async-btl, close the fabric, measure the socket baselines over
 //! the same two processes, then (rank 0, while rank 1, done, exits) the
-//! Open MPI baselines under their own `mpirun` and the UCX baseline with
-//! its own `ucx_perftest`, and build the [`Report`].
+//! Open MPI baselines under their own `mpirun`, the UCX baselines with
+//! their own `ucx_perftest` and the libfabric baseline with its own C
+//! program, and build the [`Report`].
 //!
 //! The baselines run after the fabric is closed, so that a busy-polling
-//! progress task never competes with them for the core; Open MPI and UCX
-//! run last, when the other rank has nothing left to do.
+//! progress task never competes with them for the core; Open MPI, UCX and
+//! libfabric run last, when the other rank has nothing left to do.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -18,7 +19,7 @@ use super::plan::Counts;
 use super::report::Report;
 use super::wire::{connect_baselines, BtlWire, UDP_CHUNK};
 use super::{btl_label, Baseline, Sample, Test};
-use super::{ompi, ucx};
+use super::{ofi, ompi, ucx};
 use async_btl::bootstrap::JobInfo;
 use async_btl::{
     Config, CopyChoice, Error, Fabric, PageBuf, ProgressMode, RemoteKey, Result, Stats,
@@ -244,8 +245,11 @@ pub async fn run(
     }
     drop(sockets);
     let mut notes = measure_mpi(s, &mut samples, tick).await;
-    if s.baselines.contains(&Baseline::Ucx) {
-        notes.extend(measure_ucx(s, &mut samples, tick).await);
+    for b in s.baselines.iter().copied().filter(|b| b.is_ucx()) {
+        notes.extend(measure_ucx(s, b, &mut samples, tick).await);
+    }
+    if s.baselines.contains(&Baseline::Ofi) {
+        notes.extend(measure_ofi(s, &config, &mut samples, tick).await);
     }
     let mut header = header(s, &config, &transport, &launcher, core, copy);
     header.notes.extend(atomic_notes);
@@ -273,24 +277,26 @@ fn points_of(s: &Settings, b: Baseline) -> Vec<(Test, usize, super::plan::Plan)>
         .collect()
 }
 
-/// Rank 0: measure the UCX baseline, adding its samples; returns the
-/// notes for the report: what ran, and why a test (or all of UCX) was
+/// Rank 0: measure the UCX baseline `b`, adding its samples; returns the
+/// notes for the report: what ran, and why a test (or all of it) was
 /// skipped.
 async fn measure_ucx(
     s: &Settings,
+    b: Baseline,
     samples: &mut Vec<Sample>,
     tick: &mut dyn FnMut(&str),
 ) -> Vec<String> {
+    let name = b.name();
     let only = ucx::supported_names();
-    let points = points_of(s, Baseline::Ucx);
+    let points = points_of(s, b);
     if points.is_empty() {
-        return vec![format!("ucx skipped: it measures {only} only")];
+        return vec![format!("{name} skipped: it measures {only} only")];
     }
-    let results = ucx::measure(&points, s.cores, s.watchdog, tick).await;
+    let results = ucx::measure(b, &points, s.cores, s.watchdog, tick).await;
     let mut failed: Vec<(Test, String)> = Vec::new();
     for (&(test, size, plan), r) in points.iter().zip(results) {
         match r {
-            Ok(value) => samples.push(sample(test, Baseline::Ucx.name(), size, value, &plan)),
+            Ok(value) => samples.push(sample(test, name, size, value, &plan)),
             Err(why) => {
                 if !failed.iter().any(|(t, _)| *t == test) {
                     failed.push((test, why));
@@ -298,21 +304,65 @@ async fn measure_ucx(
             }
         }
     }
-    let measured = samples.iter().any(|x| x.wire == Baseline::Ucx.name());
+    let measured = samples.iter().any(|x| x.wire == name);
     if !measured {
         // Nothing ran: one reason (the first) for all of it.
         let why = failed.into_iter().next().map_or_else(String::new, |f| f.1);
-        return vec![format!("ucx skipped: {why}")];
+        return vec![format!("{name} skipped: {why}")];
     }
+    let env: Vec<String> = ucx::env(b)
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
     let mut notes = vec![format!(
-        "ucx: {}, ucx_perftest UCX_TLS={} (a server and a client per point, same sizes and counts, operations in flight as UCX chooses; {only} only)",
+        "{name}: {}, ucx_perftest {} (a server and a client per point, same sizes and counts, operations in flight as UCX chooses; {only} only)",
         ucx::version(s.watchdog).await,
-        ucx::TLS
+        env.join(" ")
     )];
     for (test, why) in failed {
-        notes.push(format!("ucx: no {test}: {why}"));
+        notes.push(format!("{name}: no {test}: {why}"));
     }
     notes
+}
+
+/// Rank 0: measure the libfabric baseline on the provider `config`'s
+/// `rdma` transport is told to use, adding its samples; returns the notes
+/// for the report (what ran, or why it was skipped).
+async fn measure_ofi(
+    s: &Settings,
+    config: &Config,
+    samples: &mut Vec<Sample>,
+    tick: &mut dyn FnMut(&str),
+) -> Vec<String> {
+    let name = Baseline::Ofi.name();
+    let only = ofi::supported_names();
+    let points = points_of(s, Baseline::Ofi);
+    if points.is_empty() {
+        return vec![format!("{name} skipped: it measures {only} only")];
+    }
+    let program = match ofi::Program::build(s.watchdog).await {
+        Ok(p) => p,
+        Err(why) => return vec![format!("{name} skipped: {why}")],
+    };
+    let setup = ofi::Setup::new(config, s.cores);
+    // The run's own bound, once per point (as for the other series).
+    let n = u32::try_from(points.len()).unwrap_or(u32::MAX);
+    let limit = s.watchdog.saturating_mul(n.saturating_add(1));
+    match program.measure(&setup, &points, limit).await {
+        Ok(m) => {
+            for (&(test, size, plan), value) in points.iter().zip(m.values) {
+                samples.push(sample(test, name, size, value, &plan));
+                tick(&format!("{test} at {size} B over {name}"));
+            }
+            let what = m
+                .description
+                .unwrap_or_else(|| format!("provider {}, bound to {}", setup.provider, setup.addr));
+            vec![format!(
+                "{name}: {what}; ofi_pp in its own two processes, after the others, same sizes and counts ({only} only; writes with FI_DELIVERY_COMPLETE)"
+            )]
+        }
+        Err(why) => vec![format!("{name} skipped: {why}")],
+    }
 }
 
 /// Rank 0: measure the Open MPI baselines asked for, adding their samples;

@@ -1,12 +1,18 @@
-//! Running the external tools of the Open MPI and UCX baselines (`mpicc`,
-//! `mpirun`, `ucx_perftest`, `ucx_info`): captured output, a time limit,
-//! and failures given back as text for the report's notes.
+//! Running the external tools of the Open MPI, libfabric and UCX baselines
+//! (`mpicc`, `mpirun`, `cc`, `ucx_perftest`, `ucx_info`): captured output,
+//! a time limit, and failures given back as text for the report's notes;
+//! and the command line and output of the C programs built into btl-perf
+//! (`baseline/mpi_pp.c`, `baseline/ofi_pp.c`), which take their points as
+//! [`program_args`] and print "TEST SIZE VALUE" lines ([`parse_output`]).
 
 use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
+
+use super::plan::Plan;
+use super::Test;
 
 /// How long a tool gets to wind down (`mpirun` its ranks) after SIGTERM.
 pub const GRACE: Duration = Duration::from_secs(5);
@@ -119,6 +125,59 @@ pub async fn run_tool(
     })
 }
 
+/// A baseline program's arguments for `points`: each test's name, then one
+/// `SIZE:ITERS:WARMUP:WINDOW` per size.
+pub fn program_args(points: &[(Test, usize, Plan)]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut last = None;
+    for &(test, size, plan) in points {
+        if last != Some(test) {
+            out.push(test.name().to_string());
+            last = Some(test);
+        }
+        out.push(format!(
+            "{size}:{}:{}:{}",
+            plan.iters, plan.warmup, plan.window
+        ));
+    }
+    out
+}
+
+/// Parse a baseline program's output into one value per (test, size) of `want`,
+/// in `want`'s order. Comment and blank lines are skipped; any other line
+/// must read `TEST SIZE VALUE` for a wanted point with a finite positive
+/// value, and every wanted point must appear exactly once.
+pub fn parse_output(text: &str, want: &[(Test, usize)]) -> Result<Vec<f64>, String> {
+    let mut got: Vec<Option<f64>> = vec![None; want.len()];
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = || format!("unexpected output line {line:?}");
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [t, size, value] = f[..] else {
+            return Err(bad());
+        };
+        let test: Test = t.parse().map_err(|_| bad())?;
+        let size: usize = size.parse().map_err(|_| bad())?;
+        let value: f64 = value.parse().map_err(|_| bad())?;
+        if !(value.is_finite() && value > 0.0) {
+            return Err(bad());
+        }
+        let i = want
+            .iter()
+            .position(|p| *p == (test, size))
+            .ok_or_else(|| format!("output for a point not asked for: {line:?}"))?;
+        if got[i].replace(value).is_some() {
+            return Err(format!("{test} at {size} B reported twice"));
+        }
+    }
+    got.into_iter()
+        .zip(want)
+        .map(|(v, (t, s))| v.ok_or_else(|| format!("no result for {t} at {s} B")))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,5 +232,33 @@ mod tests {
     fn tail_keeps_the_last_lines() {
         assert_eq!(tail(b"a\n----\nb\n\nc\nd\n"), "b / c / d");
         assert_eq!(tail(b""), "no output");
+    }
+
+    #[test]
+    fn output_parses_in_request_order() {
+        let want = [(Test::Lat, 8), (Test::Bw, 8)];
+        let text = "# open-mpi\n\nbw 8 123.5\nlat 8 0.25\n";
+        assert_eq!(parse_output(text, &want), Ok(vec![0.25, 123.5]));
+    }
+
+    #[test]
+    fn malformed_output_is_an_error() {
+        let want = [(Test::Lat, 8)];
+        for bad in [
+            "lat 8",
+            "lat 8 0.5 extra",
+            "lat eight 0.5",
+            "lat 8 fast",
+            "lat 8 -1",
+            "lat 8 NaN",
+            "lat 8 inf",
+            "nope 8 0.5",
+            "lat 16 0.5",
+            "lat 8 0.5\nlat 8 0.6",
+            "",
+            "mpirun: something went wrong",
+        ] {
+            assert!(parse_output(bad, &want).is_err(), "{bad:?} was accepted");
+        }
     }
 }

@@ -1,5 +1,9 @@
-//! UCX as a baseline (`--baseline ucx`): its own `ucx_perftest` (Debian's
-//! `ucx-utils`), over its shared-memory transports (`UCX_TLS=sm,self`).
+//! UCX as a baseline: its own `ucx_perftest` (Debian's `ucx-utils`), over
+//! its shared-memory transports (`--baseline ucx`: `UCX_TLS=sm,self`) or
+//! over its TCP transport on loopback (`--baseline ucx-tcp`:
+//! `UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`), the twin of async-btl's `udp` and
+//! of `rdma` over `tcp;ofi_rxm`. Over TCP, UCX carries puts, gets and
+//! atomics as its own active messages (there is no NIC to do them).
 //!
 //! Rank 0, after everything else, runs one `ucx_perftest` pair per point:
 //! a server on the core rank 1 used, then a client on rank 0's core that
@@ -48,10 +52,27 @@ use tokio::process::{Child, Command};
 
 use super::plan::Plan;
 use super::tool::{free_cores, run_tool, spawn, tail};
-use super::Test;
+use super::{Baseline, Test};
 
-/// The UCX transports used: its shared-memory ones and loopback to self.
-pub const TLS: &str = "sm,self";
+/// The UCX transports `b` uses: shared memory and loopback to self for
+/// `ucx`, TCP for `ucx-tcp`.
+pub fn tls(b: Baseline) -> &'static str {
+    if b == Baseline::UcxTcp {
+        "tcp"
+    } else {
+        "sm,self"
+    }
+}
+
+/// The environment of `b`'s tool: `UCX_TLS`, and for TCP the loopback
+/// device alone (never the machine's own interface).
+pub fn env(b: Baseline) -> Vec<(&'static str, &'static str)> {
+    let mut v = vec![("UCX_TLS", tls(b))];
+    if b == Baseline::UcxTcp {
+        v.push(("UCX_NET_DEVICES", "lo"));
+    }
+    v
+}
 
 /// The tool's name.
 const TOOL: &str = "ucx_perftest";
@@ -178,12 +199,12 @@ pub async fn version(limit: Duration) -> String {
     }
 }
 
-/// `ucx_perftest` with `args`, on its own core when `pinned` (else with
-/// rank 0's affinity, as `--pin none` asks), killed if rank 0's thread
-/// ends.
-fn tool(args: &[String], pinned: bool) -> Command {
+/// `ucx_perftest` with `args` over `b`'s transports, on its own core when
+/// `pinned` (else with rank 0's affinity, as `--pin none` asks), killed if
+/// rank 0's thread ends.
+fn tool(b: Baseline, args: &[String], pinned: bool) -> Command {
     let mut cmd = Command::new(TOOL);
-    cmd.args(args).env("UCX_TLS", TLS);
+    cmd.args(args).envs(env(b));
     if pinned {
         // Its `-c` then chooses among all cores.
         free_cores(&mut cmd);
@@ -226,8 +247,13 @@ fn listens_in(table: &str, port: u16) -> bool {
 /// block-buffered into a pipe, so it cannot say so in time). `Err(None)`:
 /// it exited before listening, most likely because the port was taken;
 /// `Err(Some(why))`: give up.
-async fn start_server(args: &[String], port: u16, pinned: bool) -> Result<Child, Option<String>> {
-    let mut cmd = tool(args, pinned);
+async fn start_server(
+    b: Baseline,
+    args: &[String],
+    port: u16,
+    pinned: bool,
+) -> Result<Child, Option<String>> {
+    let mut cmd = tool(b, args, pinned);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -251,8 +277,9 @@ async fn start_server(args: &[String], port: u16, pinned: bool) -> Result<Child,
     }
 }
 
-/// Measure one point: a server on `cores.1`, a client on `cores.0`.
+/// Measure one point over `b`: a server on `cores.1`, a client on `cores.0`.
 async fn point(
+    b: Baseline,
     test: Test,
     size: usize,
     plan: &Plan,
@@ -267,14 +294,14 @@ async fn point(
             continue;
         }
         let args = point_args(test, size, plan, port, cores.1)?;
-        let mut server = match start_server(&args, port, pinned).await {
+        let mut server = match start_server(b, &args, port, pinned).await {
             Ok(c) => c,
             Err(None) => continue,
             Err(Some(why)) => return Err(why),
         };
         let mut args = vec!["127.0.0.1".to_string()];
         args.extend(point_args(test, size, plan, port, cores.0)?);
-        let done = run_tool(tool(&args, pinned), TOOL, PACKAGE, limit).await;
+        let done = run_tool(tool(b, &args, pinned), TOOL, PACKAGE, limit).await;
         let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
         let _ = server.kill().await;
         let done = done?;
@@ -288,12 +315,13 @@ async fn point(
     ))
 }
 
-/// Measure `points`, one `ucx_perftest` pair each, every pair limited to
+/// Measure `points` over `b`, one `ucx_perftest` pair each, every pair limited to
 /// `limit`; the client runs on `cores.0` and the server on `cores.1`. One
 /// result per point, in order: after a point fails, the test's other
 /// points are not tried (they get the same reason), and when the tool
 /// cannot be started at all, no further point is.
 pub async fn measure(
+    b: Baseline,
     points: &[(Test, usize, Plan)],
     cores: (Option<usize>, Option<usize>),
     limit: Duration,
@@ -311,11 +339,11 @@ pub async fn measure(
             out.push(Err(why.clone()));
             continue;
         }
-        let r = point(test, size, &plan, cores, limit)
+        let r = point(b, test, size, &plan, cores, limit)
             .await
             .map_err(|e| format!("{test} at {size} B: {e}"));
         match &r {
-            Ok(_) => tick(&format!("{test} at {size} B over ucx")),
+            Ok(_) => tick(&format!("{test} at {size} B over {}", b.name())),
             Err(why)
                 if why.contains(&format!("{TOOL} not found"))
                     || why.contains(&format!("cannot start {TOOL}")) =>
@@ -409,6 +437,15 @@ mod tests {
         let r = point_args(Test::AtomicRate, 8, &bw, 30004, None).unwrap();
         assert_eq!(r.join(" "), "-t ucp_add -s 8 -n 6400 -w 640 -p 30004 -f -v");
         assert!(supports(Test::GetBw) && !supports(Test::Bibw) && !supports(Test::PutLat));
+    }
+
+    #[test]
+    fn tcp_stays_on_loopback() {
+        assert_eq!(env(Baseline::Ucx), [("UCX_TLS", "sm,self")]);
+        assert_eq!(
+            env(Baseline::UcxTcp),
+            [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")]
+        );
     }
 
     #[test]

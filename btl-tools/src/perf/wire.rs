@@ -521,7 +521,12 @@ pub async fn connect_baselines(
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
                 // UDP is set up below; Open MPI and UCX are not sockets.
-                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp | Baseline::Ucx => continue,
+                Baseline::Udp
+                | Baseline::Ompi
+                | Baseline::OmpiTcp
+                | Baseline::Ucx
+                | Baseline::UcxTcp
+                | Baseline::Ofi => continue,
             };
             out.push((*b, w));
         }
@@ -564,7 +569,12 @@ pub async fn connect_baselines(
                     SocketWire::Tcp(TcpWire::tcp(s, max_len)?)
                 }
                 // UDP is set up below; Open MPI and UCX are not sockets.
-                Baseline::Udp | Baseline::Ompi | Baseline::OmpiTcp | Baseline::Ucx => continue,
+                Baseline::Udp
+                | Baseline::Ompi
+                | Baseline::OmpiTcp
+                | Baseline::Ucx
+                | Baseline::UcxTcp
+                | Baseline::Ofi => continue,
             };
             out.push((*b, w));
         }
