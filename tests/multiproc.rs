@@ -37,6 +37,7 @@ fn rank_main() {
             "alltoall_paths" => alltoall_paths(f).await,
             "putget" => putget(f).await,
             "bystander" => bystander(f).await,
+            "loss_traffic" => loss_traffic(f).await,
             "atomics" => {
                 let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
                 atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
@@ -683,6 +684,79 @@ async fn bystander(f: Fabric) {
         f.rank()
     );
     println!("blamed=2");
+}
+
+/// Every rank streams ring-sized messages (fragments, not the fast box) to
+/// every other; rank 2 dies mid-stream, and rank 1 drops its fabric as soon
+/// as it sees that, with fragments of ours still in hand. The survivors
+/// must count no bad frame: a peer that left, returning what it held on
+/// its way out, is not a misbehaving one.
+async fn loss_traffic(f: Fabric) {
+    use futures::StreamExt;
+    let me = f.rank();
+    let peers: Vec<u32> = (0..f.size()).filter(|r| *r != me).collect();
+    let mut rx = f.receiver(9).unwrap();
+    let senders: Vec<_> = peers
+        .iter()
+        .map(|&p| {
+            let ep = f.endpoint(p).unwrap();
+            tokio::spawn(async move {
+                for i in 0u64.. {
+                    if ep
+                        .send(9, pattern(2000 + (i as usize % 6000), i))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    if me == 2 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        std::process::abort();
+    }
+    let mut lost = std::collections::HashSet::new();
+    let want = if me == 1 { 1 } else { 2 };
+    while lost.len() < want {
+        match tokio::time::timeout(Duration::from_secs(20), rx.next()).await {
+            Ok(Some(Ok(_))) => {}
+            Ok(Some(Err(Error::PeerLost { rank, .. }))) => {
+                lost.insert(rank);
+            }
+            other => panic!("rank {me}: {other:?}"),
+        }
+    }
+    if me == 1 {
+        // Leave at once, holding whatever fragments arrived.
+        std::process::exit(0);
+    }
+    // Keep taking what the other survivor sends a while, then stop.
+    let _ = tokio::time::timeout(Duration::from_millis(300), async {
+        while rx.next().await.is_some() {}
+    })
+    .await;
+    for s in senders {
+        s.abort();
+    }
+    println!("bad_frames={}", f.stats().bad_frames);
+}
+
+#[test]
+fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
+    let outs = spawn_job(4, "loss_traffic", &[]).wait(Duration::from_secs(60));
+    for r in [0, 3] {
+        if !outs[r as usize].status.success() {
+            dump(&outs);
+            panic!("rank {r} failed");
+        }
+        assert_eq!(
+            value(&outs[r as usize], "bad_frames").as_deref(),
+            Some("0"),
+            "rank {r}"
+        );
+    }
 }
 
 #[test]

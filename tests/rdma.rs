@@ -309,7 +309,26 @@ async fn idle(f: Fabric) {
 /// The receiver does not read for three peer timeouts: the sender must wait
 /// (bounded memory), not declare it lost, then everything arrives.
 async fn stall(f: Fabric) {
+    // The receiver's memory stays bounded too while it does not read:
+    // sampled over its sleep.
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let peak = std::sync::Arc::new(AtomicU64::new(rss_kib()));
+    let before = rss_kib();
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            for _ in 0..30 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                peak.fetch_max(rss_kib(), Ordering::Relaxed);
+            }
+        })
+    };
     stall_scenario(&f, 120, Duration::from_secs(3)).await;
+    let _ = sampler.await;
+    if f.rank() == 1 {
+        println!("rx_rss_before_kib={before}");
+        println!("rx_rss_peak_kib={}", peak.load(Ordering::Relaxed));
+    }
     assert_eq!(f.stats().peers_lost, 0);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
@@ -421,6 +440,17 @@ fn rdma_stalled_receiver_holds_the_sender_back_without_false_loss() {
     assert!(
         peak < before + 48 * 1024,
         "sender RSS grew from {before} KiB to {peak} KiB"
+    );
+    // The receiver held at most its tag budget, its read-ahead and its
+    // credits' eager buffers of the 120 MiB sent while it slept.
+    let before: u64 = value(&outs[1], "rx_rss_before_kib")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let peak: u64 = value(&outs[1], "rx_rss_peak_kib").unwrap().parse().unwrap();
+    assert!(
+        peak < before + 48 * 1024,
+        "receiver RSS grew from {before} KiB to {peak} KiB"
     );
 }
 

@@ -164,9 +164,19 @@ struct Out {
 /// A sequenced frame that arrived, in its peer's order.
 enum In {
     Ready(Kind, u64, Bytes),
+    /// A rendezvous message not yet read.
+    Announced(Kind, u64, wire::Rts),
     /// A rendezvous message being read.
     Reading,
+    /// A rendezvous message read (its bytes count in `PeerState::ahead`).
+    Fetched(Kind, u64, Bytes),
 }
+
+/// Bytes of rendezvous messages a receiver reads ahead of delivering them
+/// (per sender): beyond it, a message is read only once those before it are
+/// delivered, so a receiver that stops reading holds its senders back
+/// instead of filling its memory.
+const READ_AHEAD: usize = 8 << 20;
 
 /// A rendezvous message of ours that a peer is to read.
 struct Lent {
@@ -190,6 +200,11 @@ struct PeerState {
     lent: HashMap<u64, Lent>,
     /// Sends posted and not completed.
     in_flight: usize,
+    /// Bytes of rendezvous messages being read or read, not yet delivered.
+    ahead: usize,
+    /// RDMA writes and reads (puts, gets, rendezvous reads) posted and not
+    /// completed.
+    posted: usize,
     last_heard: Option<Instant>,
     last_sent: Option<Instant>,
     /// Puts and gets the provider refused for now (EAGAIN), to post again.
@@ -755,6 +770,7 @@ impl RdmaTransport {
         };
         match r {
             Ok(()) => {
+                st.peers[op.peer as usize].posted += 1;
                 st.ops.insert(p as usize, Op::Rma(op));
                 Ok(())
             }
@@ -798,6 +814,7 @@ impl RdmaTransport {
         };
         match r {
             Ok(()) => {
+                st.peers[op.peer as usize].posted += 1;
                 st.ops.insert(p as usize, Op::Fetch(op));
                 Ok(())
             }
@@ -885,7 +902,6 @@ impl RdmaTransport {
                     ps.arrived.insert(h.seq, In::Ready(kind, h.tag, b));
                 }
                 Body::Rts(rts) => {
-                    ps.arrived.insert(h.seq, In::Reading);
                     let len = usize::try_from(rts.len).unwrap_or(usize::MAX);
                     if len > isize::MAX as usize / 2 {
                         lost.push((
@@ -895,22 +911,8 @@ impl RdmaTransport {
                         ));
                         return;
                     }
-                    let mut buf = self.core.buffers().take(len);
-                    buf.resize(len, 0);
-                    let op = FetchOp {
-                        peer: rank,
-                        seq: h.seq,
-                        kind,
-                        tag: h.tag,
-                        buf,
-                        rts,
-                        attempts: 0,
-                        ctx: new_ctx(),
-                    };
-                    if let Err(op) = self.post_fetch(st, op) {
-                        st.peers[rank as usize].fetch_retry.push_back(op);
-                        self.backlog.store(true, Ordering::Relaxed);
-                    }
+                    // Read when its turn comes (`start_reads`).
+                    ps.arrived.insert(h.seq, In::Announced(kind, h.tag, rts));
                 }
                 _ => {}
             }
@@ -934,6 +936,52 @@ impl RdmaTransport {
         }
     }
 
+    /// Start reading announced rendezvous messages, in order, as far as
+    /// [`READ_AHEAD`] and their tags' room allow (the first one waiting is
+    /// read whatever its size, once its tag has room).
+    fn start_reads(&self, st: &mut State) {
+        for p in self.peer_list() {
+            if p.lost.load(Ordering::Acquire) {
+                continue;
+            }
+            let r = p.rank as usize;
+            loop {
+                let ps = &mut st.peers[r];
+                let Some((&seq, kind, tag, rts)) = ps.arrived.iter().find_map(|(s, i)| match i {
+                    In::Announced(k, t, rts) => Some((s, *k, *t, *rts)),
+                    _ => None,
+                }) else {
+                    break;
+                };
+                let len = rts.len as usize;
+                if ps.ahead > 0 && ps.ahead + len > READ_AHEAD {
+                    break;
+                }
+                if kind == Kind::User && !self.core.has_room(tag, len) {
+                    break;
+                }
+                ps.arrived.insert(seq, In::Reading);
+                ps.ahead += len;
+                let mut buf = self.core.buffers().take(len);
+                buf.resize(len, 0);
+                let op = FetchOp {
+                    peer: p.rank,
+                    seq,
+                    kind,
+                    tag,
+                    buf,
+                    rts,
+                    attempts: 0,
+                    ctx: new_ctx(),
+                };
+                if let Err(op) = self.post_fetch(st, op) {
+                    st.peers[r].fetch_retry.push_back(op);
+                    self.backlog.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     /// Move in-order frames of every peer to `out`, as far as their tags
     /// have room; return credits owed.
     fn deliver(&self, st: &mut State, out: &mut Vec<(Rank, Kind, u64, Bytes)>) {
@@ -941,11 +989,17 @@ impl RdmaTransport {
         for p in self.peer_list() {
             let r = p.rank as usize;
             let ps = &mut st.peers[r];
-            while let Some(In::Ready(kind, tag, data)) = ps.arrived.get(&ps.expect) {
+            while let Some(In::Ready(kind, tag, data) | In::Fetched(kind, tag, data)) =
+                ps.arrived.get(&ps.expect)
+            {
                 if *kind == Kind::User && !self.core.has_room(*tag, data.len()) {
                     break;
                 }
-                if let Some(In::Ready(kind, tag, data)) = ps.arrived.remove(&ps.expect) {
+                let item = ps.arrived.remove(&ps.expect);
+                if let Some(In::Fetched(_, _, data)) = &item {
+                    ps.ahead = ps.ahead.saturating_sub(data.len());
+                }
+                if let Some(In::Ready(kind, tag, data) | In::Fetched(kind, tag, data)) = item {
                     if kind == Kind::Bye {
                         // It closed in order: its silence from now on is
                         // no loss.
@@ -971,6 +1025,11 @@ impl RdmaTransport {
         let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
             return;
         };
+        match &op {
+            Op::Rma(o) => st.peers[o.peer as usize].posted -= 1,
+            Op::Fetch(o) => st.peers[o.peer as usize].posted -= 1,
+            Op::Recv { .. } | Op::Send { .. } => {}
+        }
         match op {
             Op::Recv { buf, ctx } => {
                 let n = (e.len as usize).min(buf.len());
@@ -992,7 +1051,8 @@ impl RdmaTransport {
             Op::Fetch(mut op) => {
                 let ps = &mut st.peers[op.peer as usize];
                 let data = self.core.buffers().freeze(std::mem::take(&mut op.buf));
-                ps.arrived.insert(op.seq, In::Ready(op.kind, op.tag, data));
+                ps.arrived
+                    .insert(op.seq, In::Fetched(op.kind, op.tag, data));
                 let fin = wire::control(
                     Type::Fin,
                     self.core.rank(),
@@ -1010,6 +1070,11 @@ impl RdmaTransport {
         let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
             return;
         };
+        match &op {
+            Op::Rma(o) => st.peers[o.peer as usize].posted -= 1,
+            Op::Fetch(o) => st.peers[o.peer as usize].posted -= 1,
+            Op::Recv { .. } | Op::Send { .. } => {}
+        }
         let closing = self.core.is_closed();
         let down = connection_down(e);
         let peer_of = match &op {
@@ -1136,6 +1201,7 @@ impl RdmaTransport {
             let rma: Vec<RmaOp> = ps.rma_retry.drain(..).collect();
             ps.fetch_retry.clear();
             ps.arrived.clear();
+            ps.ahead = 0;
             // Posted puts and gets keep their memory until the provider
             // completes them; their futures fail now.
             for op in st.ops.values() {
@@ -1206,7 +1272,7 @@ impl RdmaTransport {
     /// Whether anything is posted besides receive buffers, or waits.
     fn busy(&self, st: &State) -> bool {
         self.backlog.load(Ordering::Relaxed)
-            || st.ops.values().any(|o| !matches!(o, Op::Recv { .. }))
+            || st.peers.iter().any(|p| p.posted > 0 || p.in_flight > 0)
             || st
                 .peers
                 .iter()
@@ -1479,6 +1545,7 @@ impl Transport for RdmaTransport {
             return 0;
         };
         let mut work = 0;
+        let hot;
         let mut out = Vec::new();
         let mut lost = Vec::new();
         {
@@ -1516,12 +1583,19 @@ impl Transport for RdmaTransport {
                     self.repost(&mut st, buf, ctx);
                 }
                 self.deliver(&mut st, &mut out);
+                self.start_reads(&mut st);
                 for p in self.peer_list() {
                     if !p.lost.load(Ordering::Acquire) {
                         work += self.push(&mut st, p);
                     }
                 }
             }
+            // Data is moving: keep the driver polling (a manual-progress
+            // provider moves it only while called).
+            hot = self.peer_list().any(|p| {
+                let ps = &st.peers[p.rank as usize];
+                !p.lost.load(Ordering::Acquire) && (ps.posted > 0 || ps.in_flight > 0)
+            });
         }
         for (rank, why, how) in lost {
             self.lose(rank, &why, how);
@@ -1534,7 +1608,7 @@ impl Transport for RdmaTransport {
                 self.core.on_message(&*link, src, kind, tag, data);
             }
         }
-        work
+        work + usize::from(hot && work == 0)
     }
 
     fn arm(&self) -> bool {
