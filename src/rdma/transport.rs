@@ -119,7 +119,7 @@ enum Op {
     Send {
         peer: Rank,
         frame: Vec<u8>,
-        _ctx: Ctx,
+        ctx: Ctx,
     },
     /// A put or get.
     Rma(RmaOp),
@@ -231,6 +231,8 @@ struct State {
     next_cookie: u64,
     /// Receive buffers whose repost the provider refused for now.
     unposted: Vec<(Box<[u8]>, Ctx)>,
+    /// Contexts of completed sends, for the next ones.
+    spare: Vec<Ctx>,
 }
 
 /// The completion queue's fd, for tokio: the endpoint owns it, and is
@@ -440,6 +442,7 @@ impl RdmaTransport {
                 ops: HashMap::new(),
                 next_cookie: 1,
                 unposted: Vec::new(),
+                spare: Vec::new(),
             }),
             turn: Mutex::new(()),
             counters: Counters::default(),
@@ -523,7 +526,7 @@ impl RdmaTransport {
     ) -> std::result::Result<(), Vec<u8>> {
         let ps = &mut st.peers[peer.rank as usize];
         Header::set_credits(&mut frame, ps.owed);
-        let mut ctx = new_ctx();
+        let mut ctx = st.spare.pop().unwrap_or_else(new_ctx);
         let p = ctx_ptr(&mut ctx);
         // SAFETY: `frame` (a Vec whose heap buffer does not move when the
         // Vec does) and the context go into `st.ops` until the send's
@@ -547,7 +550,7 @@ impl RdmaTransport {
                     Op::Send {
                         peer: peer.rank,
                         frame,
-                        _ctx: ctx,
+                        ctx,
                     },
                 );
                 Ok(())
@@ -675,6 +678,19 @@ impl RdmaTransport {
             let mut frame = Vec::with_capacity(wire::HEADER + data.len());
             self.header(ps, Type::Eager, kind, tag).encode(&mut frame);
             frame.extend_from_slice(&data);
+            let free = ps.queue.is_empty() && ps.credits > 0 && ps.backoff_until.is_none();
+            if free {
+                // Nothing ahead of it and a credit in hand: post it now,
+                // with no completion to wait on.
+                match self.post_frame(&mut st, peer, frame) {
+                    Ok(()) => {
+                        st.peers[peer.rank as usize].credits -= 1;
+                        return Ok(None);
+                    }
+                    Err(f) => frame = f,
+                }
+            }
+            let ps = &mut st.peers[peer.rank as usize];
             let done = Completion::new();
             ps.queue.push_back(Out {
                 frame,
@@ -1036,9 +1052,12 @@ impl RdmaTransport {
                 self.on_receive(st, e.src, &buf[..n], lost);
                 self.repost(st, buf, ctx);
             }
-            Op::Send { peer, .. } => {
+            Op::Send { peer, ctx, .. } => {
                 let ps = &mut st.peers[peer as usize];
                 ps.in_flight = ps.in_flight.saturating_sub(1);
+                if st.spare.len() < 256 {
+                    st.spare.push(ctx);
+                }
             }
             Op::Rma(op) => {
                 bump(if op.write {
@@ -1304,6 +1323,7 @@ impl Drop for RdmaTransport {
                 ops: HashMap::new(),
                 next_cookie: 0,
                 unposted: Vec::new(),
+                spare: Vec::new(),
             },
         );
         self.ep
