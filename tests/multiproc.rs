@@ -38,6 +38,7 @@ fn rank_main() {
             "putget" => putget(f).await,
             "bystander" => bystander(f).await,
             "loss_traffic" => loss_traffic(f).await,
+            "from_source" => from_source(f).await,
             "atomics" => {
                 let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
                 atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
@@ -757,6 +758,67 @@ fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
             "rank {r}"
         );
     }
+}
+
+/// Ranks 1 and 2 each send 2000 messages to rank 0 on one tag (rank 1
+/// through the endpoint's `Sink`). Rank 0 probes, takes all of rank 2's
+/// with `recv_from(2)`, then rank 1's with `recv`: each source's messages
+/// come whole and in its order, whatever the interleaving.
+async fn from_source(f: Fabric) {
+    use futures::{stream, SinkExt};
+    const N: u64 = 2000;
+    let msg = |src: u32, i: u64| pattern(100 + (i as usize * 7) % 400, (u64::from(src) << 32) | i);
+    match f.rank() {
+        0 => {
+            let mut rx = f.receiver(4).unwrap();
+            let (src, len) = loop {
+                if let Some(p) = rx.probe().unwrap() {
+                    break p;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            };
+            assert!(src == 1 || src == 2, "probe: {src}");
+            assert_eq!(len, msg(src, 0).len(), "probe length");
+            for i in 0..N {
+                let m = rx.recv_from(2).await.unwrap();
+                assert_eq!(m.src, 2);
+                assert_eq!(m.data, msg(2, i), "rank 2's message {i}");
+            }
+            // Rank 1's first message is still there, first in line.
+            let mut first = None;
+            while first.is_none() {
+                first = rx.probe_from(1).unwrap();
+            }
+            assert_eq!(first, Some((1, msg(1, 0).len())));
+            assert_eq!(rx.probe_from(2).unwrap(), None, "rank 2 sent no more");
+            for i in 0..N {
+                let m = rx.recv().await.unwrap();
+                assert_eq!(m.src, 1);
+                assert_eq!(m.data, msg(1, i), "rank 1's message {i}");
+            }
+            println!("from_source_ok=1");
+        }
+        1 => {
+            let mut sink = f.endpoint(0).unwrap().into_sink();
+            let mut msgs = stream::iter((0..N).map(|i| Ok((4, msg(1, i)))));
+            sink.send_all(&mut msgs).await.unwrap();
+        }
+        _ => {
+            let ep = f.endpoint(0).unwrap();
+            for i in 0..N {
+                ep.send(4, msg(2, i)).await.unwrap();
+            }
+        }
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+#[test]
+fn receive_from_one_source_and_probe_keep_every_sources_order() {
+    let outs = spawn_job(3, "from_source", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "from_source_ok").as_deref(), Some("1"));
 }
 
 #[test]

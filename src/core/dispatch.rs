@@ -916,6 +916,153 @@ impl Receiver {
     }
 }
 
+impl Receiver {
+    /// Wait for the next message from `src` on this tag, leaving messages
+    /// from other ranks queued, in order, for later receives: per-(source,
+    /// tag) order holds across `recv` and `recv_from`. `Err(PeerLost)` when
+    /// `src` is lost (other ranks' losses stay queued for `recv`).
+    ///
+    /// Messages from other ranks that arrive meanwhile wait within the
+    /// tag's budget (`BTL_RECV_BUDGET`): once they fill it, every sender on
+    /// the tag, `src` among them, is held back. A program that waits on one
+    /// source while others keep sending on the same tag must read theirs
+    /// too (or use a tag per source).
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let mut rx = f.receiver(3)?;
+    /// let from_two = rx.recv_from(2).await?; // whatever rank 1 sent waits
+    /// let next = rx.recv().await?;           // from anyone, in arrival order
+    /// # let _ = (from_two, next); Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Dropping the future loses nothing: messages stay with the receiver.
+    pub async fn recv_from(&mut self, src: crate::Rank) -> Result<Message> {
+        futures::future::poll_fn(|cx| self.poll_recv_from(src, cx)).await
+    }
+
+    /// Poll for the next message from `src` (see [`recv_from`](Self::recv_from)).
+    pub fn poll_recv_from(
+        &mut self,
+        src: crate::Rank,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Message>> {
+        let mut progressed = false;
+        loop {
+            if let Some(i) = self.position_from(src) {
+                return Poll::Ready(self.take_at(i));
+            }
+            // More from the queue (appended after what is here), then our
+            // own progress once, before waiting.
+            match self
+                .disp
+                .refill(self.tag, &mut self.handed, &mut self.local, Some(cx))
+            {
+                Poll::Ready(None) => return Poll::Ready(Err(Error::Closed)),
+                Poll::Ready(Some(())) => continue,
+                Poll::Pending => {}
+            }
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Poll::Ready(Err(Error::Closed));
+            }
+            if progressed {
+                return Poll::Pending;
+            }
+            self.disp.progress_inline_with(&mut self.poller);
+            progressed = true;
+        }
+    }
+
+    /// Whether a message is waiting on this tag now, and from whom and how
+    /// large: `(source, length)` of the one [`recv`](Self::recv) would
+    /// return next, without taking it (after one progress call of its own,
+    /// as [`try_recv`](Self::try_recv) makes). `Ok(None)`: none yet. A lost
+    /// peer waiting to be reported is returned as its `Err(PeerLost)`, and
+    /// stays for `recv`.
+    pub fn probe(&mut self) -> Result<Option<(crate::Rank, usize)>> {
+        self.probe_where(|_| true)
+    }
+
+    /// [`probe`](Self::probe) for messages from `src` only (what
+    /// [`recv_from`](Self::recv_from) would return next).
+    pub fn probe_from(&mut self, src: crate::Rank) -> Result<Option<(crate::Rank, usize)>> {
+        self.probe_where(|r| r == src)
+    }
+
+    fn probe_where(
+        &mut self,
+        want: impl Fn(crate::Rank) -> bool,
+    ) -> Result<Option<(crate::Rank, usize)>> {
+        let find = |local: &VecDeque<Result<Message>>| {
+            local.iter().find_map(|it| match it {
+                Ok(m) if want(m.src) => Some(Ok((m.src, m.data.len()))),
+                Err(Error::PeerLost { rank, reason }) if want(*rank) => {
+                    Some(Err(Error::PeerLost {
+                        rank: *rank,
+                        reason: reason.clone(),
+                    }))
+                }
+                _ => None,
+            })
+        };
+        if let Some(r) = find(&self.local) {
+            return r.map(Some);
+        }
+        while let Poll::Ready(Some(())) =
+            self.disp
+                .refill(self.tag, &mut self.handed, &mut self.local, None)
+        {
+            if let Some(r) = find(&self.local) {
+                return r.map(Some);
+            }
+        }
+        self.disp.progress_inline_with(&mut self.poller);
+        while let Poll::Ready(Some(())) =
+            self.disp
+                .refill(self.tag, &mut self.handed, &mut self.local, None)
+        {
+            if let Some(r) = find(&self.local) {
+                return r.map(Some);
+            }
+        }
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) && self.local.is_empty() {
+            return Err(Error::Closed);
+        }
+        Ok(None)
+    }
+
+    /// Where in `local` the first item for `src` is.
+    fn position_from(&self, src: crate::Rank) -> Option<usize> {
+        self.local.iter().position(|it| match it {
+            Ok(m) => m.src == src,
+            Err(Error::PeerLost { rank, .. }) => *rank == src,
+            Err(_) => false,
+        })
+    }
+
+    /// Take `local[i]` out, charging it as [`next_local`](Self::next_local)
+    /// charges the first.
+    fn take_at(&mut self, i: usize) -> Result<Message> {
+        let Some(item) = self.local.remove(i) else {
+            return Err(Error::Closed);
+        };
+        if i < self.free {
+            self.free -= 1;
+            return item;
+        }
+        if let Ok(m) = &item {
+            let c = cost(m.data.len());
+            if m.data.len() >= SETTLE_AT_ONCE {
+                self.disp.settle(self.tag, c);
+            } else {
+                self.handed += c;
+            }
+        }
+        item
+    }
+}
+
 impl Stream for Receiver {
     type Item = Result<Message>;
 

@@ -103,6 +103,15 @@ impl Endpoint {
         self.0.rma.transport()
     }
 
+    /// This endpoint as a [`futures::Sink`] of `(tag, bytes)` messages (see
+    /// [`SendSink`]).
+    pub fn into_sink(self) -> SendSink {
+        SendSink {
+            ep: self,
+            inflight: None,
+        }
+    }
+
     /// Send `data` on `tag`. Resolves at local completion: the message is in
     /// the peer's FIFO (shared memory) and cannot be lost by this process.
     /// Messages on one tag from one sender arrive in send order.
@@ -535,6 +544,72 @@ enum SendState {
     Start { tag: Tag, data: Bytes },
     Wait(Arc<Completion>),
     Done,
+}
+
+/// An [`Endpoint`] as a [`futures::Sink`] of `(tag, bytes)` messages
+/// ([`Endpoint::into_sink`]): one send in flight at a time, so the sink's
+/// readiness is the previous send's completion (backpressure from a slow
+/// receiver reaches the stream that feeds it). Messages keep their order.
+///
+/// ```no_run
+/// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+/// use futures::{stream, SinkExt, StreamExt};
+/// let mut sink = f.endpoint(1)?.into_sink();
+/// let mut msgs = stream::iter((0..100u32).map(|i| Ok((7, bytes::Bytes::from(i.to_le_bytes().to_vec())))));
+/// sink.send_all(&mut msgs).await?; // and flushed: the last one sent
+/// # Ok(()) }
+/// ```
+///
+/// # Cancel safety
+/// Dropping the sink drops the send in flight, which goes on as a dropped
+/// [`SendFuture`] does (queued messages are still sent).
+#[must_use = "a sink does nothing unless messages are sent into it"]
+pub struct SendSink {
+    ep: Endpoint,
+    inflight: Option<SendFuture>,
+}
+
+impl SendSink {
+    /// The endpoint the sink sends through.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    fn poll_inflight(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if let Some(f) = self.inflight.as_mut() {
+            let r = std::task::ready!(Pin::new(f).poll(cx));
+            self.inflight = None;
+            r?;
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl futures::Sink<(Tag, Bytes)> for SendSink {
+    type Error = Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_inflight(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, (tag, data): (Tag, Bytes)) -> Result<()> {
+        let me = self.get_mut();
+        if me.inflight.is_some() {
+            return Err(Error::Misuse(
+                "SendSink::start_send without poll_ready after the previous send".into(),
+            ));
+        }
+        me.inflight = Some(me.ep.send(tag, data));
+        Ok(())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_inflight(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_inflight(cx)
+    }
 }
 
 /// Future of [`Endpoint::send`].
