@@ -16,7 +16,7 @@ fn rank_main() {
     };
     // The split-copy scenario needs a sender that truly stops (one thread,
     // blocked): a current-thread runtime there.
-    let rt = if scenario == "split" {
+    let rt = if scenario == "split" || scenario == "starved" {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -39,6 +39,7 @@ fn rank_main() {
             "bystander" => bystander(f).await,
             "loss_traffic" => loss_traffic(f).await,
             "from_source" => from_source(f).await,
+            "starved" => starved(f).await,
             "atomics" => {
                 let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
                 atomics_scenario(f, n("BTL_TEST_ADDS"), n("BTL_TEST_LOCKED")).await
@@ -819,6 +820,49 @@ fn receive_from_one_source_and_probe_keep_every_sources_order() {
     let outs = spawn_job(3, "from_source", &[]).wait(Duration::from_secs(60));
     assert_ok(&outs);
     assert_eq!(value(&outs[0], "from_source_ok").as_deref(), Some("1"));
+}
+
+/// On a current-thread runtime, rank 0 polls `try_recv` in a loop that
+/// never yields (the progress task never runs) while rank 1 dies: the
+/// liveness watchdog must still declare it lost, so the loop sees
+/// `PeerLost` instead of spinning forever.
+async fn starved(f: Fabric) {
+    if f.rank() == 1 {
+        f.endpoint(0).unwrap().send(1, pattern(8, 1)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        std::process::abort();
+    }
+    let mut rx = f.receiver(1).unwrap();
+    rx.recv().await.unwrap();
+    let start = std::time::Instant::now();
+    let lost = loop {
+        match rx.try_recv() {
+            Ok(Some(m)) => panic!("unexpected message {m:?}"),
+            Ok(None) => {}
+            Err(e) => break e.is_peer_lost(),
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            break false;
+        }
+        std::hint::spin_loop();
+    };
+    println!("starved_lost={}", u8::from(lost));
+    println!("starved_ms={}", start.elapsed().as_millis());
+}
+
+#[test]
+fn a_peer_dies_while_a_user_loop_starves_the_progress_task() {
+    let outs = spawn_job(2, "starved", &[]).wait(Duration::from_secs(60));
+    if !outs[0].status.success() {
+        dump(&outs);
+        panic!("rank 0 failed");
+    }
+    assert_eq!(
+        value(&outs[0], "starved_lost").as_deref(),
+        Some("1"),
+        "rank 0 never saw the loss (starved_ms={:?})",
+        value(&outs[0], "starved_ms")
+    );
 }
 
 #[test]

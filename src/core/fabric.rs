@@ -646,10 +646,32 @@ impl Fabric {
             0
         });
         core.dispatcher.set_progress_hook(&poller);
+        let beats: Vec<_> = transports
+            .iter()
+            .map(|_| crate::core::progress::Beat::new())
+            .collect();
         let drivers = transports
             .iter()
-            .map(|t| tokio::spawn(crate::core::progress::drive(t.clone(), core.clone())))
+            .zip(&beats)
+            .map(|(t, b)| {
+                tokio::spawn(crate::core::progress::drive(
+                    t.clone(),
+                    core.clone(),
+                    b.clone(),
+                ))
+            })
             .collect();
+        // Liveness that no user loop can starve (see `progress::watchdog`).
+        let watched = transports
+            .iter()
+            .zip(beats)
+            .map(|(t, b)| (Arc::downgrade(t), b))
+            .collect();
+        if let Err(e) =
+            crate::core::progress::watchdog(watched, core.closed.clone(), core.config.heartbeat)
+        {
+            tracing::warn!("no liveness watchdog thread ({e}): peer losses are seen only while the progress tasks run");
+        }
         Ok(Fabric {
             core,
             transports,

@@ -6,7 +6,8 @@
 //! will ring) and polls once more; anything that arrived between the last
 //! poll and the arming is seen by that second poll.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::config::ProgressMode;
@@ -22,8 +23,78 @@ const OS_YIELD_AFTER: Duration = Duration::from_micros(20);
 /// Progress polls between two yields to the runtime while hot.
 const SPIN_TURNS: usize = 64;
 
+/// When a transport's peers were last checked, in ms since `epoch`: by
+/// its progress task, or by the liveness watchdog when that task is not
+/// running.
+pub(crate) struct Beat {
+    epoch: Instant,
+    ms: AtomicU64,
+}
+
+impl Beat {
+    pub(crate) fn new() -> Arc<Beat> {
+        Arc::new(Beat {
+            epoch: Instant::now(),
+            ms: AtomicU64::new(0),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn touch(&self) {
+        self.ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    fn age(&self) -> Duration {
+        Duration::from_millis(
+            self.now_ms()
+                .saturating_sub(self.ms.load(Ordering::Relaxed)),
+        )
+    }
+}
+
+/// How many heartbeats a progress task may miss before the watchdog
+/// checks its peers itself.
+const MISSED_BEATS: u32 = 3;
+
+/// Start the liveness watchdog of a fabric: an OS thread that checks each
+/// transport's peers itself whenever its progress task has not for
+/// [`MISSED_BEATS`] heartbeats (a user task that never yields on a
+/// current-thread runtime, or a runtime whose workers are all busy, starves
+/// the progress tasks: a dead peer must still fail what waits on it). It
+/// holds the transports weakly and ends when the fabric closes.
+pub(crate) fn watchdog(
+    transports: Vec<(Weak<dyn Transport>, Arc<Beat>)>,
+    closed: Arc<AtomicBool>,
+    heartbeat: Duration,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("btl-liveness".into())
+        .spawn(move || loop {
+            std::thread::sleep(heartbeat);
+            if closed.load(Ordering::Acquire) {
+                return;
+            }
+            let mut alive = false;
+            for (t, beat) in &transports {
+                let Some(t) = t.upgrade() else { continue };
+                alive = true;
+                if beat.age() >= heartbeat * MISSED_BEATS && !closed.load(Ordering::Acquire) {
+                    t.check_peers();
+                    beat.touch();
+                }
+            }
+            if !alive {
+                return;
+            }
+        })
+        .map(drop)
+}
+
 /// Drive `t` until the fabric closes.
-pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
+pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat>) {
     let cfg = core.config.clone();
     let mut last_work = Instant::now();
     let mut last_check = Instant::now();
@@ -36,6 +107,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>) {
         let now = Instant::now();
         if now.duration_since(last_check) >= cfg.heartbeat {
             t.check_peers();
+            beat.touch();
             last_check = now;
         }
         if work > 0 {
