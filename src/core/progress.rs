@@ -121,7 +121,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
         }
         let hot = match cfg.progress {
             ProgressMode::BusyPoll => true,
-            ProgressMode::Adaptive => now.duration_since(last_work) < cfg.spin,
+            ProgressMode::Adaptive => now.duration_since(last_work) < cfg.spin || t.keep_hot(),
             ProgressMode::Interrupt => false,
         };
         if hot {

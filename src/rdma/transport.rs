@@ -1565,7 +1565,6 @@ impl Transport for RdmaTransport {
             return 0;
         };
         let mut work = 0;
-        let hot;
         let mut out = Vec::new();
         let mut lost = Vec::new();
         {
@@ -1610,12 +1609,6 @@ impl Transport for RdmaTransport {
                     }
                 }
             }
-            // Data is moving: keep the driver polling (a manual-progress
-            // provider moves it only while called).
-            hot = self.peer_list().any(|p| {
-                let ps = &st.peers[p.rank as usize];
-                !p.lost.load(Ordering::Acquire) && (ps.posted > 0 || ps.in_flight > 0)
-            });
         }
         for (rank, why, how) in lost {
             self.lose(rank, &why, how);
@@ -1628,7 +1621,17 @@ impl Transport for RdmaTransport {
                 self.core.on_message(&*link, src, kind, tag, data);
             }
         }
-        work + usize::from(hot && work == 0)
+        work
+    }
+
+    fn keep_hot(&self) -> bool {
+        // Data is moving: keep the driver polling (a manual-progress
+        // provider moves it only while called).
+        let st = lock(&self.st);
+        self.peer_list().any(|p| {
+            let ps = &st.peers[p.rank as usize];
+            !p.lost.load(Ordering::Acquire) && (ps.posted > 0 || ps.in_flight > 0)
+        })
     }
 
     fn arm(&self) -> bool {

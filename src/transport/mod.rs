@@ -362,6 +362,13 @@ pub(crate) trait Transport: Send + Sync {
     /// Returns the amount of work done (0 = nothing to do).
     fn progress(&self) -> usize;
 
+    /// Whether the progress task must keep polling although a poll found
+    /// nothing (data of posted operations moves only while progress is
+    /// called: a manual-progress NIC provider). Default: no.
+    fn keep_hot(&self) -> bool {
+        false
+    }
+
     /// Prepare to park: ask peers to ring our doorbell. `false` when work
     /// arrived meanwhile (do not park).
     fn arm(&self) -> bool;
