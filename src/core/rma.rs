@@ -41,6 +41,9 @@ enum Pending {
         /// the last part to report (it is refused too: same key, later
         /// range).
         quiet: bool,
+        /// The last part of a get of several: the whole get's remote range,
+        /// which its refusal reports (not the part's own).
+        whole: Option<(u64, u64)>,
     },
     /// A flush request: once answered, every implicit put to the peer
     /// numbered up to `upto` is done (or its refusal is in the answer).
@@ -480,6 +483,7 @@ impl Rma {
                 offset: dst_offset + at as u64,
                 len: n,
                 quiet: !last,
+                whole: (last && at > 0).then(|| (offset, offset + len as u64)),
             };
             let id = self.register(link.peer(), pending, done.clone().filter(|_| last));
             let mut req = encode_req(key, offset + at as u64, 8);
@@ -846,6 +850,14 @@ impl Rma {
                 rank: src,
                 what: "RMA answer does not match the request".into(),
             }),
+            (
+                Err(AccessError::OutOfBounds { len, .. }),
+                Pending::Get {
+                    whole: Some((offset, end)),
+                    ..
+                },
+                _,
+            ) => Err(Error::Access(AccessError::OutOfBounds { offset, end, len })),
             (Err(e), _, _) => Err(Error::Access(e)),
             (Ok(()), Pending::Atomic, Kind::AtomicResp) if payload.len() == 8 => {
                 let old = u64::from_le_bytes(payload.try_into().unwrap_or_default());
