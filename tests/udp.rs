@@ -100,6 +100,7 @@ fn rank_main() {
             "stopped" => stopped(f).await,
             "v6sizes" => v6sizes(f).await,
             "bursts" => bursts(f).await,
+            "dropped" => dropped(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -514,6 +515,47 @@ async fn mixed() {
             println!("open_ms={}", start.elapsed().as_millis());
         }
     }
+}
+
+/// Rank 1 drops its fabric without closing it (its process lives on);
+/// rank 0's put and get to it, started after, must fail with `PeerLost`
+/// well before the peer timeout (20 s here), and name the cause.
+async fn dropped(f: Fabric) {
+    if f.rank() == 1 {
+        let region = f.register(vec![0u8; 4096]);
+        let ep = f.endpoint(0).unwrap();
+        ep.send(1, region.remote_key().to_bytes()).await.unwrap();
+        let mut rx = f.receiver(2).unwrap();
+        rx.recv().await.unwrap();
+        drop(rx);
+        drop(region);
+        drop(f);
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        return;
+    }
+    let mut rx = f.receiver(1).unwrap();
+    let key = RemoteKey::from_bytes(&rx.recv().await.unwrap().data).unwrap();
+    let ep = f.endpoint(1).unwrap();
+    ep.send(2, bytes::Bytes::from_static(b"drop it"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let src = f.register(vec![7u8; 64]);
+    let start = std::time::Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(5), ep.put(&src, 0..64, &key, 0))
+        .await
+        .expect("the put waited for the peer timeout")
+        .unwrap_err();
+    assert!(e.is_peer_lost(), "put: {e}");
+    assert!(e.to_string().contains("without closing"), "{e}");
+    println!("dropped_ms={}", start.elapsed().as_millis());
+}
+
+#[test]
+fn udp_operations_on_a_peer_that_dropped_its_fabric_fail_at_once() {
+    let outs =
+        job(2, "dropped", &[("BTL_UDP_PEER_TIMEOUT_MS", "20000")]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
 }
 
 #[test]

@@ -237,6 +237,7 @@ impl Endpoint {
         if self.0.core.is_closed() {
             return Err(Error::Closed);
         }
+        self.check_not_lost()?;
         let at = Local {
             region: &local.inner,
             offset: range.start as u64,
@@ -356,6 +357,21 @@ impl Endpoint {
     /// Check an atomic's key and word, then offer it to the transport:
     /// `Ok(Ok(old))` when it was done natively, `Ok(Err(Some(slot)))` when
     /// the transport posted it, `Ok(Err(None))` when it must be emulated.
+    /// `PeerLost` with its cause once the core declared the peer lost (a
+    /// transport may not know yet: a peer that dropped its fabric told the
+    /// core alone), so that nothing new waits on it.
+    fn check_not_lost(&self) -> Result<()> {
+        if self.0.core.is_gone(self.0.peer) {
+            if let Some(reason) = self.0.core.lost_reason(self.0.peer) {
+                return Err(Error::PeerLost {
+                    rank: self.0.peer,
+                    reason,
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn start_atomic(
         &self,
         key: &RemoteKey,
@@ -378,6 +394,7 @@ impl Endpoint {
         if self.0.core.is_closed() {
             return Err(Error::Closed);
         }
+        self.check_not_lost()?;
         match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
             Native::Done(old) => {
                 c.add(Hot::NativeAtomics);

@@ -229,6 +229,16 @@ impl Core {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();
             }
+            Kind::Bye if tag == ABANDONED => {
+                // It dropped its fabric without closing it: nothing it owed
+                // us will come (answers to our puts and gets, its barrier
+                // arrivals). Fail what waits on it now, not at the timeout.
+                self.on_peer_lost(
+                    src,
+                    "it dropped its fabric without closing it",
+                    Loss::Closed,
+                );
+            }
             Kind::Bye => {
                 lock(&self.sync).byes.insert(src);
                 self.sync_notify.notify_waiters();
@@ -278,6 +288,13 @@ impl Core {
     /// any rank is lost: one that did not leave in order, else the first.
     pub(crate) fn first_lost(&self) -> Option<Error> {
         lock(&self.sync).culprit(|_| true)
+    }
+
+    /// Whether every rank lost so far left in order (closed or dropped its
+    /// fabric): then the death that made them leave may not have been
+    /// noticed here yet.
+    fn only_departures(&self) -> bool {
+        lock(&self.sync).lost.values().all(|l| l.closed)
     }
 
     /// Wait until `done(state)` holds, failing if a peer in `need` is lost.
@@ -872,28 +889,42 @@ impl Fabric {
         // that closed because another died): the liveness checks run once
         // more first, so that a death this rank has not noticed yet is
         // found.
-        let blame = |e: Error| match e {
-            Error::PeerLost { .. } => {
-                for t in self.transports.iter() {
-                    t.check_peers();
+        // When every rank lost so far only left (it may have left because
+        // of a death not noticed here yet), the checks run again for a few
+        // heartbeats before a leaver is blamed.
+        let blame = |e: Error| async move {
+            match e {
+                Error::PeerLost { .. } => {
+                    for round in 0..=BLAME_ROUNDS {
+                        for t in self.transports.iter() {
+                            t.check_peers();
+                        }
+                        if round == BLAME_ROUNDS || !self.core.only_departures() {
+                            break;
+                        }
+                        tokio::time::sleep(self.core.config.heartbeat / 2).await;
+                    }
+                    self.core.first_lost().unwrap_or(e)
                 }
-                self.core.first_lost().unwrap_or(e)
+                e => e,
             }
-            e => e,
         };
         for r in (0..self.core.size).filter(|r| *r != me) {
             let link = self.core.link(r).ok_or(Error::Closed)?;
             match link.submit(Kind::Barrier, epoch, Bytes::new()) {
                 Ok(Some(c)) => sends.push(c),
                 Ok(None) => {}
-                Err(e) => return Err(blame(e)),
+                Err(e) => return Err(blame(e).await),
             }
         }
         for c in sends {
-            std::future::poll_fn(|cx| c.poll(cx)).await.map_err(blame)?;
+            if let Err(e) = std::future::poll_fn(|cx| c.poll(cx)).await {
+                return Err(blame(e).await);
+            }
         }
         let need = self.core.size as usize - 1;
-        self.core
+        if let Err(e) = self
+            .core
             .wait_sync(
                 "a barrier",
                 None,
@@ -901,7 +932,9 @@ impl Fabric {
                 |_| true,
             )
             .await
-            .map_err(blame)?;
+        {
+            return Err(blame(e).await);
+        }
         lock(&self.core.sync).barrier.remove(&epoch);
         Ok(())
     }
@@ -994,8 +1027,27 @@ impl Fabric {
     }
 }
 
+/// Liveness rounds (half a heartbeat apart) a failed barrier runs before
+/// it blames a rank that only left.
+const BLAME_ROUNDS: u32 = 4;
+
+/// The tag of a goodbye sent by a fabric dropped without `close` (a
+/// closing one sends tag 0).
+const ABANDONED: u64 = 1;
+
 impl Drop for Fabric {
     fn drop(&mut self) {
+        if !self.core.is_closed() {
+            // Dropped without `close`: tell every peer at once (best effort:
+            // whatever the transports can send now), so their operations on
+            // this rank fail now rather than at their peer timeout.
+            let me = self.core.rank;
+            for r in (0..self.core.size).filter(|r| *r != me) {
+                if let Some(l) = self.core.link(r) {
+                    let _ = l.submit(Kind::Bye, ABANDONED, Bytes::new());
+                }
+            }
+        }
         self.shutdown();
     }
 }
