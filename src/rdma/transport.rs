@@ -814,13 +814,15 @@ impl RdmaTransport {
         };
         let desc = std::ptr::null_mut();
         let p = ctx_ptr(&mut op.ctx);
-        // SAFETY: `op.buf` (heap memory that does not move with the Vec)
-        // and the context stay in `st.ops` until the completion is read.
+        // SAFETY: `op.buf` is empty with room for at least `rts.len` bytes
+        // (`start_reads` reserved them), heap memory that does not move
+        // with the Vec; it and the context stay in `st.ops` until the
+        // completion is read.
         let r = unsafe {
             self.ep.post_rma(
                 false,
                 op.buf.as_mut_ptr(),
-                op.buf.len(),
+                op.rts.len as usize,
                 desc,
                 peer.addr,
                 op.rts.addr,
@@ -978,8 +980,10 @@ impl RdmaTransport {
                 }
                 ps.arrived.insert(seq, In::Reading);
                 ps.ahead += len;
+                // Room for `len` bytes, not initialised: the read fills them
+                // (see the completion in `on_completion`).
                 let mut buf = self.core.buffers().take(len);
-                buf.resize(len, 0);
+                buf.reserve(len);
                 let op = FetchOp {
                     peer: p.rank,
                     seq,
@@ -1069,7 +1073,13 @@ impl RdmaTransport {
             }
             Op::Fetch(mut op) => {
                 let ps = &mut st.peers[op.peer as usize];
-                let data = self.core.buffers().freeze(std::mem::take(&mut op.buf));
+                let mut buf = std::mem::take(&mut op.buf);
+                // SAFETY: the read completed successfully: the provider
+                // wrote all `rts.len` bytes into the buffer's first
+                // `rts.len` bytes of capacity (`take` gave at least that
+                // much room, and the read was posted for exactly that).
+                unsafe { buf.set_len(op.rts.len as usize) };
+                let data = self.core.buffers().freeze(buf);
                 ps.arrived
                     .insert(op.seq, In::Fetched(op.kind, op.tag, data));
                 let fin = wire::control(
