@@ -536,7 +536,9 @@ impl Ep {
 /// A memory registration, closed on drop (before the memory it covers
 /// may be freed: whoever holds an `Mr` drops it first).
 pub(crate) struct Mr {
-    ep: std::sync::Arc<Ep>,
+    /// Keeps the endpoint (and its domain) open while the registration
+    /// exists.
+    _ep: std::sync::Arc<Ep>,
     raw: NonNull<RawMr>,
     /// The key a peer names it by.
     pub(crate) key: u64,
@@ -581,7 +583,7 @@ impl Mr {
         }
         let raw = NonNull::new(raw).ok_or(-1)?;
         Ok(Mr {
-            ep: ep.clone(),
+            _ep: ep.clone(),
             raw,
             key: out_key,
             desc,
@@ -596,12 +598,11 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        // SAFETY: `raw` came from abtl_mr_reg on `self.ep`, which is still
-        // open (we hold it), and is closed once, here.
+        // SAFETY: `raw` came from abtl_mr_reg on the endpoint `_ep` holds
+        // open, and is closed once, here.
         let ret = unsafe { abtl_mr_close(self.raw.as_ptr()) };
         if ret != 0 {
             tracing::warn!("rdma: closing a memory registration: {}", strerror(ret));
         }
-        let _ = &self.ep;
     }
 }
