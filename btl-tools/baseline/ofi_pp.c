@@ -42,6 +42,13 @@
  *   put_bw    WINDOW such writes, then wait for all of them; MB/s
  *   get_lat   one fi_readmsg at a time; microseconds per read
  *   get_bw    WINDOW reads, then wait for all of them; MB/s
+ *   atomic_lat        one fi_fetch_atomicmsg (FI_SUM on a uint64_t of
+ *                     rank 1's target) at a time; microseconds each
+ *   atomic_cswap_lat  one fi_compare_atomicmsg (FI_CSWAP) at a time
+ *   atomic_rate       WINDOW non-fetching fi_atomicmsg (FI_SUM) with
+ *                     FI_DELIVERY_COMPLETE, then wait for all; ops/s
+ * (The atomics need the provider's FI_ATOMIC, which rxm emulates; they
+ * are asked for only when an atomic test is run.)
  * Writes and reads all go to offset 0 of rank 1's target, from and into
  * offset 0 of rank 0's buffer, as async-btl's do. ITERS counts round
  * trips, operations or windows. Rank 0 prints one line per point, "TEST
@@ -72,10 +79,25 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_atomic.h>
 
-enum test { LAT, BW, MSG_RATE, PUT_LAT, PUT_BW, GET_LAT, GET_BW, NTESTS };
+enum test {
+    LAT,
+    BW,
+    MSG_RATE,
+    PUT_LAT,
+    PUT_BW,
+    GET_LAT,
+    GET_BW,
+    ATOMIC_LAT,
+    ATOMIC_CSWAP_LAT,
+    ATOMIC_RATE,
+    NTESTS
+};
 
-static const char *names[] = {"lat", "bw", "msg_rate", "put_lat", "put_bw", "get_lat", "get_bw"};
+static const char *names[] = {"lat",     "bw",     "msg_rate",   "put_lat",
+                              "put_bw",  "get_lat", "get_bw",    "atomic_lat",
+                              "atomic_cswap_lat",   "atomic_rate"};
 
 struct point {
     enum test test;
@@ -154,7 +176,11 @@ static int parse_point(const char *s, struct point *p) {
     return 1;
 }
 
-static int windowed(enum test t) { return t == BW || t == MSG_RATE || t == PUT_BW || t == GET_BW; }
+static int windowed(enum test t) {
+    return t == BW || t == MSG_RATE || t == PUT_BW || t == GET_BW || t == ATOMIC_RATE;
+}
+
+static int atomic(enum test t) { return t >= ATOMIC_LAT; }
 
 /* All of `len` bytes through the socketpair, or exit. */
 static void sock_write(const struct fab *f, const void *buf, size_t len) {
@@ -204,7 +230,7 @@ static int poll_cq(struct fab *f) {
             f->recvs++;
         else if (e[i].flags & FI_SEND)
             f->sends++;
-        else if (e[i].flags & (FI_WRITE | FI_READ))
+        else if (e[i].flags & (FI_WRITE | FI_READ | FI_ATOMIC))
             f->rmas++;
     }
     return (int)n;
@@ -280,13 +306,48 @@ static void post_rma(struct fab *f, int write, size_t len, long c) {
     if (r) die(f, write ? "fi_writemsg" : "fi_readmsg", r);
 }
 
+/* A remote atomic on the first uint64_t of the peer's target: fetching
+ * add (result into `small`), compare-and-swap, or a non-fetching add that
+ * completes once applied. */
+static void post_atomic(struct fab *f, enum test t, long c) {
+    struct fi_ioc iov = {.addr = f->sbuf, .count = 1};
+    struct fi_rma_ioc riov = {.addr = f->raddr, .count = 1, .key = f->rkey};
+    struct fi_msg_atomic msg = {
+        .msg_iov = &iov,
+        .desc = &f->desc,
+        .iov_count = 1,
+        .addr = f->peer,
+        .rma_iov = &riov,
+        .rma_iov_count = 1,
+        .datatype = FI_UINT64,
+        .op = t == ATOMIC_CSWAP_LAT ? FI_CSWAP : FI_SUM,
+        .context = ctx(f, c),
+    };
+    struct fi_ioc res = {.addr = f->small, .count = 1};
+    struct fi_ioc cmp = {.addr = f->small + 8, .count = 1};
+    ssize_t r;
+    for (;;) {
+        if (t == ATOMIC_LAT)
+            r = fi_fetch_atomicmsg(f->ep, &msg, &res, &f->desc, 1, FI_COMPLETION);
+        else if (t == ATOMIC_CSWAP_LAT)
+            r = fi_compare_atomicmsg(f->ep, &msg, &cmp, &f->desc, 1, &res, &f->desc, 1,
+                                     FI_COMPLETION);
+        else
+            r = fi_atomicmsg(f->ep, &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
+        if (r != -FI_EAGAIN) break;
+        poll_cq(f);
+    }
+    if (r) die(f, "an atomic", r);
+}
+
 /* Open the endpoint, register `len` bytes, and meet the other process. */
-static void open_fab(struct fab *f, const char *prov, const char *addr, long cq_size) {
+static void open_fab(struct fab *f, const char *prov, const char *addr, long cq_size,
+                     int atomics) {
     struct fi_info *hints = fi_allocinfo();
     if (!hints) die(f, "fi_allocinfo", 0);
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_MSG | FI_RMA | FI_SOURCE | FI_SEND | FI_RECV | FI_READ | FI_WRITE |
-                  FI_REMOTE_READ | FI_REMOTE_WRITE;
+                  FI_REMOTE_READ | FI_REMOTE_WRITE | (atomics ? FI_ATOMIC : 0);
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode =
         FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
@@ -403,8 +464,12 @@ static double run(struct fab *f, const struct point *p) {
             wait_for(f, &f->recvs, (uint64_t)i + 1);
             break;
         default:
-            for (long w = 0; w < n; w++)
-                post_rma(f, p->test == PUT_LAT || p->test == PUT_BW, size, w);
+            for (long w = 0; w < n; w++) {
+                if (atomic(p->test))
+                    post_atomic(f, p->test, w);
+                else
+                    post_rma(f, p->test == PUT_LAT || p->test == PUT_BW, size, w);
+            }
             wait_for(f, &f->rmas, (uint64_t)(i + 1) * n);
             break;
         }
@@ -419,8 +484,11 @@ static double run(struct fab *f, const struct point *p) {
     switch (p->test) {
     case LAT: return secs * 1e6 / (double)p->iters / 2;
     case PUT_LAT:
-    case GET_LAT: return secs * 1e6 / (double)p->iters;
-    case MSG_RATE: return ops / secs;
+    case GET_LAT:
+    case ATOMIC_LAT:
+    case ATOMIC_CSWAP_LAT: return secs * 1e6 / (double)p->iters;
+    case MSG_RATE:
+    case ATOMIC_RATE: return ops / secs;
     default: return ops * (double)size / secs / 1e6;
     }
 }
@@ -458,6 +526,7 @@ int main(int argc, char **argv) {
     struct point *pts = calloc((size_t)argc, sizeof *pts);
     int npts = 0, test = -1;
     long max = SMALL, maxwin = 1, maxops = 1;
+    int atomics = 0;
     for (int a = optind; a < argc; a++) {
         int t = test_of(argv[a]);
         if (t >= 0) {
@@ -476,6 +545,7 @@ int main(int argc, char **argv) {
         if (p->size > max) max = p->size;
         if ((p->test == BW || p->test == MSG_RATE) && p->window > maxwin) maxwin = p->window;
         if (p->window > maxops) maxops = p->window;
+        if (atomic(p->test)) atomics = 1;
     }
     if (npts == 0) return usage();
 
@@ -509,7 +579,7 @@ int main(int argc, char **argv) {
     f.target = f.rbuf + (size_t)max * (size_t)maxwin;
     f.nctx = maxops + 2;
     f.ctx = calloc((size_t)f.nctx, sizeof *f.ctx);
-    open_fab(&f, prov, addr, 2 * maxops + 1024);
+    open_fab(&f, prov, addr, 2 * maxops + 1024, atomics);
 
     if (f.rank == 0) {
         printf("# ofi_pp: libfabric %u.%u, provider %s, fabric %s, domain %s, bound to %s, "

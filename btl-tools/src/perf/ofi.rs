@@ -27,7 +27,12 @@
 //! - `put_lat`, `put_bw`: `fi_writemsg` with `FI_DELIVERY_COMPLETE` (the
 //!   completion says the bytes are in the target's memory, as a `put`
 //!   future's does), one at a time or a window then all completions;
-//! - `get_lat`, `get_bw`: `fi_readmsg`, the same way.
+//! - `get_lat`, `get_bw`: `fi_readmsg`, the same way;
+//! - `atomic_lat`, `atomic_cswap_lat`: one `fi_fetch_atomicmsg` (`FI_SUM`)
+//!   or `fi_compare_atomicmsg` (`FI_CSWAP`) on a `uint64_t` at a time;
+//! - `atomic_rate`: a window of non-fetching `fi_atomicmsg` adds with
+//!   `FI_DELIVERY_COMPLETE`, then all completions (the provider's
+//!   `FI_ATOMIC`, which `ofi_rxm` emulates, is asked for only then).
 //!
 //! Whatever goes wrong (no `cc`, no libfabric headers, a provider that
 //! does not open, a failed or stuck run, output that does not parse) is a
@@ -69,6 +74,9 @@ pub fn supports(test: Test) -> bool {
             | Test::PutBw
             | Test::GetLat
             | Test::GetBw
+            | Test::AtomicLat
+            | Test::AtomicCswapLat
+            | Test::AtomicRate
     )
 }
 
