@@ -231,6 +231,9 @@ struct State {
     next_cookie: u64,
     /// Receive buffers whose repost the provider refused for now.
     unposted: Vec<(Box<[u8]>, Ctx)>,
+    /// Peers to declare lost once the lock is released (found where
+    /// `lose` cannot run).
+    lose_later: Vec<(Rank, String)>,
     /// Contexts of completed sends, for the next ones.
     spare: Vec<Ctx>,
 }
@@ -442,6 +445,7 @@ impl RdmaTransport {
                 ops: HashMap::new(),
                 next_cookie: 1,
                 unposted: Vec::new(),
+                lose_later: Vec::new(),
                 spare: Vec::new(),
             }),
             turn: Mutex::new(()),
@@ -838,13 +842,16 @@ impl RdmaTransport {
             }
             Err(PostError::Again) => Err(op),
             Err(PostError::Other(code)) => {
-                tracing::warn!(
-                    peer = op.peer,
-                    "rdma: posting a rendezvous read: {}",
-                    ofi::strerror(code)
-                );
-                // Dropped: the peer is failed below by its liveness, or the
-                // loss this causes.
+                // The message cannot be read, and everything after it from
+                // this peer waits behind it: the peer is lost (by the next
+                // progress call, outside the lock), never left hanging.
+                st.lose_later.push((
+                    op.peer,
+                    format!(
+                        "its rendezvous message could not be read: {}",
+                        ofi::strerror(code)
+                    ),
+                ));
                 Ok(())
             }
         }
@@ -1333,6 +1340,7 @@ impl Drop for RdmaTransport {
                 ops: HashMap::new(),
                 next_cookie: 0,
                 unposted: Vec::new(),
+                lose_later: Vec::new(),
                 spare: Vec::new(),
             },
         );
@@ -1619,6 +1627,11 @@ impl Transport for RdmaTransport {
                     }
                 }
             }
+            lost.extend(
+                st.lose_later
+                    .drain(..)
+                    .map(|(r, why)| (r, why, Loss::Misbehaved)),
+            );
         }
         for (rank, why, how) in lost {
             self.lose(rank, &why, how);

@@ -326,6 +326,52 @@ pub async fn stall_scenario(f: &async_btl::Fabric, msgs: usize, sleep: std::time
     }
 }
 
+/// The parent side of [`kill_scenario`]: wait until rank 0 says its
+/// futures are pending (`armed_ms=`), SIGKILL rank 1, and return how many
+/// milliseconds rank 0 took to see every future fail (`failed_ms=` less
+/// the kill), with rank 1's pid. Panics (with rank 0's output) if rank 0
+/// never blocks or fails.
+pub fn kill_rank1_when_armed(mut job: Job) -> (u128, u32) {
+    use std::io::{BufRead, BufReader};
+    let start = Instant::now();
+    let mut out0 = String::new();
+    let stdout = job.children[0].stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    while let Some(Ok(l)) = lines.next() {
+        out0.push_str(&l);
+        out0.push('\n');
+        if l.contains("armed_ms=") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "rank 0 never blocked"
+        );
+    }
+    let victim = job.children[1].id();
+    std::thread::sleep(Duration::from_millis(100));
+    let killed_at = now_ms();
+    job.children[1].kill().unwrap();
+    let _ = job.children[1].wait();
+    for l in lines.map_while(Result::ok) {
+        out0.push_str(&l);
+        out0.push('\n');
+    }
+    let outs = job.wait(Duration::from_secs(30));
+    if !outs[0].status.success() {
+        eprintln!("{out0}");
+        dump(&outs);
+        panic!("rank 0 failed");
+    }
+    let failed: u128 = out0
+        .lines()
+        .find_map(|l| l.split_once("failed_ms=").map(|x| x.1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    (failed - killed_at, victim)
+}
+
 /// Rank 1 opens a tag it never reads and waits to be killed by the parent;
 /// rank 0 fills that queue until sends block, prints `armed_ms`, and then
 /// checks that every pending future fails with `PeerLost` once rank 1 is
