@@ -113,6 +113,15 @@ pub struct Config {
     pub boot_timeout: Duration,
     /// Limit on `Fabric::close` waiting for peers. Env: `BTL_CLOSE_TIMEOUT_MS`.
     pub close_timeout: Duration,
+    /// Emulated one-sided operations (put, get, atomics and flush over
+    /// messages) waiting on a peer that has answered none of them for this
+    /// long fail with [`Error::Timeout`](crate::Error::Timeout), even if
+    /// the peer still looks alive: no future waits forever for an answer
+    /// that never comes. Answers that keep coming (a long run of large
+    /// gets) keep every wait alive. Default 5 s, the transports' default
+    /// peer timeout; raise it where answers may queue that long behind
+    /// other traffic (a slow link). Env: `BTL_ANSWER_TIMEOUT_MS`.
+    pub answer_timeout: Duration,
     /// Settings of the `udp` transport (`BTL_UDP_*`).
     pub udp: crate::UdpConfig,
     /// Settings of the `rdma` transport (`BTL_RDMA_*`; read in every
@@ -135,6 +144,7 @@ impl Default for Config {
             recv_total_budget: 1 << 30,
             boot_timeout: Duration::from_secs(30),
             close_timeout: Duration::from_secs(10),
+            answer_timeout: Duration::from_secs(5),
             udp: Default::default(),
             rdma: Default::default(),
             transports: Vec::new(),
@@ -171,6 +181,9 @@ impl Config {
         }
         if let Some(v) = us("BTL_CLOSE_TIMEOUT_MS")? {
             c.close_timeout = Duration::from_millis(v);
+        }
+        if let Some(v) = us("BTL_ANSWER_TIMEOUT_MS")? {
+            c.answer_timeout = Duration::from_millis(v.max(1));
         }
         for (k, f) in [
             ("BTL_RECV_BUDGET", &mut c.recv_budget),

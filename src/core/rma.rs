@@ -56,6 +56,8 @@ enum Pending {
 
 struct Op {
     peer: Rank,
+    /// When it was registered, in ms since [`Rma::epoch`].
+    since: u64,
     /// `None` for an implicit operation (`put_nbi`/`get_nbi`): its outcome
     /// goes to the peer's next `flush`.
     done: Option<Arc<Completion>>,
@@ -102,6 +104,10 @@ pub(crate) struct Rma {
     settling: Vec<AtomicU64>,
     /// Where operations on a rank beyond `settling` are counted.
     settling_other: AtomicU64,
+    /// Per peer rank: when it last answered an operation of ours, in ms
+    /// since `epoch` (see [`Rma::expire`]).
+    heard: Vec<AtomicU64>,
+    epoch: std::time::Instant,
 }
 
 /// Holds counts of [`Rma::settling`] while operations are settled.
@@ -246,12 +252,23 @@ impl Rma {
             refused: Mutex::new(HashMap::new()),
             settling: (0..size).map(|_| AtomicU64::new(0)).collect(),
             settling_other: AtomicU64::new(0),
+            heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
         }
     }
 
     fn register(&self, peer: Rank, what: Pending, done: Option<Arc<Completion>>) -> u64 {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.ops).insert(id, Op { peer, done, what });
+        let since = self.now_ms();
+        lock(&self.ops).insert(
+            id,
+            Op {
+                peer,
+                since,
+                done,
+                what,
+            },
+        );
         id
     }
 
@@ -615,6 +632,54 @@ impl Rma {
         self.fail(ops, err);
     }
 
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Fail with [`Error::Timeout`] every operation waiting on a peer that
+    /// has had one waiting for longer than `after` and answered none for
+    /// that long (an answer that never comes, whatever the transport
+    /// thinks of the peer). Called on the heartbeat. Returns how many
+    /// failed.
+    pub(crate) fn expire(&self, after: std::time::Duration) -> usize {
+        let now = self.now_ms();
+        let limit = after.as_millis() as u64;
+        let heard = |p: Rank| {
+            self.heard
+                .get(p as usize)
+                .map_or(0, |h| h.load(Ordering::Relaxed))
+        };
+        let silent: Vec<Rank> = {
+            let ops = lock(&self.ops);
+            let mut v: Vec<Rank> = ops
+                .values()
+                .filter(|o| {
+                    now.saturating_sub(o.since) > limit && now.saturating_sub(heard(o.peer)) > limit
+                })
+                .map(|o| o.peer)
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let mut n = 0;
+        for peer in silent {
+            let ops = self.take_ops(|o| o.peer == peer);
+            n += ops.len();
+            tracing::warn!(
+                "rank {peer} answered none of {} emulated one-sided operations for {after:?}: failing them",
+                ops.len()
+            );
+            self.fail(ops, || Error::Timeout {
+                what: format!(
+                    "an answer from rank {peer} to an emulated put, get, atomic or flush"
+                ),
+                after,
+            });
+        }
+        n
+    }
+
     /// Fail everything pending (the fabric is closing).
     pub(crate) fn close(&self) {
         let ops = self.take_ops(|_| true);
@@ -712,6 +777,9 @@ impl Rma {
                 self.answer(link, Kind::AtomicResp, id, body);
             }
             Kind::PutAck | Kind::GetResp | Kind::FlushAck | Kind::AtomicResp => {
+                if let Some(h) = self.heard.get(src as usize) {
+                    h.store(self.now_ms(), Ordering::Relaxed);
+                }
                 self.finish(src, kind, id, &data)
             }
             _ => {}
@@ -963,6 +1031,47 @@ mod tests {
         }
         assert_eq!(r.outstanding(1), 0);
         assert!(matches!(r.take_failure(1), Some(Error::Closed)));
+    }
+
+    /// An operation whose answer never comes fails with `Timeout` once its
+    /// peer has answered nothing for the limit; answers that keep coming
+    /// keep the other waits alive; another peer's operations are left.
+    #[test]
+    fn operations_a_silent_peer_never_answers_time_out() {
+        let (r, _) = rma(3);
+        let to_1 = Wire::new(1);
+        let to_2 = Wire::new(2);
+        let src = HeapBuf::from_vec(vec![1; 8]);
+        for to in [&to_1, &to_2] {
+            r.put_implicit(to, &[7; 16], 0, (src.raw(), 0, 8)).unwrap();
+            r.flush_request(to).unwrap();
+        }
+        let (fa, fb) = (to_1.take(), to_2.take());
+        assert_eq!((fa.len(), fb.len()), (2, 2), "a put and a flush each");
+        let limit = std::time::Duration::from_millis(30);
+        assert_eq!(r.expire(limit), 0, "young operations are left");
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        // Rank 2 answers something (of another operation) just now: its
+        // wait goes on.
+        r.heard[2].store(r.now_ms(), Ordering::Relaxed);
+        assert_eq!(r.expire(limit), 1, "rank 1's flush times out");
+        assert_eq!(r.outstanding(1), 0);
+        let e = r.take_failure(1).expect("the flush's failure");
+        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        assert!(e.to_string().contains("rank 1"), "{e}");
+        assert_eq!(r.outstanding(2), 1, "rank 2's wait goes on");
+        // Its answer, late, still settles it.
+        let (kind, id, _) = fb.into_iter().nth(1).unwrap();
+        assert_eq!(kind, Kind::FlushReq);
+        r.handle(
+            &to_2,
+            2,
+            Kind::FlushAck,
+            id,
+            encode_status(&Ok(()), 0).freeze(),
+        );
+        assert_eq!(r.outstanding(2), 0);
+        assert!(r.take_failure(2).is_none());
     }
 
     fn rma(size: u32) -> (Rma, Arc<RegionTable>) {
