@@ -792,10 +792,28 @@ impl UdpExchange {
     /// over a link that loses, duplicates and reorders as `seed` draws
     /// (each in `0..=255`ths: `loss`, `dup`, `reorder`).
     pub fn new(seed: u64, isns: [u64; 2], loss: u8, dup: u8, reorder: u8) -> UdpExchange {
+        Self::guarded(seed, isns, loss, dup, reorder, false)
+    }
+
+    /// As [`new`](Self::new), the datagrams guarded by the keyed MAC when
+    /// `mac` (`BTL_UDP_AUTH=mac`), else by the CRC.
+    pub fn guarded(
+        seed: u64,
+        isns: [u64; 2],
+        loss: u8,
+        dup: u8,
+        reorder: u8,
+        mac: bool,
+    ) -> UdpExchange {
         let cfg = crate::udp::proto::Config {
             max_datagram: 300,
             send_window: 16,
             recv_window: 16,
+            guard: if mac {
+                crate::udp::proto::Guard::Mac
+            } else {
+                crate::udp::proto::Guard::Crc
+            },
             ..crate::udp::proto::Config::default()
         };
         let p = |x: u8| f64::from(x) / 1024.0;

@@ -5,13 +5,16 @@
 //! each side must receive exactly what the other sent — every message,
 //! whole, once, in order — and the exchange must complete.
 //!
-//! A datagram that passes the checksum and is addressed to the connection
-//! is accepted by design (the protocol authenticates nothing; its 64-bit
-//! random initial sequence numbers keep blind forgers out of the window,
-//! as TCP's do). So such a forgery, unless an exact replay, is made blind
-//! before it is sent: its sequence, ACK and SACK numbers are moved half
-//! the sequence space away from where the exchange runs, which a forger
-//! who does not see the traffic cannot tell apart from where it runs.
+//! Under the CRC (`BTL_UDP_AUTH=crc`) a datagram that passes the checksum
+//! and is addressed to the connection is accepted by design (only its
+//! 64-bit random initial sequence numbers keep blind forgers out of the
+//! window, as TCP's do). So there such a forgery, unless an exact replay,
+//! is made blind before it is sent: its sequence, ACK and SACK numbers are
+//! moved half the sequence space away from where the exchange runs, which
+//! a forger who does not see the traffic cannot tell apart from where it
+//! runs. Under the MAC (chosen by the input's first byte) the forger sees
+//! everything and sends its datagrams as they are, with the real sequence
+//! numbers: none may be taken.
 #![no_main]
 
 use std::time::Duration;
@@ -26,8 +29,12 @@ use input::Input;
 
 const BLIND: u64 = 1 << 63;
 
-/// `d` as a blind forger could send it to side `to` (see above).
-fn blind(d: Vec<u8>, to: usize) -> Vec<u8> {
+/// `d` as a blind forger could send it to side `to` (see above); under the
+/// MAC, `d` itself.
+fn blind(d: Vec<u8>, to: usize, mac: bool) -> Vec<u8> {
+    if mac {
+        return d;
+    }
     let Ok((h, payload)) = decode(&d) else {
         return d;
     };
@@ -64,10 +71,11 @@ fn content(side: usize, i: usize, len: usize) -> Vec<u8> {
 
 fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);
+    let mac = input.u8() & 1 == 1;
     let seed = input.u64();
     let isns = [input.u64(), input.u64()];
     let (loss, dup, reorder) = (input.u8() % 64, input.u8() % 64, input.u8());
-    let mut x = UdpExchange::new(seed, isns, loss, dup, reorder);
+    let mut x = UdpExchange::guarded(seed, isns, loss, dup, reorder, mac);
     for side in 0..2 {
         for i in 0..usize::from(input.u8() % 6) {
             let len = usize::from(input.u16()) % 3000;
@@ -86,7 +94,7 @@ fuzz_target!(|data: &[u8]| {
                 let after = Duration::from_micros(u64::from(input.u16()));
                 let n = usize::from(input.u16() % 400);
                 let d = input.bytes(n);
-                x.inject(to, after, blind(d, to));
+                x.inject(to, after, blind(d, to, mac));
             }
             2 => {
                 // An exact replay, now or later.
@@ -108,7 +116,7 @@ fuzz_target!(|data: &[u8]| {
                     if input.u8() & 1 == 1 {
                         d.truncate(usize::from(input.u16()));
                     }
-                    x.inject(to, Duration::ZERO, blind(d, to));
+                    x.inject(to, Duration::ZERO, blind(d, to, mac));
                 }
             }
         }

@@ -38,6 +38,19 @@ pub(crate) fn job_tag(key: &[u8; 32]) -> [u64; 2] {
     [fnv(1, key), fnv(2, key)]
 }
 
+/// HMAC-SHA256 under `key` of `parts`, each preceded by its length (so
+/// that no two lists of parts give the same input).
+fn hmac_parts(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    use hmac::Mac;
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+    for p in parts {
+        m.update(&(p.len() as u64).to_le_bytes());
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
 /// State shared by the fabric, its endpoints and its transports.
 ///
 /// Its fields are the core's own; a transport reaches the core only
@@ -47,6 +60,9 @@ pub(crate) struct Core {
     pub(super) size: u32,
     pub(super) config: Config,
     pub(super) job_tag: [u64; 2],
+    /// Derived from the job key, never the key itself: the root of the
+    /// keys transports derive ([`Core::derive_key`]).
+    pub(super) key_root: [u8; 32],
     pub(super) dispatcher: Arc<Dispatcher>,
     pub(super) rma: Rma,
     pub(super) counters: Arc<Counters>,
@@ -119,6 +135,16 @@ impl Core {
     /// The tag that tells this job's shared files apart from others'.
     pub(crate) fn job_tag(&self) -> [u64; 2] {
         self.job_tag
+    }
+
+    /// A secret key for `purpose`, derived from the job key and `parts`:
+    /// the same in every rank that holds the job key and passes the same
+    /// parts, and unguessable to anyone else (HMAC-SHA256).
+    pub(crate) fn derive_key(&self, purpose: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+        let mut all = Vec::with_capacity(parts.len() + 1);
+        all.push(purpose);
+        all.extend_from_slice(parts);
+        hmac_parts(&self.key_root, &all)
     }
 
     /// The fabric's counters.
@@ -475,6 +501,7 @@ impl Fabric {
             rank: b.rank,
             size: b.size,
             job_tag: job_tag(&b.job_key),
+            key_root: hmac_parts(&b.job_key, &[b"async-btl transport keys"]),
             dispatcher: Dispatcher::new(
                 (b.config.recv_budget, b.config.recv_total_budget),
                 b.config.progress,

@@ -47,6 +47,21 @@ pub struct UdpConfig {
     /// them (on by default; they matter on paths with an MTU below 64 KiB,
     /// such as Ethernet). Env: `BTL_UDP_GSO` (`1`/`on`, `0`/`off`).
     pub gso: bool,
+    /// What closes every datagram. [`Guard::Crc`](super::proto::Guard::Crc)
+    /// (the default): a CRC32C, which catches corruption but not forgery: a
+    /// host on the path, or a local user with raw-socket rights, who reads
+    /// the job id and sequence numbers off the wire can send datagrams the
+    /// receiver takes as the peer's. [`Guard::Mac`](super::proto::Guard::Mac):
+    /// an AES-128-GCM tag under a key per direction of each pair, derived
+    /// from the job key, with a nonce counter, so that a datagram no rank
+    /// of the job sealed is dropped and counted
+    /// ([`UdpStats::bad_trailers`](crate::UdpStats::bad_trailers)), whoever
+    /// sent it and whatever it says. It costs about a third of the
+    /// bandwidth of 1 MiB messages on loopback, where the CPU is the
+    /// bottleneck (see the benchmarks page), which is why it is not the
+    /// default: turn it on for networks you do not trust. Every rank must
+    /// use the same. Env: `BTL_UDP_AUTH` (`crc`, `mac`).
+    pub auth: super::proto::Guard,
 }
 
 impl Default for UdpConfig {
@@ -59,6 +74,7 @@ impl Default for UdpConfig {
             stall_timeout: Duration::from_secs(60),
             bundle: true,
             gso: true,
+            auth: super::proto::Guard::Crc,
         }
     }
 }
@@ -86,6 +102,17 @@ impl UdpConfig {
                     "BTL_UDP_GSO={v:?}: use 1 (segmentation offload where the kernel has it, the default) or 0 (datagram by datagram)"
                 ))
             })?;
+        }
+        if let Some(v) = get("BTL_UDP_AUTH") {
+            self.auth = match v.trim().to_ascii_lowercase().as_str() {
+                "mac" => super::proto::Guard::Mac,
+                "crc" => super::proto::Guard::Crc,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "BTL_UDP_AUTH={v:?}: use crc (a checksum only, the default, for a trusted network) or mac (authenticate every datagram)"
+                    )))
+                }
+            };
         }
         if let Some(v) = get("BTL_UDP_ADDR") {
             let a: std::net::IpAddr = v

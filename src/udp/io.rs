@@ -23,7 +23,7 @@ use super::proto;
 /// Datagrams moved per system call.
 pub(crate) const BATCH: usize = 16;
 /// Parts of an outgoing datagram, sent without joining them: header,
-/// payload (a slice of the user's message), checksum trailer.
+/// payload (a slice of the user's message), trailer (CRC or MAC).
 pub(crate) const PARTS: usize = 3;
 /// One outgoing datagram, in parts (see [`PARTS`]).
 pub(crate) type Parts<'a> = [&'a [u8]; PARTS];
@@ -53,11 +53,15 @@ pub(crate) struct RecvBatch {
     ctl: [Ctl; BATCH],
     /// Buffers of the last call that held several datagrams.
     pub(crate) coalesced: usize,
+    /// Length of the job's datagram trailer (see `proto::Guard`).
+    trailer: usize,
 }
 
 impl RecvBatch {
-    pub(crate) fn new() -> RecvBatch {
+    /// Buffers for datagrams whose trailers are `trailer` bytes long.
+    pub(crate) fn new(trailer: usize) -> RecvBatch {
         RecvBatch {
+            trailer,
             bufs: (0..BATCH).map(|_| vec![0u8; RECV_BUF]).collect(),
             lens: [0; BATCH],
             from: [None; BATCH],
@@ -119,15 +123,11 @@ impl RecvBatch {
     /// buffer as expected, in arrival order (each trailer came first in
     /// its overflow buffer).
     pub(crate) fn landed(&self) -> impl Iterator<Item = proto::Landed<'_>> {
-        (0..self.first).map(|i| {
-            let mut crc = [0u8; proto::CRC_LEN];
-            crc.copy_from_slice(&self.bufs[i][..proto::CRC_LEN]);
-            proto::Landed {
-                head: &self.heads[i],
-                at: self.at[i].0,
-                len: self.at[i].1,
-                crc,
-            }
+        (0..self.first).map(|i| proto::Landed {
+            head: &self.heads[i],
+            at: self.at[i].0,
+            len: self.at[i].1,
+            trailer: proto::Trailer::from_slice(&self.bufs[i][..self.trailer]),
         })
     }
 }
@@ -232,7 +232,7 @@ pub(crate) fn recv_in_place(
         if landed == i
             && b.seg[i] == 0
             && b.from[i] == Some(expect)
-            && len == HEAD + place(i) + proto::CRC_LEN
+            && len == HEAD + place(i) + b.trailer
         {
             b.at[i] = (at, place(i));
             at += place(i);
@@ -674,13 +674,17 @@ mod tests {
     use std::sync::atomic::AtomicBool;
 
     /// A datagram of the in-place shape: `HEAD` header bytes, `payload`
-    /// bytes, a 4-byte trailer, each filled with its own pattern.
+    /// bytes, a trailer of `TRAILER` bytes, each filled with its own
+    /// pattern.
     fn dgram(tag: u8, payload: usize) -> Vec<u8> {
         let mut d = vec![tag; HEAD];
         d.extend((0..payload).map(|i| tag.wrapping_add(i as u8)));
-        d.extend_from_slice(&[tag ^ 0xff; proto::CRC_LEN]);
+        d.extend_from_slice(&[tag ^ 0xff; TRAILER]);
         d
     }
+
+    /// The trailer of the datagrams these tests send: a MAC's, the longer.
+    const TRAILER: usize = proto::MAX_TRAILER;
 
     #[test]
     fn datagrams_land_in_place_only_in_order_from_the_expected_source() {
@@ -693,7 +697,7 @@ mod tests {
             let to = rx.local_addr().unwrap();
             let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
             let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            let mut batch = RecvBatch::new();
+            let mut batch = RecvBatch::new(TRAILER);
             let chunk = 100;
             // Two that fit their places, one from elsewhere, one short,
             // then one that would fit again (after a miss: joined too).
@@ -729,7 +733,7 @@ mod tests {
                 assert_eq!(l.head, &d[..HEAD]);
                 assert_eq!((l.at, l.len), (10 + i * chunk, chunk));
                 assert_eq!(&buf[l.at..l.at + l.len], &d[HEAD..HEAD + chunk]);
-                assert_eq!(&l.crc[..], &d[d.len() - proto::CRC_LEN..]);
+                assert_eq!(l.trailer.as_ref(), &d[d.len() - TRAILER..]);
             }
             // The rest come whole, with their sources.
             let rest: Vec<(Option<SocketAddr>, Vec<u8>)> =
@@ -824,7 +828,7 @@ mod tests {
             let rx = UdpSocket::bind("[::1]:0").await.unwrap();
             let to = rx.local_addr().unwrap();
             let from = a.local_addr().unwrap();
-            let mut batch = RecvBatch::new();
+            let mut batch = RecvBatch::new(TRAILER);
             // recvfrom, then recvmmsg, then an in-place batch.
             a.send_to(&dgram(1, 10), to).unwrap();
             assert_eq!(recv_one_now(&rx, &mut batch, false).unwrap(), 1);
@@ -905,7 +909,7 @@ mod tests {
                 .iter()
                 .map(|d| [&d[..32], &d[32..d.len() - 4], &d[d.len() - 4..]])
                 .collect();
-            let mut batch = RecvBatch::new();
+            let mut batch = RecvBatch::new(TRAILER);
             let allowed = AtomicBool::new(true);
             let (mut sent, mut got, mut joined, mut turn) = (0, Vec::new(), 0, 0usize);
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -953,7 +957,7 @@ mod tests {
             tx.writable().await.unwrap();
             let allowed = AtomicBool::new(true);
             assert_eq!(send(&tx, to, &parts, Some(gso(&off, &allowed))), 5);
-            let mut batch = RecvBatch::new();
+            let mut batch = RecvBatch::new(TRAILER);
             let mut buf = Vec::with_capacity(10 * chunk);
             buf.extend_from_slice(&[9u8; 10]);
             let mut n = 0;

@@ -94,6 +94,11 @@ pub(crate) struct UdpAddr {
     pub(crate) mtu: u32,
     /// Receive buffer of our sockets as the kernel reports it.
     pub(crate) rcvbuf: u32,
+    /// What guards our datagrams (`Guard::name`): every rank must agree.
+    pub(crate) auth: String,
+    /// Random per process: mixed into the keys of every pair it is in, so
+    /// that each incarnation of a pair has keys of its own.
+    pub(crate) salt: [u8; 16],
 }
 
 /// Bytes the default window lets be in flight at least (see
@@ -313,6 +318,8 @@ impl UdpTransport {
             isn: u64::from_le_bytes(crate::sys::os::random_bytes::<8>()),
             mtu: config.mtu.unwrap_or_else(|| net::mtu_of(&ifs, ip)) as u32,
             rcvbuf: u32::try_from(rcv).unwrap_or(u32::MAX),
+            auth: config.auth.name().to_string(),
+            salt: crate::sys::os::random_bytes::<16>(),
         };
         let off = offload::Offload::probe(std::os::fd::AsRawFd::as_raw_fd(&data), config.gso);
         let io = Sockets {
@@ -323,11 +330,12 @@ impl UdpTransport {
                 .map_err(os("registering the priority socket"))?,
         };
         let now = Instant::now();
+        let trailer = config.auth.trailer_len();
         Ok(Arc::new(UdpTransport {
             keepalive: peer::keepalive_every(config.peer_timeout),
             config,
             job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(17),
-            rx: Mutex::new(RxState::new(core.size() as usize)),
+            rx: Mutex::new(RxState::new(core.size() as usize, trailer)),
             core,
             io,
             me,
@@ -417,10 +425,44 @@ impl UdpTransport {
             recv_window: window(self.me.rcvbuf),
             send_budget: (4 << 20).max(2 * send_window as usize * dgram),
             peer_timeout: self.config.stall_timeout,
+            guard: self.config.auth,
             ..d
         };
         let whole = route.map_or(true, |r| net::fits(dgram, r, self.me.ip));
         (cfg, whole)
+    }
+
+    /// The seal of our connection to `rank`, which published `a`: under a
+    /// MAC, a key per direction derived from the job key, both ranks and
+    /// both processes' salts.
+    fn seal_for(&self, rank: Rank, a: &UdpAddr) -> Result<proto::Seal> {
+        if a.auth != self.config.auth.name() {
+            return Err(Error::Config(format!(
+                "udp: rank {rank} guards its datagrams with {:?} and this rank with {:?}; set BTL_UDP_AUTH the same on every rank",
+                a.auth,
+                self.config.auth.name()
+            )));
+        }
+        Ok(match self.config.auth {
+            proto::Guard::Crc => proto::Seal::crc(),
+            proto::Guard::Mac => {
+                let me = self.core.rank();
+                let job = self.job.to_le_bytes();
+                let key = |from: Rank, to: Rank, s_from: &[u8; 16], s_to: &[u8; 16]| {
+                    let k = self.core.derive_key(
+                        b"udp datagram mac",
+                        &[&job, &from.to_le_bytes(), &to.to_le_bytes(), s_from, s_to],
+                    );
+                    let mut out = [0u8; proto::seal::KEY_LEN];
+                    out.copy_from_slice(&k[..proto::seal::KEY_LEN]);
+                    out
+                };
+                proto::Seal::mac(
+                    &key(me, rank, &self.me.salt, &a.salt),
+                    &key(rank, me, &a.salt, &self.me.salt),
+                )
+            }
+        })
     }
 
     /// Create a connection per peer; returns a link per peer rank.
@@ -444,9 +486,16 @@ impl UdpTransport {
                 local_rank: me,
                 peer_rank: *rank,
             };
-            let mut conn =
-                proto::Connection::new(cfg, ids, mix(self.me.isn, *rank), mix(a.isn, me), now)
-                    .map_err(|e| Error::Config(e.to_string()))?;
+            let seal = self.seal_for(*rank, a)?;
+            let mut conn = proto::Connection::with_seal(
+                cfg,
+                ids,
+                mix(self.me.isn, *rank),
+                mix(a.isn, me),
+                now,
+                seal,
+            )
+            .map_err(|e| Error::Config(e.to_string()))?;
             conn.set_buffers(Arc::new(Pool(self.core.buffers().clone())));
             let peer = Arc::new(Peer {
                 rank: *rank,
@@ -528,6 +577,14 @@ impl UdpTransport {
         s.udp.gro_receives = g(&self.io.off.gro_receives);
         s.udp.gso_refusals = g(&self.io.off.refusals);
         s.udp.foreign_datagrams = g(&self.foreign);
+        s.udp.bad_trailers = self
+            .peers
+            .get()
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|p| lock(&p.st).conn.stats().checksum_errors)
+            .sum();
     }
 
     /// The largest datagram (UDP payload) sent to `rank`.
@@ -708,7 +765,17 @@ impl Transport for UdpTransport {
         let mut ranks = Vec::new();
         for p in job {
             if let Some(a) = p.addr("udp") {
-                ranks.push((p.rank, decode_addr(p.rank, a)?.ip, p));
+                let a = decode_addr(p.rank, a)?;
+                if a.auth != self.config.auth.name() {
+                    return Err(Error::Config(format!(
+                        "udp: rank {} guards its datagrams with {:?} and rank {} with {:?}; set BTL_UDP_AUTH the same on every rank",
+                        p.rank,
+                        a.auth,
+                        self.core.rank(),
+                        self.config.auth.name()
+                    )));
+                }
+                ranks.push((p.rank, a.ip, p));
             }
         }
         check_families(&mut ranks)
@@ -967,6 +1034,8 @@ mod tests {
                 isn: 7,
                 mtu: 65_536,
                 rcvbuf: 1 << 20,
+                auth: "mac".into(),
+                salt: [3; 16],
             };
             let raw = postcard::to_allocvec(&u).unwrap();
             let back: UdpAddr = postcard::from_bytes(&raw).unwrap();

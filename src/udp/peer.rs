@@ -77,17 +77,17 @@ pub(crate) const BUNDLE_ITEM_MAX: usize = 4096 + 64;
 pub(crate) const BUNDLE_MAX: usize = 32 * 1024;
 
 /// A datagram to send, in parts, so the payload (a slice of the user's
-/// message) is never copied: header, payload, checksum trailer.
+/// message) is never copied: header, payload, trailer.
 struct Out {
     priority: bool,
     head: Vec<u8>,
     payload: Bytes,
-    crc: [u8; 4],
+    trailer: proto::Trailer,
 }
 
 impl Out {
     fn parts(&self) -> io::Parts<'_> {
-        [&self.head, &self.payload, &self.crc]
+        [&self.head, &self.payload, self.trailer.as_ref()]
     }
 }
 
@@ -486,13 +486,13 @@ impl PeerState {
             while n < fill && bytes < budget {
                 let mut head = self.spare.pop().unwrap_or_default();
                 match self.conn.poll_transmit_split(now, &mut head) {
-                    Some((t, payload, crc)) => {
+                    Some((t, payload, trailer)) => {
                         bytes += head.len() + payload.len();
                         self.backlog.push_back(Out {
                             priority: t.priority,
                             head,
                             payload,
-                            crc,
+                            trailer,
                         });
                         n += 1;
                     }
@@ -578,12 +578,12 @@ impl PeerState {
             kind: proto::Kind::Ack(proto::Sack::EMPTY),
         };
         let mut head = Vec::new();
-        let crc = h.encode_split(&[], &mut head);
+        let trailer = self.conn.encode_split(&h, &[], &mut head);
         self.backlog.push_back(Out {
             priority: true,
             head,
             payload: Bytes::new(),
-            crc,
+            trailer,
         });
         self.send_backlog(Instant::now(), io, peer);
     }

@@ -166,10 +166,12 @@ impl Clock {
 }
 
 impl RxState {
-    pub(crate) fn new(size: usize) -> RxState {
+    /// State for a job of `size` ranks whose datagrams end in trailers of
+    /// `trailer` bytes.
+    pub(crate) fn new(size: usize, trailer: usize) -> RxState {
         RxState {
-            batch: RecvBatch::new(),
-            prio_batch: RecvBatch::new(),
+            batch: RecvBatch::new(trailer),
+            prio_batch: RecvBatch::new(trailer),
             peers: (0..size).map(|_| PeerRx::default()).collect(),
             events: Vec::new(),
             hot: 0,
@@ -447,13 +449,13 @@ impl UdpTransport {
             return;
         }
         if prx.paused() {
-            match proto::decode(d) {
+            let mut st = lock(&peer.st);
+            match st.conn.decode(d) {
                 Ok((h, _)) if h.job == self.job && h.src == rank && h.dst == self.core.rank() => {
                     if let proto::Kind::Data(_) = h.kind {
                         // Hold the data back, but act on the ACK it carries
                         // now: our own sends to this peer must not wait for
                         // our receiver to make room.
-                        let mut st = lock(&peer.st);
                         st.last_heard = now;
                         st.conn.handle_ack(now, &h);
                         cx.events
@@ -467,7 +469,7 @@ impl UdpTransport {
                         return;
                     }
                 }
-                // Corrupt: let the connection count it.
+                // Corrupt or forged: let the connection count it.
                 _ => {}
             }
         }

@@ -18,4 +18,8 @@ pub struct UdpStats {
     /// path smaller than the datagrams): each turns GSO off towards its
     /// peer, whose datagrams then go out one by one.
     pub gso_refusals: u64,
+    /// Datagrams from a peer's address, addressed to us, whose trailer
+    /// failed: a CRC mismatch (corruption), or, under `BTL_UDP_AUTH=mac`,
+    /// a MAC no rank of the job made (a forgery, or corruption). Dropped.
+    pub bad_trailers: u64,
 }

@@ -98,7 +98,9 @@ struct Args {
 
     /// Measure async-btl once per listed transport, each forced alone
     /// (e.g. `sm,udp`): one series per transport in the table and plot,
-    /// all beside the same baselines.
+    /// all beside the same baselines. An entry may name a variant of a
+    /// transport's settings: `udp:mac` and `udp:crc` (the datagram guard,
+    /// BTL_UDP_AUTH), e.g. `--compare udp:mac,udp:crc`.
     #[arg(long, value_name = "NAMES", conflicts_with = "transport")]
     compare: Option<String>,
 

@@ -180,17 +180,14 @@ pub async fn run(
     // Before rank 1 has anything to do but wait for the bootstrap.
     let floor_cores = floor_cores(s, &job);
     let floor_before = floor_cores.and_then(super::floor::best_floor);
-    // One async-btl run per compared transport (or one under `transport`).
-    let runs: Vec<Config> = if s.compare.is_empty() {
-        vec![config.clone()]
+    // One async-btl run per compared transport (or one under `transport`),
+    // with its label.
+    let runs: Vec<(Config, Option<String>)> = if s.compare.is_empty() {
+        vec![(config.clone(), None)]
     } else {
         s.compare
             .iter()
-            .map(|t| {
-                let mut c = config.clone();
-                c.transports = vec![t.clone()];
-                c.validate().map(|()| c)
-            })
+            .map(|t| variant(&config, t).map(|c| (c, Some(t.clone()))))
             .collect::<Result<_>>()?
     };
     let mut sockets = Vec::new();
@@ -199,7 +196,7 @@ pub async fn run(
     let mut atomic_notes = Vec::new();
     // The bulk copy routine: the first fabric of the process chooses it.
     let mut copy = None;
-    for (i, cfg) in runs.into_iter().enumerate() {
+    for (i, (cfg, label)) in runs.into_iter().enumerate() {
         let fabric = Fabric::from_job(job.clone(), cfg).await?;
         copy.get_or_insert(fabric.copy_routine());
         if i == 0 {
@@ -212,8 +209,13 @@ pub async fn run(
             sockets = connect_baselines(&fabric, TAG_SETUP, &socket, s.max_len()).await?;
         }
         let transport = fabric.transport_for(1 - fabric.rank()).unwrap_or("none");
-        names.push(transport);
-        let paths = measure(s, fabric, transport, &mut samples, tick).await?;
+        // A variant keeps its label (`udp:crc`) when its transport runs.
+        let name = match label {
+            Some(l) if l.split(':').next() == Some(transport) => l,
+            _ => transport.to_string(),
+        };
+        let paths = measure(s, fabric, &name, &mut samples, tick).await?;
+        names.push(name);
         atomic_notes.extend(paths);
     }
     let rank = job.rank;
@@ -589,6 +591,30 @@ fn floor_cores(s: &Settings, job: &JobInfo) -> Option<(usize, usize)> {
 /// Measure async-btl over `fabric` (whose peer link uses `transport`), then
 /// close the fabric. Rank 0 returns a note per atomic test run, saying
 /// which path (native or emulated) carried its atomics.
+/// The settings of one entry of `--compare`: a transport forced alone
+/// (`udp`), or a transport and a variant of its settings (`udp:crc`,
+/// `udp:mac`: the datagram guard, `BTL_UDP_AUTH`).
+fn variant(base: &Config, entry: &str) -> Result<Config> {
+    let mut c = base.clone();
+    let (t, v) = match entry.split_once(':') {
+        Some((t, v)) => (t, Some(v)),
+        None => (entry, None),
+    };
+    c.transports = vec![t.to_string()];
+    match (t, v) {
+        (_, None) => {}
+        ("udp", Some("crc")) => c.udp.auth = async_btl::udp::proto::Guard::Crc,
+        ("udp", Some("mac")) => c.udp.auth = async_btl::udp::proto::Guard::Mac,
+        (_, Some(v)) => {
+            return Err(Error::Config(format!(
+                "--compare {entry}: {t} has no variant {v:?} (known: udp:mac, udp:crc)"
+            )))
+        }
+    }
+    c.validate()?;
+    Ok(c)
+}
+
 async fn measure(
     s: &Settings,
     fabric: Fabric,

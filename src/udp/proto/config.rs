@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use super::header::DATA_OVERHEAD;
+use super::header::DATA_HEADER_LEN;
+use super::seal::Guard;
 
 /// Largest UDP payload over IPv4; also the cap over IPv6 (which would allow
 /// 65527), so one limit holds for both families.
@@ -80,6 +81,11 @@ pub struct Config {
     /// receiver sends no SACK blocks and the sender ignores any it gets,
     /// leaving duplicate-ACK fast retransmit and partial-ACK recovery.
     pub sack: bool,
+    /// What closes every datagram: a CRC32C ([`Guard::Crc`], the default
+    /// here) or a keyed MAC ([`Guard::Mac`], which needs keys: see
+    /// [`Connection::with_seal`](super::Connection::with_seal)). Both sides
+    /// must use the same.
+    pub guard: Guard,
 }
 
 impl Default for Config {
@@ -100,6 +106,7 @@ impl Default for Config {
             priority_threshold: 256,
             max_message: 1 << 30,
             sack: true,
+            guard: Guard::Crc,
         }
     }
 }
@@ -112,14 +119,21 @@ pub struct ConfigError(pub &'static str);
 impl Config {
     /// Payload bytes carried by one DATA datagram.
     pub fn chunk_payload(&self) -> usize {
-        self.max_datagram.saturating_sub(DATA_OVERHEAD)
+        self.max_datagram.saturating_sub(self.data_overhead())
+    }
+
+    /// Bytes a DATA datagram spends on headers and trailer.
+    pub fn data_overhead(&self) -> usize {
+        DATA_HEADER_LEN + self.guard.trailer_len()
     }
 
     /// Checks that every value is usable.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |what| Err(ConfigError(what));
-        if self.max_datagram <= DATA_OVERHEAD || self.max_datagram > MAX_UDP_PAYLOAD {
-            return err("max_datagram must be above the 72-byte header and at most 65507");
+        if self.max_datagram <= self.data_overhead() || self.max_datagram > MAX_UDP_PAYLOAD {
+            return err(
+                "max_datagram must be above the header and trailer (72 bytes, 92 with a MAC) and at most 65507",
+            );
         }
         if !(1..=MAX_WINDOW).contains(&self.send_window) {
             return err("send_window must be in 1..=2^20 segments");
@@ -157,7 +171,12 @@ mod tests {
     fn default_is_valid_and_fits_ethernet() {
         let c = Config::default();
         c.validate().unwrap();
-        assert_eq!(c.chunk_payload() + DATA_OVERHEAD, 1472);
+        assert_eq!(c.chunk_payload() + c.data_overhead(), 1472);
+        let mac = Config {
+            guard: Guard::Mac,
+            ..Config::default()
+        };
+        assert_eq!(mac.chunk_payload() + 20, c.chunk_payload());
         let bad = Config {
             rto_min: Duration::from_secs(2),
             ..Config::default()

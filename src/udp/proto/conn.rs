@@ -7,8 +7,9 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::config::{Config, ConfigError};
-use super::header::{decode, DecodeError, Flags, Header, Kind, Sack};
+use super::header::{decode_sealed, DecodeError, Flags, Header, Kind, Sack};
 use super::recv::{Buffers, Landed, Lent, RecvSide};
+use super::seal::{Seal, Trailer};
 use super::send::{AckInfo, SendSide};
 use super::stats::Stats;
 use crate::Rank;
@@ -97,6 +98,7 @@ impl SendError {
 /// [module docs](super) for how a driver runs it.
 pub struct Connection {
     ids: ConnIds,
+    seal: Seal,
     send: SendSide,
     recv: RecvSide,
     events: VecDeque<Event>,
@@ -115,9 +117,11 @@ impl fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Creates a connection. `local_isn` is the first sequence number this
-    /// side sends, `peer_isn` the first it expects; both are random values
-    /// exchanged beforehand (the peer uses them the other way round).
+    /// Creates a connection whose datagrams carry a CRC
+    /// ([`Guard::Crc`](super::Guard::Crc), which `config` must name).
+    /// `local_isn` is the first sequence number this side sends, `peer_isn`
+    /// the first it expects; both are random values exchanged beforehand
+    /// (the peer uses them the other way round).
     pub fn new(
         config: Config,
         ids: ConnIds,
@@ -125,9 +129,28 @@ impl Connection {
         peer_isn: u64,
         now: Instant,
     ) -> Result<Self, ConfigError> {
+        Self::with_seal(config, ids, local_isn, peer_isn, now, Seal::crc())
+    }
+
+    /// Creates a connection whose datagrams `seal` guards (its guard must
+    /// be `config.guard`); otherwise as [`new`](Self::new).
+    pub fn with_seal(
+        config: Config,
+        ids: ConnIds,
+        local_isn: u64,
+        peer_isn: u64,
+        now: Instant,
+        seal: Seal,
+    ) -> Result<Self, ConfigError> {
         config.validate()?;
+        if seal.guard() != config.guard {
+            return Err(ConfigError(
+                "the seal's guard differs from Config::guard (a MAC needs Connection::with_seal)",
+            ));
+        }
         Ok(Connection {
             ids,
+            seal,
             send: SendSide::new(&config, local_isn, now),
             recv: RecvSide::new(&config, peer_isn),
             events: VecDeque::new(),
@@ -143,6 +166,11 @@ impl Connection {
     /// `b` decides what is worth pooling).
     pub fn set_buffers(&mut self, b: std::sync::Arc<dyn Buffers>) {
         self.recv.set_buffers(b);
+    }
+
+    /// What guards this connection's datagrams.
+    pub fn guard(&self) -> super::Guard {
+        self.seal.guard()
     }
 
     /// Who this connection belongs to.
@@ -201,7 +229,7 @@ impl Connection {
         if self.lost {
             return;
         }
-        let (hdr, payload) = match decode(datagram) {
+        let (hdr, payload) = match decode_sealed(datagram, &mut self.seal) {
             Ok(decoded) => decoded,
             Err(DecodeError::BadChecksum) => {
                 self.stats.checksum_errors += 1;
@@ -270,7 +298,9 @@ impl Connection {
             else {
                 break;
             };
-            let Ok(hdr) = super::header::decode_parts(l.head, payload, l.crc) else {
+            let Ok(hdr) =
+                super::header::decode_parts(l.head, payload, l.trailer.as_ref(), &mut self.seal)
+            else {
                 break;
             };
             if hdr.job != self.ids.job
@@ -298,7 +328,7 @@ impl Connection {
                     l.at.checked_add(l.len)
                         .and_then(|end| lent.buf.get(l.at..end));
                 match payload {
-                    Some(p) => [l.head, p, &l.crc].concat(),
+                    Some(p) => [l.head, p, l.trailer.as_ref()].concat(),
                     // Not a datagram we can rebuild: counted below.
                     None => Vec::new(),
                 }
@@ -312,7 +342,7 @@ impl Connection {
     }
 
     /// Processes only the acknowledgement in a datagram's header (`hdr`,
-    /// as [`decode`] returned it, checksum verified): its
+    /// as [`decode`](Self::decode) returned it, trailer verified): its
     /// cumulative ACK, SACK blocks and flags; any data it carries is left
     /// unread. For a driver that holds a peer's DATA datagrams back
     /// (receive backpressure) but must keep acting on the peer's ACKs of
@@ -360,24 +390,39 @@ impl Connection {
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         let (t, hdr, payload) = self.next_transmit(now)?;
-        hdr.encode(&payload, buf);
+        hdr.encode_sealed(&payload, buf, &mut self.seal);
         Some(t)
     }
 
     /// Like [`poll_transmit`](Self::poll_transmit), for a vectored send
     /// that never copies the payload: writes the header into `head`
     /// (cleared first) and returns the payload (a slice of the message sent,
-    /// empty for ACKs) and the checksum trailer. The datagram is `head`,
-    /// then the payload, then the trailer.
+    /// empty for ACKs) and the trailer. The datagram is `head`, then the
+    /// payload, then the trailer.
     pub fn poll_transmit_split(
         &mut self,
         now: Instant,
         head: &mut Vec<u8>,
-    ) -> Option<(Transmit, Bytes, [u8; 4])> {
+    ) -> Option<(Transmit, Bytes, Trailer)> {
         head.clear();
         let (t, hdr, payload) = self.next_transmit(now)?;
-        let crc = hdr.encode_split(&payload, head);
-        Some((t, payload, crc))
+        let trailer = hdr.encode_split(&payload, head, &mut self.seal);
+        Some((t, payload, trailer))
+    }
+
+    /// Encodes a datagram the driver makes itself (a keepalive ACK) under
+    /// this connection's seal, as [`Header::encode_split`] does.
+    pub fn encode_split(&mut self, hdr: &Header, payload: &[u8], head: &mut Vec<u8>) -> Trailer {
+        hdr.encode_split(payload, head, &mut self.seal)
+    }
+
+    /// Decodes and verifies a datagram from the peer under this
+    /// connection's seal without acting on it (a driver that holds data
+    /// back but reads its ACK: see [`handle_ack`](Self::handle_ack)).
+    /// Feed it later with [`handle_datagram`](Self::handle_datagram) as
+    /// usual.
+    pub fn decode<'a>(&mut self, datagram: &'a [u8]) -> Result<(Header, &'a [u8]), DecodeError> {
+        decode_sealed(datagram, &mut self.seal)
     }
 
     /// The next datagram to send, as a header and its payload, with the

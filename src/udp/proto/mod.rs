@@ -72,8 +72,10 @@
 //!   instead of retrying forever. A side with nothing unacknowledged cannot
 //!   notice a dead peer; a driver that must know sends a small probe
 //!   message.
-//! - Every datagram carries a CRC32C, the job id and both ranks; anything
-//!   that does not match is dropped and counted, never trusted.
+//! - Every datagram carries the job id and both ranks and ends in a
+//!   trailer: a CRC32C, or a keyed MAC with its nonce counter
+//!   ([`seal`], chosen per job with [`Config::guard`]); anything that does
+//!   not match is dropped and counted, never trusted.
 //! - Backpressure is explicit: [`Connection::send`] refuses with
 //!   [`SendError::WouldBlock`] (handing the message back) once the send
 //!   budget is used, so memory stays bounded; the driver turns that into a
@@ -90,6 +92,7 @@ mod config;
 mod conn;
 pub mod header;
 mod recv;
+pub mod seal;
 mod send;
 pub mod seq;
 mod stats;
@@ -103,10 +106,11 @@ mod tests;
 pub use config::{Config, ConfigError};
 pub use conn::{ConnIds, Connection, Event, MsgId, SendError, Transmit};
 pub use header::{
-    decode, decode_parts, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds, Sack,
-    SackBlock, CRC_LEN, DATA_HEADER_LEN,
+    decode, decode_parts, decode_sealed, peek, Chunk, DecodeError, Flags, Header, Kind, PacketIds,
+    Sack, SackBlock, CRC_LEN, DATA_HEADER_LEN,
 };
 pub use recv::{Buffers, Landed, Lent};
+pub use seal::{Guard, Seal, Trailer, MAX_TRAILER};
 pub use seq::Seq;
 pub use stats::Stats;
 

@@ -66,7 +66,7 @@ impl Lent {
 
 /// One datagram the driver received into a [`Lent`] buffer: its first
 /// [`DATA_HEADER_LEN`](super::header::DATA_HEADER_LEN) bytes (`head`), its
-/// payload at `buf[at..at + len]`, its checksum trailer.
+/// payload at `buf[at..at + len]`, its trailer.
 #[derive(Debug, Clone, Copy)]
 pub struct Landed<'a> {
     /// The datagram's header bytes.
@@ -75,8 +75,8 @@ pub struct Landed<'a> {
     pub at: usize,
     /// Its payload length.
     pub len: usize,
-    /// Its trailer.
-    pub crc: [u8; super::header::CRC_LEN],
+    /// Its trailer (CRC or MAC, as the connection's guard is).
+    pub trailer: super::seal::Trailer,
 }
 
 /// Where the buffer of a received message comes from (one that spans

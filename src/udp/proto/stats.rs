@@ -50,7 +50,8 @@ pub struct Stats {
     pub duplicates_dropped: u64,
     /// DATA segments beyond the receive window, dropped.
     pub out_of_window_dropped: u64,
-    /// Datagrams failing the CRC32C, dropped.
+    /// Datagrams whose trailer failed (the CRC32C, or the MAC under
+    /// [`Guard::Mac`](super::Guard::Mac): corrupted or forged), dropped.
     pub checksum_errors: u64,
     /// Datagrams failing any other decode check, dropped.
     pub decode_errors: u64,

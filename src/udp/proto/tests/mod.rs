@@ -2,5 +2,6 @@
 //! single-connection unit and property tests. Codec and sequence-number
 //! tests live beside their code.
 
+mod forgery;
 mod scenarios;
 mod unit;

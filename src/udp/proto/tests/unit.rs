@@ -470,7 +470,7 @@ proptest! {
 /// trailer), in order, land in the buffer; the first that does not, and
 /// all after it, come back joined. Returns how many of `ds` were used.
 fn feed_in_place(rx: &mut Connection, now: Instant, ds: &[Vec<u8>]) -> usize {
-    use super::super::{Landed, CRC_LEN, DATA_HEADER_LEN as H};
+    use super::super::{Landed, Trailer, CRC_LEN, DATA_HEADER_LEN as H};
     let Some(mut lent) = rx.lend_reassembly(16) else {
         rx.handle_datagram(now, &ds[0]);
         return 1;
@@ -487,13 +487,11 @@ fn feed_in_place(rx: &mut Connection, now: Instant, ds: &[Vec<u8>]) -> usize {
         }
         // What the kernel does: the payload goes to its place.
         lent.buf.extend_from_slice(&d[H..H + place(i)]);
-        let mut crc = [0u8; CRC_LEN];
-        crc.copy_from_slice(&d[d.len() - CRC_LEN..]);
         landed.push(Landed {
             head: &d[..H],
             at,
             len: place(i),
-            crc,
+            trailer: Trailer::from_slice(&d[d.len() - CRC_LEN..]),
         });
         at += place(i);
     }
@@ -580,7 +578,7 @@ proptest! {
 
 #[test]
 fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
-    use super::super::{Landed, CRC_LEN, DATA_HEADER_LEN as H};
+    use super::super::{Landed, Trailer, CRC_LEN, DATA_HEADER_LEN as H};
     let cfg = Config {
         max_datagram: 400,
         ..Config::default()
@@ -606,9 +604,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
         if flip {
             lent.buf[at] ^= 1;
         }
-        let mut crc = [0u8; CRC_LEN];
-        crc.copy_from_slice(&d[d.len() - CRC_LEN..]);
-        (at, len, crc)
+        (at, len, Trailer::from_slice(&d[d.len() - CRC_LEN..]))
     };
     // A corrupted payload in place: counted as a checksum error, cut off,
     // nothing delivered; a chunk that is not the next one (the one after)
@@ -622,7 +618,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
         head: &ds[1][..H],
         at,
         len,
-        crc,
+        trailer: crc,
     };
     rx.return_reassembly(t0, lent, &[bad]);
     let s = rx.stats();
@@ -633,7 +629,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
         head: &ds[2][..H],
         at,
         len,
-        crc,
+        trailer: crc,
     };
     rx.return_reassembly(t0, lent, &[skipped]);
     assert_eq!(rx.stats().out_of_order, 1);
@@ -645,7 +641,7 @@ fn chunks_landed_in_place_are_checked_like_whole_datagrams() {
         head: &ds[1][..H],
         at,
         len,
-        crc,
+        trailer: crc,
     };
     rx.return_reassembly(t0, lent, &[good]);
     for d in &ds[3..] {
