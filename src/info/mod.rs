@@ -154,10 +154,15 @@ pub struct Limits {
     /// UDP: whether this kernel offers GSO (`UDP_SEGMENT`) and GRO
     /// (`UDP_GRO`) on UDP sockets.
     pub udp_gso_kernel: (bool, bool),
+    /// UDP: what closes every datagram, `crc` or `mac` (`BTL_UDP_AUTH`).
+    pub udp_auth: String,
     /// Address exchange limit at start-up, in milliseconds.
     pub boot_timeout_ms: u64,
     /// Limit on `Fabric::close`, in milliseconds.
     pub close_timeout_ms: u64,
+    /// How long an emulated one-sided operation waits on a peer that
+    /// answers nothing, in milliseconds (`BTL_ANSWER_TIMEOUT_MS`).
+    pub answer_timeout_ms: u64,
     /// Transports allowed by `BTL_TRANSPORTS`, in order; empty means all.
     pub allowed_transports: Vec<String>,
 }
@@ -190,8 +195,10 @@ impl From<&Config> for Limits {
             udp_bundle_wait_us: crate::udp::peer::BUNDLE_WAIT.as_micros() as u64,
             udp_gso: c.udp.gso,
             udp_gso_kernel: crate::udp::UdpTransport::kernel_offload(),
+            udp_auth: c.udp.auth.name().to_string(),
             boot_timeout_ms: ms(c.boot_timeout),
             close_timeout_ms: ms(c.close_timeout),
+            answer_timeout_ms: ms(c.answer_timeout),
             allowed_transports: c.transports.clone(),
         }
     }

@@ -131,13 +131,18 @@ fn render_text(r: &Report) -> String {
     } else {
         "  udp offload     off (BTL_UDP_GSO=0): datagram by datagram".to_string()
     });
+    out.push(if l.udp_auth == "mac" {
+        "  udp datagrams   each authenticated (BTL_UDP_AUTH=mac: AES-128-GCM tag, per-pair keys from the job key)".to_string()
+    } else {
+        "  udp datagrams   CRC32C only: catches corruption, not forgery (BTL_UDP_AUTH=mac authenticates them)".to_string()
+    });
     out.push(format!(
         "  receive budget  {} B per tag, {} B in all",
         l.recv_budget, l.recv_total_budget
     ));
     out.push(format!(
-        "  timeouts        boot {} ms, close {} ms",
-        l.boot_timeout_ms, l.close_timeout_ms
+        "  timeouts        boot {} ms, close {} ms, unanswered one-sided operation {} ms",
+        l.boot_timeout_ms, l.close_timeout_ms, l.answer_timeout_ms
     ));
     let allowed = match l.allowed_transports.is_empty() {
         true => "all".to_string(),
