@@ -46,7 +46,6 @@ fn rank_main() {
         let sync = PathBuf::from(std::env::var("BTL_TEST_SYNC").unwrap());
         match stream(&f, &sync).await {
             Ok(rounds) => {
-                f.barrier().await.unwrap();
                 println!("done rounds={rounds}");
                 f.close().await.unwrap();
             }
@@ -60,7 +59,9 @@ fn rank_main() {
 /// its damage (file `go` in `sync`), then `AFTER` more: each round rank 0
 /// sends a message that rank 1 checks and sends back, and each rank puts
 /// into the other's shared region, gets it back and reads its own region.
-/// Returns the rounds run; any error is returned for the caller to judge.
+/// Both ranks then meet in a barrier (so that neither drops its region
+/// while the other may still use it). Returns the rounds run; any error
+/// is returned for the caller to judge.
 async fn stream(f: &Fabric, sync: &Path) -> async_btl::Result<u64> {
     let me = f.rank();
     let peer = 1 - me;
@@ -106,12 +107,15 @@ async fn stream(f: &Fabric, sync: &Path) -> async_btl::Result<u64> {
             let stop = last.is_some_and(|l| round >= l);
             ep.send(2, vec![u8::from(stop)]).await?;
             if stop {
-                return Ok(round);
+                break;
             }
         } else if ctl.recv().await?.data[..] == [1] {
-            return Ok(round);
+            break;
         }
     }
+    f.barrier().await?;
+    drop(mine);
+    Ok(round)
 }
 
 /// Every shared-memory object of process `pid` that this user can open:
