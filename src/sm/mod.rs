@@ -69,6 +69,9 @@ pub(crate) struct SmAddr {
     pub(crate) segment: [u8; 16],
     /// Our share server (`share::server`).
     pub(crate) share: [u8; 16],
+    /// Our network namespace: the share server's socket (abstract
+    /// namespace) reaches only peers in the same one.
+    pub(crate) netns: String,
     pub(crate) bell: Vec<u8>,
     /// Whether peers may copy our memory with process_vm_readv/writev.
     pub(crate) cma: bool,
@@ -232,6 +235,7 @@ impl SmTransport {
             local_size: self.seg.layout.p.local_size,
             segment: self.seg.id(),
             share: share::server()?,
+            netns: crate::sys::os::net_namespace(),
             bell: self.bell.name().to_vec(),
             cma: crate::sys::os::cma_status().is_ok(),
         })
@@ -240,6 +244,7 @@ impl SmTransport {
     /// Whether a peer with this address can be reached through shared memory.
     fn reaches_addr(&self, a: &SmAddr) -> bool {
         a.node == crate::sys::os::node_id()
+            && a.netns == crate::sys::os::net_namespace()
             && a.local_size == self.seg.layout.p.local_size
             && a.local_rank < a.local_size
             && a.local_rank != self.local_rank
