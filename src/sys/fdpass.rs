@@ -180,7 +180,7 @@ pub(crate) fn recv(s: &Socket, buf: &mut [u8]) -> std::io::Result<Received> {
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let n = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                let n = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize)
                     / std::mem::size_of::<RawFd>();
                 for i in 0..n {
                     let fd = std::ptr::read_unaligned(data.add(i));
