@@ -5,7 +5,8 @@
 //! fragment and segment headers, fast boxes and rings as a peer leaves
 //! them, the rendezvous and single-copy control messages, emulated RMA
 //! requests and answers, published addresses, bootstrap frames and
-//! directory entries, udp frames and bundles — and, where an encoder
+//! directory entries, the `sm` share server's requests and answers, udp
+//! frames and bundles — and, where an encoder
 //! exists, re-encode what they accept, so that a target can check the
 //! round trip. Hidden from the docs; may change at any time.
 
@@ -634,6 +635,23 @@ pub fn sm_addr(b: &[u8]) -> Option<Vec<u8>> {
     crate::sm::decode_addr(&peer)
         .ok()
         .and_then(|a| postcard::to_allocvec(&a).ok())
+}
+
+/// Decode the request a peer sends to `sm`'s share server (what memory
+/// file it wants); its re-encoding if accepted.
+pub fn sm_share_request(b: &[u8]) -> Option<Vec<u8>> {
+    crate::sm::share::Request::decode(b)
+        .ok()
+        .map(|r| r.encode().to_vec())
+}
+
+/// Decode the share server's answer, as an asker does: with `fds`
+/// descriptors attached it is accepted only if it says yes with exactly
+/// one, or no with none. Its re-encoding if accepted.
+pub fn sm_share_answer(b: &[u8], fds: usize) -> Option<Vec<u8>> {
+    let a = crate::sm::share::Answer::decode(b).ok()?;
+    crate::sm::share::acceptable(&a, fds).ok()?;
+    Some(a.encode().to_vec())
 }
 
 /// Decode a `udp` address; its re-encoding if accepted.

@@ -120,7 +120,8 @@ impl LocalJob {
         self
     }
 
-    /// The ranks' shared-memory directory: `BTL_SHM_DIR` as they see it.
+    /// The ranks' shared-memory directory (`BTL_SHM_DIR` as they see it),
+    /// cleaned of older builds' leftovers.
     fn shm_dir(&self) -> std::path::PathBuf {
         match self.env.iter().rev().find(|(k, _)| k == "BTL_SHM_DIR") {
             Some((_, dir)) => dir.into(),
@@ -210,8 +211,9 @@ impl LocalJob {
             .keep_going(self.keep_going)
             .run(waits, &mut sigint, &mut sigterm)
             .await;
-        // Every rank is reaped: remove the shared memory of those a signal
-        // killed before they could unlink it.
+        // Every rank is reaped. Their shared memory went with them (memory
+        // files without a name); remove what ranks of older builds, which
+        // kept segments in the shm dir, left there when a signal killed them.
         crate::sys::shm::remove_of_dead_in(&self.shm_dir(), &pids);
         serving.abort();
         // Forward what the ranks wrote last; a pipe kept open by a process

@@ -1,7 +1,7 @@
 //! `sm`: shared memory between processes on one node — the heir of Open MPI's
 //! `btl_sm` (and of the host-memory half of `btl_smcuda`).
 //!
-//! Kept from the seed: one segment per process under `/dev/shm`, per-pair
+//! Kept from the seed: one segment per process, per-pair
 //! FIFOs of fragment *offsets* (never pointers) initialised by the receiver,
 //! eager and max fragments from per-sender pools that the receiver returns,
 //! messages larger than a fragment pipelined through several.
@@ -12,13 +12,16 @@
 //! send future wait (`Poll::Pending`) instead of returning
 //! `OUT_OF_RESOURCE`; the receiver parks on a doorbell that senders ring only
 //! when it armed it; every offset and header read from a peer is validated;
-//! a dead peer (pidfd) fails everything pending on it and its files are
-//! removed; regions made by `alloc_region` are mapped by peers so put/get are
-//! one copy (UCX's rkey_ptr idea).
+//! a dead peer (pidfd) fails everything pending on it; regions made by
+//! `alloc_region` are mapped by peers so put/get are one copy (UCX's
+//! rkey_ptr idea). Segments and regions are sealed memory files with no
+//! name, handed to peers as descriptors ([`share`]): no one can shrink
+//! them under a mapping (a SIGBUS), and nothing is left in `/dev/shm`.
 //!
-//! Module map: [`segment`] (layout, header checks), [`frag`] (fragment
-//! header), [`doorbell`], [`tx`] (send side, the [`Link`] impl), [`rx`]
-//! (receive side, reassembly, dispatch).
+//! Module map: [`segment`] (layout, header checks), [`share`] (handing
+//! memory to peers), [`frag`] (fragment header), [`doorbell`], [`tx`]
+//! (send side, the [`Link`] impl), [`rx`] (receive side, reassembly,
+//! dispatch).
 
 pub(crate) mod config;
 pub(crate) mod doorbell;
@@ -29,6 +32,7 @@ pub(crate) mod region;
 pub(crate) mod rma;
 pub(crate) mod rx;
 pub(crate) mod segment;
+pub(crate) mod share;
 pub(crate) mod split;
 pub(crate) mod stats;
 pub(crate) mod tx;
@@ -61,7 +65,13 @@ pub(crate) struct SmAddr {
     pub(crate) pid: u32,
     pub(crate) local_rank: u32,
     pub(crate) local_size: u32,
-    pub(crate) segment: String,
+    /// The id our segment is fetched by from our share server.
+    pub(crate) segment: [u8; 16],
+    /// Our share server (`share::server`).
+    pub(crate) share: [u8; 16],
+    /// Our network namespace: the share server's socket (abstract
+    /// namespace) reaches only peers in the same one.
+    pub(crate) netns: String,
     pub(crate) bell: Vec<u8>,
     /// Whether peers may copy our memory with process_vm_readv/writev.
     pub(crate) cma: bool,
@@ -160,6 +170,7 @@ pub(crate) struct SmCounters {
     pub(crate) cma_puts: std::sync::atomic::AtomicU64,
     pub(crate) cma_gets: std::sync::atomic::AtomicU64,
     pub(crate) stale_segments_removed: std::sync::atomic::AtomicU64,
+    pub(crate) unsealed_memory_refused: std::sync::atomic::AtomicU64,
 }
 
 impl SmTransport {
@@ -171,7 +182,7 @@ impl SmTransport {
     ) -> Result<Arc<SmTransport>> {
         let removed = crate::sys::shm::remove_stale();
         if removed > 0 {
-            tracing::info!("removed {removed} shared-memory files left by dead processes");
+            tracing::info!("removed {removed} shared-memory files left by crashed jobs");
         }
         let counters = SmCounters::default();
         counters
@@ -216,21 +227,24 @@ impl SmTransport {
     }
 
     /// Our address for the exchange.
-    fn sm_address(&self) -> SmAddr {
-        SmAddr {
+    fn sm_address(&self) -> Result<SmAddr> {
+        Ok(SmAddr {
             node: crate::sys::os::node_id(),
             pid: crate::sys::os::pid(),
             local_rank: self.local_rank,
             local_size: self.seg.layout.p.local_size,
-            segment: self.seg.file_name(),
+            segment: self.seg.id(),
+            share: share::server()?,
+            netns: crate::sys::os::net_namespace(),
             bell: self.bell.name().to_vec(),
             cma: crate::sys::os::cma_status().is_ok(),
-        }
+        })
     }
 
     /// Whether a peer with this address can be reached through shared memory.
     fn reaches_addr(&self, a: &SmAddr) -> bool {
         a.node == crate::sys::os::node_id()
+            && a.netns == crate::sys::os::net_namespace()
             && a.local_size == self.seg.layout.p.local_size
             && a.local_rank < a.local_size
             && a.local_rank != self.local_rank
@@ -252,20 +266,13 @@ impl SmTransport {
                     a.local_rank
                 )));
             }
-            let path = crate::sys::shm::shm_dir().join(&a.segment);
-            if !a.segment.starts_with(crate::sys::shm::PREFIX) || a.segment.contains('/') {
-                return Err(Error::PeerMisbehaved {
-                    rank: *rank,
-                    what: format!("segment name {:?} is not ours", a.segment),
-                });
-            }
             let exp = Expect {
                 job_tag: self.core.job_tag(),
                 pid: a.pid,
                 local_rank: a.local_rank,
                 local_size: a.local_size,
             };
-            let seg = Segment::attach(&path, &exp)?;
+            let seg = Segment::attach(self.fetch_segment(*rank, a)?, &exp)?;
             if seg.layout != self.seg.layout {
                 return Err(Error::Config(format!(
                     "rank {rank} uses other shared-memory sizes ({:?}) than this rank ({:?}): give every rank the same BTL_SM_* settings",
@@ -297,6 +304,34 @@ impl SmTransport {
             .set(by_local)
             .map_err(|_| Error::Misuse("sm transport connected twice".into()))?;
         Ok(links)
+    }
+
+    /// Fetch and map the segment of `rank` (address `a`) from its share
+    /// server: sealed, or refused and counted.
+    fn fetch_segment(&self, rank: Rank, a: &SmAddr) -> Result<crate::sys::shm::SharedMem> {
+        let req = share::Request {
+            kind: share::Kind::Segment,
+            job_tag: self.core.job_tag(),
+            id: a.segment,
+        };
+        let bad = |what: String| Error::PeerMisbehaved { rank, what };
+        share::fetch(&a.share, a.pid, req, segment::HEADER_LEN).map_err(|e| match e {
+            share::FetchError::Refused(r) => {
+                if matches!(r, crate::sys::shm::Refused::Unsealed { .. }) {
+                    self.counters
+                        .unsealed_memory_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                bad(format!("segment: {r}"))
+            }
+            share::FetchError::Misbehaved(why) => bad(format!("segment: {why}")),
+            share::FetchError::Unknown(why) => Error::Config(format!(
+                "rank {rank}'s shared-memory segment cannot be had: {why}"
+            )),
+            share::FetchError::Os(e) => {
+                Error::os(format!("fetching rank {rank}'s shared-memory segment"), e)
+            }
+        })
     }
 
     /// Run `f` on the send state, then publish whether it has work left.
@@ -341,10 +376,6 @@ impl SmTransport {
         self.with_tx(|tx| tx.peer_lost(peer, how == Loss::Crashed));
         lock(&self.rx).peer_lost(peer.local);
         self.cma.peer_lost(peer.rank, reason, how == Loss::Crashed);
-        if how == Loss::Crashed {
-            peer.seg.unlink();
-            crate::sys::shm::remove_of_pid(peer.seg.pid);
-        }
         self.core.on_peer_lost(peer.rank, reason, how);
     }
 
@@ -367,7 +398,11 @@ impl SmTransport {
                 return Ok(m.clone());
             }
         }
-        let m = region::open(key, self.core.job_tag());
+        let m = region::open(
+            key,
+            self.core.job_tag(),
+            &self.counters.unsealed_memory_refused,
+        );
         let mut maps = lock(&self.maps);
         maps.retain(|_, m| m.check_live().is_ok());
         if let Ok(m) = &m {
@@ -387,18 +422,16 @@ pub(crate) fn decode_addr(peer: &Peer<'_>) -> Result<SmAddr> {
     })
 }
 
-/// Create, map and remove a small file where `sm` puts its segments.
+/// Create, seal and map a small memory file, and start the share server.
 fn probe() -> std::result::Result<String, String> {
-    let dir = crate::sys::shm::shm_dir();
-    let id = crate::sys::os::random_bytes::<16>();
-    match crate::sys::shm::ShmFile::create(&id, 4096) {
-        // Dropping the file unlinks it.
-        Ok(_file) => Ok(format!(
-            "{} is writable: same-node peers share memory",
-            dir.display()
-        )),
+    let made =
+        crate::sys::shm::SharedMem::create(c"abtl-probe", 4096).and_then(|_| share::server());
+    match made {
+        Ok(_) => {
+            Ok("sealed memory files can be made and shared: same-node peers share memory".into())
+        }
         Err(e) => Err(format!(
-            "{e}; sm needs a writable tmpfs there (or BTL_SHM_DIR)"
+            "{e}; sm needs memfd_create with sealing (Linux 3.17 or later)"
         )),
     }
 }
@@ -434,7 +467,7 @@ impl Transport for SmTransport {
     }
 
     fn address(&self) -> Result<Vec<u8>> {
-        postcard::to_allocvec(&self.sm_address())
+        postcard::to_allocvec(&self.sm_address()?)
             .map_err(|e| Error::Bootstrap(format!("encoding our sm address: {e}")))
     }
 
@@ -461,6 +494,8 @@ impl Transport for SmTransport {
         m.cma_puts = g(&c.cma_puts);
         m.cma_gets = g(&c.cma_gets);
         m.stale_segments_removed = g(&c.stale_segments_removed);
+        m.unsealed_memory_refused = g(&c.unsealed_memory_refused);
+        m.share_requests_refused = share::refused_requests();
         s.recvs = s.recvs.wrapping_add(m.fast_box_recvs);
     }
 
@@ -541,7 +576,7 @@ impl Transport for SmTransport {
         self.seg
             .state()
             .store(segment::STATE_CLOSED, Ordering::Release);
-        self.seg.unlink();
+        self.seg.withdraw();
         self.with_tx(tx::TxState::fail_all);
         self.cma.close();
     }

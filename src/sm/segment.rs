@@ -15,13 +15,17 @@
 //!
 //! Everything that crosses processes is an offset into a segment, checked
 //! against the layout recomputed from the validated header.
+//!
+//! The segment is a sealed memory file (`sys::shm`): peers fetch it from
+//! its owner by id (`sm::share`), so no one can shrink it under a mapping.
 
-use std::path::Path;
+use std::sync::Mutex;
 
+use super::share::{self, Served};
 use crate::sys::mem::RawBuf;
 use crate::sys::ring::{ring_bytes, Ring, RING_HEADER};
-use crate::sys::shm::ShmFile;
-use crate::sys::sync::AtomicU32;
+use crate::sys::shm::SharedMem;
+use crate::sys::sync::{lock, AtomicU32};
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
@@ -158,7 +162,10 @@ fn whole(rel: usize, size: usize) -> Option<usize> {
 
 /// A mapped segment (ours or a peer's).
 pub(crate) struct Segment {
-    file: ShmFile,
+    file: SharedMem,
+    /// Ours only, until we close: peers may still fetch it.
+    served: Mutex<Option<Served>>,
+    id: [u8; 16],
     pub(crate) layout: Layout,
     pub(crate) pid: u32,
     pub(crate) local_rank: u32,
@@ -285,30 +292,36 @@ impl Segment {
         let layout = Layout::new(params).ok_or_else(|| {
             Error::Config(format!("shared-memory sizes make no sense: {params:?}"))
         })?;
-        let file = ShmFile::create(id, layout.total)?;
+        let mut file = SharedMem::create(c"abtl-segment", layout.total)?;
         let pid = crate::sys::os::pid();
-        // A fresh file is zero-filled by the kernel: rings start empty.
+        // A fresh memory file is zero-filled by the kernel: rings start empty.
         file.raw()
             .write(0, &encode(&params, job_tag, layout.total, pid, local_rank))?;
+        let served = share::serve(&mut file, share::Kind::Segment, *id, job_tag)?;
         let seg = Segment {
             file,
+            served: Mutex::new(Some(served)),
+            id: *id,
             layout,
             pid,
             local_rank,
         };
+        // Peers attach only once they have our address, which we publish
+        // after this returns: they see the state as READY.
         seg.state()
             .store(STATE_READY, crate::sys::sync::Ordering::Release);
         Ok(seg)
     }
 
-    /// Map and validate a peer's segment.
-    pub(crate) fn attach(path: &Path, exp: &Expect) -> Result<Segment> {
-        let file = ShmFile::open(path, HEADER_LEN)?;
+    /// Validate a peer's segment, fetched and mapped (sealed, checked).
+    pub(crate) fn attach(file: SharedMem, exp: &Expect) -> Result<Segment> {
         let mut h = [0u8; PARAMS_LEN];
         file.raw().read(0, &mut h)?;
         let layout = validate(&decode(&h), file.len(), exp)?;
         Ok(Segment {
             file,
+            served: Mutex::new(None),
+            id: [0; 16],
             layout,
             pid: exp.pid,
             local_rank: exp.local_rank,
@@ -320,18 +333,14 @@ impl Segment {
         self.file.raw()
     }
 
-    /// The file name (for the address exchange).
-    pub(crate) fn file_name(&self) -> String {
-        self.file
-            .path()
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default()
+    /// The id peers fetch it by (for the address exchange).
+    pub(crate) fn id(&self) -> [u8; 16] {
+        self.id
     }
 
-    /// Unlink the name now.
-    pub(crate) fn unlink(&self) {
-        self.file.unlink();
+    /// Stop handing it to peers (those that mapped it keep their mapping).
+    pub(crate) fn withdraw(&self) {
+        lock(&self.served).take();
     }
 
     fn ring_at(&self, off: usize) -> Ring<'_> {
@@ -426,60 +435,58 @@ mod tests {
         assert_eq!(l.frag_index(u64::MAX), None);
     }
 
+    /// What a peer maps of `seg`: fetched from this process's server.
+    fn fetched(seg: &Segment, job_tag: [u64; 2]) -> SharedMem {
+        let req = share::Request {
+            kind: share::Kind::Segment,
+            job_tag,
+            id: seg.id(),
+        };
+        share::fetch(&share::server().unwrap(), seg.pid, req, HEADER_LEN).unwrap()
+    }
+
     #[test]
     fn corrupted_or_foreign_segments_are_refused_with_clear_errors() {
         let id = crate::sys::os::random_bytes::<16>();
         let seg = Segment::create(&id, params(), [1, 2], 0).unwrap();
-        let path = crate::sys::shm::shm_dir().join(seg.file_name());
         let exp = |tag| Expect {
             job_tag: tag,
             pid: seg.pid,
             local_rank: 0,
             local_size: 3,
         };
-        assert!(Segment::attach(&path, &exp([1, 2])).is_ok());
-        let e = Segment::attach(&path, &exp([9, 9]))
-            .err()
-            .unwrap()
-            .to_string();
+        let attach = |e: &Expect| Segment::attach(fetched(&seg, [1, 2]), e);
+        assert!(attach(&exp([1, 2])).is_ok());
+        let e = attach(&exp([9, 9])).err().unwrap().to_string();
         assert!(e.contains("another job"), "{e}");
-        let e = Segment::attach(
-            &path,
-            &Expect {
-                local_rank: 1,
-                ..exp([1, 2])
-            },
-        )
+        let e = attach(&Expect {
+            local_rank: 1,
+            ..exp([1, 2])
+        })
         .err()
         .unwrap()
         .to_string();
         assert!(e.contains("local rank"), "{e}");
         // Corrupt the magic, then the sizes.
         seg.raw().write(0, b"NOTOURS!").unwrap();
-        let e = Segment::attach(&path, &exp([1, 2]))
-            .err()
-            .unwrap()
-            .to_string();
+        let e = attach(&exp([1, 2])).err().unwrap().to_string();
         assert!(e.contains("bad magic"), "{e}");
         seg.raw().write(0, &MAGIC.to_le_bytes()).unwrap();
         seg.raw().write(56, &u32::MAX.to_le_bytes()).unwrap();
-        let e = Segment::attach(&path, &exp([1, 2]))
-            .err()
-            .unwrap()
-            .to_string();
+        let e = attach(&exp([1, 2])).err().unwrap().to_string();
         assert!(
             e.contains("impossible sizes") || e.contains("layout needs"),
             "{e}"
         );
-        // A file too small to be a segment.
-        let small = ShmFile::create(&crate::sys::os::random_bytes::<16>(), 100).unwrap();
-        let e = Segment::attach(small.path(), &exp([1, 2]))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("smaller than a valid header"), "{e}");
-        drop(seg);
-        assert!(!path.exists(), "segment unlinked on drop");
+        // Once withdrawn, no peer can fetch it any more.
+        seg.withdraw();
+        let req = share::Request {
+            kind: share::Kind::Segment,
+            job_tag: [1, 2],
+            id,
+        };
+        let e = share::fetch(&share::server().unwrap(), seg.pid, req, HEADER_LEN);
+        assert!(matches!(e, Err(share::FetchError::Unknown(_))));
     }
 
     proptest! {

@@ -21,6 +21,15 @@ pub struct SmStats {
     pub cma_puts: u64,
     /// get operations done by single copy (CMA) from a registered buffer.
     pub cma_gets: u64,
-    /// Shared-memory files of crashed jobs removed at start-up.
+    /// Shared-memory files of crashed jobs (of builds that kept segments
+    /// in `/dev/shm`) removed at start-up.
     pub stale_segments_removed: u64,
+    /// A peer's segment or region refused because its memory was not
+    /// sealed against shrinking (mapping it could have killed this
+    /// process with SIGBUS).
+    pub unsealed_memory_refused: u64,
+    /// Requests for this process's shared memory that it refused
+    /// (another user, a malformed request, another job, an unknown id),
+    /// counted for the whole process.
+    pub share_requests_refused: u64,
 }

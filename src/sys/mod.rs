@@ -1,10 +1,12 @@
 //! Operating-system and memory primitives, shared by the core and the
-//! transports: system calls (`os`), shared-memory files (`shm`), raw
+//! transports: system calls (`os`), sealed shared memory (`shm`), passing
+//! descriptors between processes (`fdpass`), raw
 //! memory ranges and copies (`mem`), lock-free rings (`ring`), and the
 //! synchronisation primitives loom models replace (`sync`). Most of the
 //! crate's `unsafe` lives here.
 
 pub(crate) mod env;
+pub(crate) mod fdpass;
 pub(crate) mod mem;
 pub(crate) mod os;
 pub(crate) mod ring;

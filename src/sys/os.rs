@@ -74,6 +74,15 @@ pub(crate) fn node_id() -> String {
     format!("{}/{}", host.trim(), boot.trim())
 }
 
+/// This process's network namespace (`net:[inode]`, empty if unknown):
+/// Unix sockets in the abstract namespace reach only processes that share
+/// it.
+pub(crate) fn net_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .map(|l| l.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
 /// Fill a buffer with OS randomness.
 pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
     let mut b = [0u8; N];
