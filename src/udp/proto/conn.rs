@@ -235,6 +235,10 @@ impl Connection {
                 self.stats.checksum_errors += 1;
                 return;
             }
+            Err(DecodeError::Replayed) => {
+                self.stats.replays_dropped += 1;
+                return;
+            }
             Err(_) => {
                 self.stats.decode_errors += 1;
                 return;
@@ -310,6 +314,7 @@ impl Connection {
             {
                 break;
             }
+            self.seal.take(l.trailer.as_ref());
             self.stats.datagrams_received += 1;
             self.apply_ack(now, &hdr);
             taken += 1;
@@ -421,8 +426,9 @@ impl Connection {
     /// back but reads its ACK: see [`handle_ack`](Self::handle_ack)).
     /// Feed it later with [`handle_datagram`](Self::handle_datagram) as
     /// usual.
+    /// Its MAC counter is checked, not taken: the later feed takes it.
     pub fn decode<'a>(&mut self, datagram: &'a [u8]) -> Result<(Header, &'a [u8]), DecodeError> {
-        decode_sealed(datagram, &mut self.seal)
+        super::header::decode_opened(datagram, &mut self.seal, false)
     }
 
     /// The next datagram to send, as a header and its payload, with the
@@ -501,7 +507,7 @@ impl Connection {
     pub fn datagrams_accepted(&self) -> u64 {
         let s = &self.stats;
         s.datagrams_received
-            .saturating_sub(s.checksum_errors + s.decode_errors + s.misdirected)
+            .saturating_sub(s.checksum_errors + s.replays_dropped + s.decode_errors + s.misdirected)
     }
 
     /// The earliest time at which [`handle_timeout`](Self::handle_timeout)

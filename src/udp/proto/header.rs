@@ -28,7 +28,7 @@
 //!   bytes, or an 8-byte nonce counter and a 16-byte MAC tag.
 //! ```
 
-use super::seal::{Guard, Seal, Trailer, CRC_TRAILER};
+use super::seal::{Guard, Refused, Seal, Trailer, CRC_TRAILER};
 use crate::Rank;
 
 /// The four magic bytes every datagram starts with.
@@ -216,9 +216,14 @@ pub enum DecodeError {
     /// Another wire-format version; both sides must run compatible builds.
     #[error("wire version {0} is not supported (this build speaks {VERSION}): run the same async-btl version on every rank")]
     UnsupportedVersion(u8),
-    /// The CRC32C does not match: the datagram was corrupted in flight.
-    #[error("checksum mismatch: datagram corrupted in flight")]
+    /// The trailer does not match: the CRC32C (the datagram was corrupted
+    /// in flight), or the MAC (corrupted, or forged).
+    #[error("checksum mismatch: datagram corrupted in flight, or forged")]
     BadChecksum,
+    /// An authentic datagram whose MAC counter was already taken: played
+    /// back.
+    #[error("replayed datagram: its MAC counter was already taken")]
+    Replayed,
     /// Unknown packet kind.
     #[error("unknown packet kind {0}")]
     UnknownKind(u8),
@@ -320,15 +325,24 @@ pub fn decode_sealed<'a>(
     buf: &'a [u8],
     seal: &mut Seal,
 ) -> Result<(Header, &'a [u8]), DecodeError> {
+    decode_opened(buf, seal, true)
+}
+
+/// [`decode_sealed`], the MAC counter taken only with `take` (see
+/// [`Seal::open`]). A datagram refused later on its contents has its
+/// counter taken all the same: it was the peer's, and is spent.
+pub(crate) fn decode_opened<'a>(
+    buf: &'a [u8],
+    seal: &mut Seal,
+    take: bool,
+) -> Result<(Header, &'a [u8]), DecodeError> {
     let r = preamble(buf)?;
     let trailer = seal.guard().trailer_len();
     if buf.len() < COMMON_LEN + trailer {
         return Err(DecodeError::TooShort { len: buf.len() });
     }
     let (body, tail) = buf.split_at(buf.len() - trailer);
-    if !seal.check(&[body], tail) {
-        return Err(DecodeError::BadChecksum);
-    }
+    seal.open(&[body], tail, take).map_err(refusal)?;
     let (header, header_len) = parse(r, buf.len(), seal.guard())?;
     let payload = match header.kind {
         Kind::Data(_) => body
@@ -337,6 +351,13 @@ pub fn decode_sealed<'a>(
         Kind::Ack(_) => &[],
     };
     Ok((header, payload))
+}
+
+fn refusal(r: Refused) -> DecodeError {
+    match r {
+        Refused::Forged => DecodeError::BadChecksum,
+        Refused::Replayed => DecodeError::Replayed,
+    }
 }
 
 /// The header and payload of a datagram whose trailer of `guard` is left
@@ -361,6 +382,10 @@ pub(crate) fn decode_unverified(buf: &[u8], guard: Guard) -> Result<(Header, &[u
 /// [`decode_sealed`] on the joined bytes; an ACK-only datagram, or a DATA
 /// one whose header is not exactly `head`, is refused (`Invalid`): join the
 /// parts and use [`decode_sealed`] for those.
+///
+/// The MAC counter is checked, not taken: take it with [`Seal::take`] when
+/// the datagram is used (a part refused on its position is joined and
+/// handled whole, which takes it then).
 pub fn decode_parts(
     head: &[u8],
     payload: &[u8],
@@ -372,9 +397,8 @@ pub fn decode_parts(
         return Err(DecodeError::TooShort { len });
     }
     let r = preamble(head)?;
-    if !seal.check(&[head, payload], trailer) {
-        return Err(DecodeError::BadChecksum);
-    }
+    seal.open(&[head, payload], trailer, false)
+        .map_err(refusal)?;
     match parse(r, len, seal.guard())? {
         (
             h @ Header {

@@ -25,9 +25,13 @@
 //! never repeats a nonce under one key, and a datagram cannot be reflected
 //! back to its sender.
 //!
-//! Replays of authentic datagrams need no window of their own here: DATA
-//! carries sequence numbers the receiver deduplicates, and an old ACK is
-//! old news to the sender.
+//! Under the MAC every counter is taken once: a receiver keeps the highest
+//! it accepted and a bitmap of the [`REPLAY_WINDOW`] below it, and refuses
+//! a datagram whose counter it saw or that lies below the window
+//! ([`Refused::Replayed`]), so a recorded datagram played back (a keepalive
+//! with the BUSY flag, say, which would keep a dead peer looking alive) is
+//! dropped and counted. The window is wide because the data and priority
+//! sockets overtake each other by up to a socket buffer of datagrams.
 
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
 
@@ -41,6 +45,21 @@ pub const MAX_TRAILER: usize = MAC_TRAILER;
 pub const KEY_LEN: usize = 16;
 
 const TAG_LEN: usize = 16;
+
+/// Nonce counters below the highest accepted that a receiver still takes
+/// (once each); older ones are refused as replays.
+pub const REPLAY_WINDOW: u64 = 8192;
+const WINDOW_WORDS: usize = (REPLAY_WINDOW / 64) as usize;
+
+/// Why [`Seal::open`] refused a trailer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Not the CRC or MAC of these bytes: corrupted, or forged.
+    Forged,
+    /// A MAC made by the peer whose counter was already taken, or is
+    /// below the replay window: a datagram played back.
+    Replayed,
+}
 
 /// How a job's datagrams are guarded: every rank of a job uses the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -121,6 +140,61 @@ struct MacState {
     next: u64,
     /// Room for the throw-away ciphertext.
     scratch: Vec<u8>,
+    /// The counters taken under `rx`.
+    seen: Replay,
+}
+
+/// The replay window of one receiving direction.
+struct Replay {
+    /// One more than the highest counter taken (0: none yet).
+    top: u64,
+    /// Bit `c % REPLAY_WINDOW` set: counter `c`, within the window, taken.
+    bits: Box<[u64; WINDOW_WORDS]>,
+}
+
+impl Replay {
+    fn new() -> Replay {
+        Replay {
+            top: 0,
+            bits: Box::new([0; WINDOW_WORDS]),
+        }
+    }
+
+    fn slot(c: u64) -> (usize, u64) {
+        let i = c % REPLAY_WINDOW;
+        ((i / 64) as usize, 1 << (i % 64))
+    }
+
+    /// Whether counter `c` may still be taken.
+    fn fresh(&self, c: u64) -> bool {
+        if c >= self.top {
+            return true;
+        }
+        if self.top - c > REPLAY_WINDOW {
+            return false;
+        }
+        let (w, b) = Self::slot(c);
+        self.bits[w] & b == 0
+    }
+
+    /// Take counter `c` (fresh).
+    fn take(&mut self, c: u64) {
+        if c >= self.top {
+            // The slots of the counters the window moves over (top..=c)
+            // may hold old ones: clear them.
+            if c - self.top >= REPLAY_WINDOW {
+                self.bits.fill(0);
+            } else {
+                for k in self.top..=c {
+                    let (w, b) = Self::slot(k);
+                    self.bits[w] &= !b;
+                }
+            }
+            self.top = c + 1;
+        }
+        let (w, b) = Self::slot(c);
+        self.bits[w] |= b;
+    }
 }
 
 impl std::fmt::Debug for Seal {
@@ -152,6 +226,7 @@ impl Seal {
                 rx: key(rx),
                 next: 0,
                 scratch: Vec::new(),
+                seen: Replay::new(),
             })),
         }
     }
@@ -183,22 +258,55 @@ impl Seal {
         }
     }
 
-    /// Whether `trailer` is the right one for a datagram made of `parts`.
-    pub fn check(&mut self, parts: &[&[u8]], trailer: &[u8]) -> bool {
+    /// Whether `trailer` is the right one for a datagram made of `parts`
+    /// that this side has not taken yet; with `take`, its counter is
+    /// taken (a datagram acted on), without, only checked (a datagram
+    /// looked at now and handed to [`open`](Self::open) later).
+    pub fn open(&mut self, parts: &[&[u8]], trailer: &[u8], take: bool) -> Result<(), Refused> {
         match &mut self.inner {
-            Inner::Crc => trailer == crc32c(parts).to_le_bytes(),
+            Inner::Crc if trailer == crc32c(parts).to_le_bytes() => Ok(()),
+            Inner::Crc => Err(Refused::Forged),
             Inner::Mac(m) => {
                 let Some((counter, tag)) = trailer.split_first_chunk::<8>() else {
-                    return false;
+                    return Err(Refused::Forged);
                 };
                 if tag.len() != TAG_LEN {
-                    return false;
+                    return Err(Refused::Forged);
                 }
-                let want = gcm_tag(&m.rx, &mut m.scratch, u64::from_le_bytes(*counter), parts);
+                let counter = u64::from_le_bytes(*counter);
+                let want = gcm_tag(&m.rx, &mut m.scratch, counter, parts);
                 // Constant time: every byte is compared whatever differs.
-                want.iter().zip(tag).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+                if want.iter().zip(tag).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
+                    return Err(Refused::Forged);
+                }
+                if !m.seen.fresh(counter) {
+                    return Err(Refused::Replayed);
+                }
+                if take {
+                    m.seen.take(counter);
+                }
+                Ok(())
             }
         }
+    }
+
+    /// Take the counter of `trailer`, which [`open`](Self::open) accepted
+    /// without taking it.
+    pub fn take(&mut self, trailer: &[u8]) {
+        if let (Inner::Mac(m), Some((counter, _))) =
+            (&mut self.inner, trailer.split_first_chunk::<8>())
+        {
+            let c = u64::from_le_bytes(*counter);
+            if m.seen.fresh(c) {
+                m.seen.take(c);
+            }
+        }
+    }
+
+    /// Whether `trailer` is the right one for a datagram made of `parts`
+    /// ([`open`](Self::open) taking its counter).
+    pub fn check(&mut self, parts: &[&[u8]], trailer: &[u8]) -> bool {
+        self.open(parts, trailer, true).is_ok()
     }
 }
 
@@ -271,6 +379,50 @@ mod tests {
         // A wrong key fails.
         let mut c = Seal::mac(&k2, &[3u8; KEY_LEN]);
         assert!(!c.check(&[b"headpayload"], t.as_ref()));
+    }
+
+    #[test]
+    fn mac_takes_each_counter_once_within_its_window() {
+        let (k1, k2) = ([1u8; KEY_LEN], [2u8; KEY_LEN]);
+        let mut a = Seal::mac(&k1, &k2);
+        let mut b = Seal::mac(&k2, &k1);
+        let ts: Vec<Trailer> = (0..10).map(|_| a.seal(&[b"d"])).collect();
+        // Out of order is fine, each once; a look without taking leaves it.
+        for i in [3, 1, 0, 9, 2] {
+            assert_eq!(b.open(&[b"d"], ts[i].as_ref(), false), Ok(()));
+            assert_eq!(b.open(&[b"d"], ts[i].as_ref(), true), Ok(()), "{i}");
+            assert_eq!(
+                b.open(&[b"d"], ts[i].as_ref(), true),
+                Err(Refused::Replayed),
+                "{i} again"
+            );
+        }
+        assert!(b.check(&[b"d"], ts[5].as_ref()));
+        // A forgery is a forgery, not a replay, even on a taken counter.
+        let mut bad = ts[3].as_ref().to_vec();
+        bad[20] ^= 1;
+        assert_eq!(b.open(&[b"d"], &bad, true), Err(Refused::Forged));
+        // Far ahead, then what fell below the window is refused, what is
+        // inside it still taken once.
+        let mut last = ts[9];
+        for _ in 0..REPLAY_WINDOW + 5 {
+            last = a.seal(&[b"d"]);
+        }
+        assert!(b.check(&[b"d"], last.as_ref()));
+        assert_eq!(
+            b.open(&[b"d"], ts[4].as_ref(), true),
+            Err(Refused::Replayed)
+        );
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(a.seal(&[b"d"]));
+        }
+        let newest = a.seal(&[b"d"]);
+        assert!(b.check(&[b"d"], newest.as_ref()));
+        for t in &held {
+            assert!(b.check(&[b"d"], t.as_ref()));
+            assert!(!b.check(&[b"d"], t.as_ref()));
+        }
     }
 
     #[test]

@@ -53,6 +53,9 @@ pub struct Stats {
     /// Datagrams whose trailer failed (the CRC32C, or the MAC under
     /// [`Guard::Mac`](super::Guard::Mac): corrupted or forged), dropped.
     pub checksum_errors: u64,
+    /// Authentic datagrams played back (under [`Guard::Mac`](super::Guard::Mac):
+    /// a MAC counter already taken), dropped.
+    pub replays_dropped: u64,
     /// Datagrams failing any other decode check, dropped.
     pub decode_errors: u64,
     /// Well-formed datagrams for another job, rank pair or direction, dropped.
@@ -88,8 +91,8 @@ impl fmt::Display for Stats {
         write!(
             f,
             "TX {} (prio {}) data/resend(fast+rto)/ack {}/{}({}+{})/{} msgs {} acked {} blocked {} | \
-             RX {} data {} ooo {} ack {} dupack/old/bad {}/{}/{} drop dup/oow/crc/bad/misdir/proto \
-             {}/{}/{}/{}/{}/{} msgs {} bytes {} | \
+             RX {} data {} ooo {} ack {} dupack/old/bad {}/{}/{} drop dup/oow/crc/replay/bad/misdir/proto \
+             {}/{}/{}/{}/{}/{}/{} msgs {} bytes {} | \
              win S {}..{} ({} unacked, {} B) R {} ({} buffered) srtt {:?} rto {:?}",
             self.datagrams_sent,
             self.priority_sent,
@@ -111,6 +114,7 @@ impl fmt::Display for Stats {
             self.duplicates_dropped,
             self.out_of_window_dropped,
             self.checksum_errors,
+            self.replays_dropped,
             self.decode_errors,
             self.misdirected,
             self.protocol_errors,
