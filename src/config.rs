@@ -115,12 +115,16 @@ pub struct Config {
     pub close_timeout: Duration,
     /// Emulated one-sided operations (put, get, atomics and flush over
     /// messages) waiting on a peer that has answered none of them for this
-    /// long fail with [`Error::Timeout`](crate::Error::Timeout), even if
-    /// the peer still looks alive: no future waits forever for an answer
-    /// that never comes. Answers that keep coming (a long run of large
-    /// gets) keep every wait alive. Default 5 s, the transports' default
-    /// peer timeout; raise it where answers may queue that long behind
-    /// other traffic (a slow link). Env: `BTL_ANSWER_TIMEOUT_MS`.
+    /// long, while its link held nothing of ours still to send, fail with
+    /// [`Error::Timeout`](crate::Error::Timeout), even if the peer still
+    /// looks alive: none waits forever for an answer that never comes.
+    /// Answers that keep coming, or our data still queued towards the
+    /// peer (a large put, a flush behind many `put_nbi`), keep every wait
+    /// alive. Operations a transport carries natively (RDMA writes and
+    /// reads, `sm` copies) have their own completions and are not
+    /// concerned. Default 5 s, the transports' default peer timeout; raise
+    /// it where a peer may take longer than that to answer what it
+    /// received. At least 1 ms. Env: `BTL_ANSWER_TIMEOUT_MS`.
     pub answer_timeout: Duration,
     /// Settings of the `udp` transport (`BTL_UDP_*`).
     pub udp: crate::UdpConfig,

@@ -137,6 +137,26 @@ impl Core {
         self.job_tag
     }
 
+    /// Fail emulated one-sided operations a peer never answers (see
+    /// [`Rma::expire`](crate::core::rma::Rma::expire)): a peer whose link
+    /// still holds data of ours counts as heard from, since its answer may
+    /// be waiting behind that data.
+    pub(crate) fn expire_answers(&self, after: std::time::Duration) {
+        if !self.rma.any_pending() {
+            return;
+        }
+        let links = self.links.read().unwrap_or_else(|e| e.into_inner());
+        for (peer, route) in links.iter().enumerate() {
+            if let Some(r) = route {
+                if r.rma.has_queued() || r.msg.has_queued() {
+                    self.rma.heard_now(peer as Rank);
+                }
+            }
+        }
+        drop(links);
+        self.rma.expire(after);
+    }
+
     /// A secret key for `purpose`, derived from the job key and `parts`:
     /// the same in every rank that holds the job key and passes the same
     /// parts, and unguessable to anyone else (HMAC-SHA256).

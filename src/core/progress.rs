@@ -107,7 +107,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
         let now = Instant::now();
         if now.duration_since(last_check) >= cfg.heartbeat {
             t.check_peers();
-            core.rma.expire(cfg.answer_timeout);
+            core.expire_answers(cfg.answer_timeout);
             beat.touch();
             last_check = now;
         }

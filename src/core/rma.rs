@@ -13,8 +13,11 @@
 //! ([`Rma::track`]), so that `flush` waits for those too.
 //!
 //! Ownership: an emulated get keeps the destination region alive (an `Arc`)
-//! in the pending table until the answer lands or the peer is lost, so
-//! dropping the future cannot free memory the engine will still write.
+//! in the pending table until the answer lands, the peer is lost or the
+//! wait times out ([`Rma::expire`]: a peer that answered none of ours for
+//! `Config::answer_timeout` while its link held nothing of ours), so
+//! dropping the future cannot free memory the engine will still write (a
+//! late answer to an expired get is dropped unread).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -108,7 +111,13 @@ pub(crate) struct Rma {
     /// since `epoch` (see [`Rma::expire`]).
     heard: Vec<AtomicU64>,
     epoch: std::time::Instant,
+    /// Operations [`Rma::expire`] failed, whose late answers are dropped
+    /// quietly (at most [`EXPIRED_KEPT`]; forgotten all at once beyond).
+    expired: Mutex<std::collections::HashSet<u64>>,
 }
+
+/// See [`Rma::expired`].
+const EXPIRED_KEPT: usize = 1 << 16;
 
 /// Holds counts of [`Rma::settling`] while operations are settled.
 struct Settling<'a>(&'a AtomicU64, u64);
@@ -254,6 +263,7 @@ impl Rma {
             settling_other: AtomicU64::new(0),
             heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
             epoch: std::time::Instant::now(),
+            expired: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -613,9 +623,13 @@ impl Rma {
             .collect()
     }
 
-    /// Fail `ops` with `err`.
+    /// Fail `ops` with `err` (a part of a get other than its last
+    /// excepted: the last reports for the whole get).
     fn fail(&self, ops: Vec<(Op, Settling<'_>)>, err: impl Fn() -> Error) {
         for (op, _settling) in ops {
+            if matches!(op.what, Pending::Get { quiet: true, .. }) {
+                continue;
+            }
             // Implicit operations: the peer's next `flush` reports it.
             self.settle(op.peer, op.done, Err(err()));
         }
@@ -636,46 +650,93 @@ impl Rma {
         self.epoch.elapsed().as_millis() as u64
     }
 
+    /// Whether any emulated operation waits for an answer.
+    pub(crate) fn any_pending(&self) -> bool {
+        !lock(&self.ops).is_empty()
+    }
+
+    /// Count `peer` as heard from now: its link still carries what we
+    /// queued for it, so an answer may be on its way behind that.
+    pub(crate) fn heard_now(&self, peer: Rank) {
+        if let Some(h) = self.heard.get(peer as usize) {
+            h.store(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
     /// Fail with [`Error::Timeout`] every operation waiting on a peer that
     /// has had one waiting for longer than `after` and answered none for
     /// that long (an answer that never comes, whatever the transport
-    /// thinks of the peer). Called on the heartbeat. Returns how many
-    /// failed.
+    /// thinks of the peer). Called on the heartbeat, after peers whose
+    /// links still hold queued data were counted as heard
+    /// ([`heard_now`](Self::heard_now)). Returns how many failed.
     pub(crate) fn expire(&self, after: std::time::Duration) -> usize {
         let now = self.now_ms();
-        let limit = after.as_millis() as u64;
-        let heard = |p: Rank| {
-            self.heard
+        let limit = (after.as_millis() as u64).max(1);
+        let silent = |p: Rank| {
+            let heard = self
+                .heard
                 .get(p as usize)
-                .map_or(0, |h| h.load(Ordering::Relaxed))
+                .map_or(0, |h| h.load(Ordering::Relaxed));
+            now.saturating_sub(heard) > limit
         };
-        let silent: Vec<Rank> = {
-            let ops = lock(&self.ops);
-            let mut v: Vec<Rank> = ops
+        // Chosen and taken under one hold of the table, so that nothing
+        // registered or answered meanwhile is failed with them.
+        let (taken, peers) = {
+            let mut ops = lock(&self.ops);
+            let mut peers: Vec<Rank> = ops
                 .values()
-                .filter(|o| {
-                    now.saturating_sub(o.since) > limit && now.saturating_sub(heard(o.peer)) > limit
-                })
+                .filter(|o| now.saturating_sub(o.since) > limit && silent(o.peer))
                 .map(|o| o.peer)
                 .collect();
-            v.sort_unstable();
-            v.dedup();
-            v
+            if peers.is_empty() {
+                return 0;
+            }
+            peers.sort_unstable();
+            peers.dedup();
+            let ids: Vec<u64> = ops
+                .iter()
+                .filter(|(_, o)| peers.binary_search(&o.peer).is_ok())
+                .map(|(k, _)| *k)
+                .collect();
+            let mut expired = lock(&self.expired);
+            if expired.len() + ids.len() > EXPIRED_KEPT {
+                expired.clear();
+            }
+            let taken: Vec<(Op, Settling<'_>)> = ids
+                .into_iter()
+                .filter_map(|k| {
+                    expired.insert(k);
+                    ops.remove(&k)
+                })
+                .map(|op| {
+                    let s = self.settling(op.peer, 1);
+                    (op, s)
+                })
+                .collect();
+            (taken, peers)
         };
-        let mut n = 0;
-        for peer in silent {
-            let ops = self.take_ops(|o| o.peer == peer);
-            n += ops.len();
+        let n = taken.len();
+        for peer in peers {
             tracing::warn!(
-                "rank {peer} answered none of {} emulated one-sided operations for {after:?}: failing them",
-                ops.len()
+                "rank {peer} answered none of our emulated one-sided operations for {after:?}: failing those waiting on it"
             );
-            self.fail(ops, || Error::Timeout {
-                what: format!(
-                    "an answer from rank {peer} to an emulated put, get, atomic or flush"
-                ),
-                after,
-            });
+        }
+        for (op, _settling) in taken {
+            let peer = op.peer;
+            if matches!(op.what, Pending::Get { quiet: true, .. }) {
+                // A part of a get whose last part reports it.
+                continue;
+            }
+            self.settle(
+                peer,
+                op.done,
+                Err(Error::Timeout {
+                    what: format!(
+                        "an answer from rank {peer} to an emulated put, get, atomic or flush"
+                    ),
+                    after,
+                }),
+            );
         }
         n
     }
@@ -777,9 +838,6 @@ impl Rma {
                 self.answer(link, Kind::AtomicResp, id, body);
             }
             Kind::PutAck | Kind::GetResp | Kind::FlushAck | Kind::AtomicResp => {
-                if let Some(h) = self.heard.get(src as usize) {
-                    h.store(self.now_ms(), Ordering::Relaxed);
-                }
                 self.finish(src, kind, id, &data)
             }
             _ => {}
@@ -889,9 +947,13 @@ impl Rma {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
                 Some(op) if op.peer == src => (ops.remove(&id), self.settling(src, 1)),
+                // The late answer of an operation that timed out.
+                _ if lock(&self.expired).remove(&id) => return,
                 _ => return self.bad(src, "answer to an unknown operation"),
             }
         };
+        // An answer to one of ours: the peer is answering.
+        self.heard_now(src);
         let Some(op) = op else {
             return self.bad(src, "answer to an unknown operation");
         };
@@ -1060,6 +1122,18 @@ mod tests {
         assert!(matches!(e, Error::Timeout { .. }), "{e}");
         assert!(e.to_string().contains("rank 1"), "{e}");
         assert_eq!(r.outstanding(2), 1, "rank 2's wait goes on");
+        // Rank 1's answer, late: dropped, not counted as a bad message.
+        let (kind, id1, _) = fa.into_iter().nth(1).unwrap();
+        assert_eq!(kind, Kind::FlushReq);
+        r.handle(
+            &to_1,
+            1,
+            Kind::FlushAck,
+            id1,
+            encode_status(&Ok(()), 0).freeze(),
+        );
+        assert_eq!(r.counters.bad_frames.load(Ordering::Relaxed), 0);
+        assert!(r.take_failure(1).is_none());
         // Its answer, late, still settles it.
         let (kind, id, _) = fb.into_iter().nth(1).unwrap();
         assert_eq!(kind, Kind::FlushReq);
