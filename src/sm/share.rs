@@ -37,10 +37,15 @@ pub(crate) const ANSWER_LEN: usize = 24;
 const REQUEST_MAGIC: [u8; 8] = *b"ABTLSHQ1";
 const ANSWER_MAGIC: [u8; 8] = *b"ABTLSHA1";
 /// The longest an asker waits for any step of a fetch (connect, send,
-/// answer) before it fails.
-pub(crate) const FETCH_LIMIT: Duration = Duration::from_secs(10);
-/// The longest the server waits for one asker's request.
-const SERVE_LIMIT: Duration = Duration::from_secs(1);
+/// answer) before it fails. The server answers at once (one asker at a
+/// time, each cut off after [`SERVE_LIMIT`]), so this is far above what a
+/// fetch takes, and low enough that an operation whose first use of a key
+/// fetches its memory is not held up long by a server that is gone.
+pub(crate) const FETCH_LIMIT: Duration = Duration::from_secs(2);
+/// The longest the server waits for one asker's request (an asker sends
+/// it right after connecting), so a same-user process that connects and
+/// says nothing delays the others by that at most.
+const SERVE_LIMIT: Duration = Duration::from_millis(100);
 
 /// What is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -259,9 +264,12 @@ pub(crate) fn serve(
         len: mem.len() as u64,
     };
     let key = (kind, id);
-    if lock(&OFFERS).insert(key, offer).is_some() {
+    let mut offers = lock(&OFFERS);
+    // Checked before inserting: the offer already there keeps its guard.
+    if offers.contains_key(&key) {
         return Err(crate::Error::Misuse("shared memory id served twice".into()));
     }
+    offers.insert(key, offer);
     Ok(Served { key })
 }
 
@@ -281,7 +289,13 @@ fn serve_forever(listener: socket2::Socket) {
 
 /// Answer one asker (bounded by `SERVE_LIMIT` per step).
 fn answer(conn: &socket2::Socket) {
-    let _ = fdpass::set_timeouts(conn, SERVE_LIMIT);
+    if let Err(e) = fdpass::set_timeouts(conn, SERVE_LIMIT) {
+        // Unbounded, a silent asker would hold the server forever.
+        tracing::debug!(
+            "shared-memory server: dropped an asker whose socket takes no timeout: {e}"
+        );
+        return;
+    }
     let (status, fd, len) = judge(conn);
     if status != Status::Ok {
         REFUSED.fetch_add(1, Ordering::Relaxed);

@@ -118,6 +118,15 @@ impl SharedMem {
         min_len: usize,
     ) -> std::result::Result<SharedMem, Refused> {
         let file = File::from(fd);
+        // The seals first, then the size: once shrinking is sealed (and
+        // sealing too) the size read after cannot drop under the mapping.
+        // Read the other way round, an owner could shrink the file between
+        // the two reads and seal it after, and the mapping would reach
+        // past its end (SIGBUS on touch).
+        let seals = seals_of(file.as_fd()).map_err(|e| Refused::Os("reading the seals", e))?;
+        if seals & SEALS != SEALS {
+            return Err(Refused::Unsealed { seals });
+        }
         let md = file.metadata().map_err(|e| Refused::Os("fstat", e))?;
         let ft = md.file_type();
         if !ft.is_file() {
@@ -129,10 +138,6 @@ impl SharedMem {
                 md.uid(),
                 md.mode() & 0o777
             )));
-        }
-        let seals = seals_of(file.as_fd()).map_err(|e| Refused::Os("reading the seals", e))?;
-        if seals & SEALS != SEALS {
-            return Err(Refused::Unsealed { seals });
         }
         let len = md.len();
         if len < min_len as u64 {
