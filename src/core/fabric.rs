@@ -731,9 +731,12 @@ impl Fabric {
             .zip(beats)
             .map(|(t, b)| (Arc::downgrade(t), b))
             .collect();
-        if let Err(e) =
-            crate::core::progress::watchdog(watched, core.closed.clone(), core.config.heartbeat)
-        {
+        if let Err(e) = crate::core::progress::watchdog(
+            watched,
+            Arc::downgrade(&core),
+            core.closed.clone(),
+            core.config.heartbeat,
+        ) {
             tracing::warn!("no liveness watchdog thread ({e}): peer losses are seen only while the progress tasks run");
         }
         Ok(Fabric {

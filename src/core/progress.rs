@@ -63,10 +63,12 @@ const MISSED_BEATS: u32 = 3;
 /// transport's peers itself whenever its progress task has not for
 /// [`MISSED_BEATS`] heartbeats (a user task that never yields on a
 /// current-thread runtime, or a runtime whose workers are all busy, starves
-/// the progress tasks: a dead peer must still fail what waits on it). It
-/// holds the transports weakly and ends when the fabric closes.
+/// the progress tasks: a dead peer must still fail what waits on it), and
+/// expires unanswered one-sided operations then too. It holds the
+/// transports and the core weakly and ends when the fabric closes.
 pub(crate) fn watchdog(
     transports: Vec<(Weak<dyn Transport>, Arc<Beat>)>,
+    core: Weak<Core>,
     closed: Arc<AtomicBool>,
     heartbeat: Duration,
 ) -> std::io::Result<()> {
@@ -78,12 +80,19 @@ pub(crate) fn watchdog(
                 return;
             }
             let mut alive = false;
+            let mut starved = false;
             for (t, beat) in &transports {
                 let Some(t) = t.upgrade() else { continue };
                 alive = true;
                 if beat.age() >= heartbeat * MISSED_BEATS && !closed.load(Ordering::Acquire) {
                     t.check_peers();
                     beat.touch();
+                    starved = true;
+                }
+            }
+            if starved {
+                if let Some(c) = core.upgrade() {
+                    c.expire_answers(c.config.answer_timeout);
                 }
             }
             if !alive {
