@@ -6,12 +6,16 @@
 //! over `sm`, the worker on a thread of its own with its own runtime). A
 //! client on a thread of its own sends an 8-byte request over a loopback
 //! TCP connection; the service's connection task forwards it to the worker
-//! over the fabric, and a reply task (which owns the fabric's receiver, as
-//! services that multiplex many requests do) hands the worker's reply back
-//! through a oneshot channel to be written out. The client waits for each
+//! over the fabric, and a reply task (which owns the fabric's receiver and
+//! waits on it all the time, between requests too, as services that
+//! multiplex many requests do) hands the worker's reply back through a
+//! oneshot channel to be written out. The client waits for each
 //! reply before the next request. Printed: p50, p90 and p99 of the round trip, per runtime
 //! flavour, and the ratio of the current-thread p50 to the multi-thread
 //! one.
+//!
+//! Settings come from the `BTL_*` variables (`BTL_TRANSPORTS=udp` runs
+//! the two ranks over udp on loopback instead of `sm`).
 //!
 //! ```text
 //! cargo bench --bench tokio_forward
@@ -48,7 +52,7 @@ fn measure(multi: bool, job: u8) -> Vec<Duration> {
         runtime(false).block_on(async move {
             let f = FabricBuilder::new(1, 2)
                 .job_key(key)
-                .config(Config::default())
+                .config(Config::from_env().expect("BTL_* settings"))
                 .build(&ex1)
                 .await
                 .expect("worker fabric");
@@ -75,13 +79,20 @@ fn measure(multi: bool, job: u8) -> Vec<Duration> {
         let addr = listener.local_addr().expect("addr");
         let ep = f.endpoint(1).expect("endpoint");
         let mut replies = f.receiver(2).expect("receiver");
-        let (want_tx, mut want_rx) =
-            tokio::sync::mpsc::unbounded_channel::<tokio::sync::oneshot::Sender<bytes::Bytes>>();
-        // The reply task: owns the receiver, answers the oldest waiter.
+        // Waiters for replies, oldest first.
+        let waiters = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::<
+            tokio::sync::oneshot::Sender<bytes::Bytes>,
+        >::new()));
+        // The reply task: owns the receiver and waits on it all the time
+        // (between requests too, as a router of many requests' replies
+        // does), answering the oldest waiter.
+        let w = waiters.clone();
         let router = tokio::spawn(async move {
-            while let Some(w) = want_rx.recv().await {
-                let m = replies.recv().await.expect("reply");
-                let _ = w.send(m.data);
+            while let Ok(m) = replies.recv().await {
+                let waiter = w.lock().expect("waiters").pop_front();
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(m.data);
+                }
             }
         });
         let service = tokio::spawn(async move {
@@ -90,7 +101,7 @@ fn measure(multi: bool, job: u8) -> Vec<Duration> {
             let mut buf = [0u8; 8];
             while s.read_exact(&mut buf).await.is_ok() {
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                want_tx.send(tx).expect("router");
+                waiters.lock().expect("waiters").push_back(tx);
                 ep.send_inline(1, &buf).await.expect("forward");
                 let data = rx.await.expect("reply");
                 s.write_all(&data).await.expect("write");

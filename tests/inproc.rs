@@ -467,3 +467,82 @@ async fn operations_after_close_fail_with_closed() {
     }
     drop(region);
 }
+
+/// A receiver spinning on the fabric (busy polling, nothing arriving) on a
+/// current-thread runtime still lets the runtime's sockets in: a TCP
+/// request from another thread reaches its task within a few of the
+/// receiver's polls. A receiver that had itself polled again at once every
+/// time kept the runtime from looking at its I/O for 61 polls (tokio's
+/// event interval), which made a TCP request forwarded over the fabric
+/// twice as slow as on a multi-thread runtime.
+#[test]
+fn a_spinning_receiver_lets_the_runtimes_sockets_in() {
+    use futures::StreamExt;
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    const ROUNDS: usize = 40;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let worst = rt.block_on(async {
+        let cfg = Config {
+            progress: async_btl::ProgressMode::BusyPoll,
+            ..Config::default()
+        };
+        let f = job(2, cfg).await;
+        let polls = Arc::new(AtomicU64::new(0));
+        let mut rx = f[1].receiver(9).unwrap();
+        let p = polls.clone();
+        let spinner = tokio::spawn(async move {
+            futures::future::poll_fn(|cx| {
+                p.fetch_add(1, Ordering::Relaxed);
+                rx.poll_next_unpin(cx)
+            })
+            .await
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let at_write = Arc::new(AtomicU64::new(0));
+        let (p, w) = (polls.clone(), at_write.clone());
+        let client = std::thread::spawn(move || {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            c.set_nodelay(true).unwrap();
+            let mut b = [0u8; 1];
+            for i in 0..ROUNDS {
+                std::thread::sleep(Duration::from_micros(200 + 37 * i as u64 % 300));
+                w.store(p.load(Ordering::Relaxed), Ordering::Relaxed);
+                c.write_all(&[i as u8]).unwrap();
+                c.read_exact(&mut b).unwrap();
+            }
+        });
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut worst = 0;
+        let mut b = [0u8; 1];
+        for _ in 0..ROUNDS {
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut b)
+                .await
+                .unwrap();
+            let waited = polls.load(Ordering::Relaxed) - at_write.load(Ordering::Relaxed);
+            worst = worst.max(waited);
+            tokio::io::AsyncWriteExt::write_all(&mut s, &b)
+                .await
+                .unwrap();
+        }
+        tokio::task::spawn_blocking(move || client.join().unwrap())
+            .await
+            .unwrap();
+        println!("receiver polls in all: {}", polls.load(Ordering::Relaxed));
+        spinner.abort();
+        futures::future::try_join_all(f.into_iter().map(|x| x.close()))
+            .await
+            .unwrap();
+        worst
+    });
+    println!("the most receiver polls between a TCP write and its task: {worst}");
+    assert!(
+        worst <= 24,
+        "the receiver polled {worst} times before the socket's task ran"
+    );
+}

@@ -251,6 +251,15 @@ pub(crate) const OP_UNSEEN: u64 = u64::MAX;
 /// See [`Hot::spinning_idle`].
 const OS_YIELD_AFTER_NS: u64 = 20_000;
 
+/// See [`Hot::give_way_due`]: once hot waiters have found no work for
+/// this long...
+const GIVE_WAY_IDLE_NS: u64 = 2_000;
+/// ...every this many of their polls has the runtime look at its I/O and
+/// timers first...
+const GIVE_WAY_IDLE_POLLS: u32 = 4;
+/// ...and while work keeps coming, once in this long.
+const GIVE_WAY_BUSY_NS: u64 = 20_000;
+
 /// When a waiting receiver polls again at once instead of sleeping.
 struct Hot {
     mode: ProgressMode,
@@ -271,6 +280,11 @@ struct Hot {
     /// Inline progress calls made for futures waiting on operations
     /// (Relaxed: a hint; see `Dispatcher::progress_inline_for_op`).
     op_polls: AtomicU64,
+    /// Nanoseconds since `epoch` of the last time a hot waiter gave way
+    /// (Relaxed: a hint; see `give_way_due`).
+    gave_way: AtomicU64,
+    /// Hot polls that found nothing since then (Relaxed: a hint).
+    misses: std::sync::atomic::AtomicU32,
 }
 
 impl Hot {
@@ -299,6 +313,34 @@ impl Hot {
             && now.saturating_sub(self.last.load(Ordering::Relaxed)) > OS_YIELD_AFTER_NS
     }
 
+    /// Whether a hot waiter should have its next poll wait for the runtime
+    /// to look at its I/O and timers (see [`give_way`]) rather than come at
+    /// once: every [`GIVE_WAY_IDLE_POLLS`]th poll once no work has come for
+    /// [`GIVE_WAY_IDLE_NS`], else once in [`GIVE_WAY_BUSY_NS`] (a
+    /// ping-pong, whose hops are far shorter, pays the runtime's I/O poll
+    /// only that rarely). A task woken at once
+    /// goes straight back to the run queue, and a current-thread runtime
+    /// polls its I/O driver only when that queue runs empty or every 61
+    /// polls, so a spinning receiver would hold back every socket of the
+    /// program by that much (a TCP request forwarded over the fabric took
+    /// twice as long as on a multi-thread runtime, more with a longer
+    /// `BTL_SPIN_US`).
+    fn give_way_due(&self, now: u64) -> bool {
+        let since = now.saturating_sub(self.gave_way.load(Ordering::Relaxed));
+        let idle = now.saturating_sub(self.last.load(Ordering::Relaxed));
+        // Load and store, not an atomic add: a hint, off the hot path's
+        // critical cost.
+        let misses = self.misses.load(Ordering::Relaxed) + 1;
+        if (idle >= GIVE_WAY_IDLE_NS && misses >= GIVE_WAY_IDLE_POLLS) || since >= GIVE_WAY_BUSY_NS
+        {
+            self.gave_way.store(now, Ordering::Relaxed);
+            self.misses.store(0, Ordering::Relaxed);
+            return true;
+        }
+        self.misses.store(misses, Ordering::Relaxed);
+        false
+    }
+
     /// Whether a waiter should keep polling at `now` (one clock read per
     /// poll: reading the clock is about 15% of a ping-pong's profile).
     fn is_hot(&self, now: u64) -> bool {
@@ -309,6 +351,18 @@ impl Hot {
                 now.saturating_sub(self.last.load(Ordering::Relaxed)) < self.spin_ns
             }
         }
+    }
+}
+
+/// Have the task polled again once the runtime has looked at its I/O
+/// drivers and timers: tokio's `yield_now`, whose first poll hands the
+/// waker to the scheduler's deferred list (woken after the next driver
+/// poll; at once outside a runtime). Its future is dropped after that
+/// first poll; the deferred waker is what counts.
+fn give_way(cx: &mut Context<'_>) {
+    let y = std::pin::pin!(tokio::task::yield_now());
+    if std::future::Future::poll(y, cx).is_ready() {
+        cx.waker().wake_by_ref();
     }
 }
 
@@ -333,6 +387,8 @@ impl Dispatcher {
                 polled: AtomicU64::new(0),
                 inline: AtomicU64::new(0),
                 op_polls: AtomicU64::new(0),
+                gave_way: AtomicU64::new(0),
+                misses: std::sync::atomic::AtomicU32::new(0),
             },
         })
     }
@@ -412,8 +468,11 @@ impl Dispatcher {
     /// About to return `Pending`: while traffic is hot, have the task polled
     /// again at once on its own thread (busy-polling inside the caller's
     /// task, no cross-thread wake-up) and tell the progress task it may stand
-    /// back. Returns whether it did (traffic is hot).
-    pub(crate) fn stay_hot(&self, cx: &Context<'_>) -> bool {
+    /// back. Returns whether it did (traffic is hot). Now and then the
+    /// next poll waits for the runtime's I/O and timers instead (see
+    /// [`Hot::give_way_due`]), so the program's other tasks are not held
+    /// back.
+    pub(crate) fn stay_hot(&self, cx: &mut Context<'_>) -> bool {
         let p = &self.policy;
         // The clock as this poll's inline progress read it (a microsecond
         // old at most).
@@ -427,7 +486,11 @@ impl Dispatcher {
             if p.spinning_idle(now) {
                 std::thread::yield_now();
             }
-            cx.waker().wake_by_ref();
+            if p.give_way_due(now) {
+                give_way(cx);
+            } else {
+                cx.waker().wake_by_ref();
+            }
             return true;
         }
         if p.inline.swap(0, Ordering::Relaxed) != 0 {
