@@ -116,7 +116,7 @@ pub struct Config {
     /// Emulated one-sided operations (put, get, atomics and flush over
     /// messages) waiting on a peer that has answered none of them for this
     /// long, while its link held nothing of ours still to send, fail with
-    /// [`Error::Timeout`](crate::Error::Timeout), even if the peer still
+    /// [`Error::Timeout`], even if the peer still
     /// looks alive: none waits forever for an answer that never comes.
     /// Answers that keep coming, or our data still queued towards the
     /// peer (a large put, a flush behind many `put_nbi`), keep every wait

@@ -72,6 +72,10 @@ pub(crate) struct SmAddr {
     /// Our network namespace: the share server's socket (abstract
     /// namespace) reaches only peers in the same one.
     pub(crate) netns: String,
+    /// Our pid namespace: the share server checks that the asker is the
+    /// pid it published, which a peer in another pid namespace sees as
+    /// another number.
+    pub(crate) pidns: String,
     pub(crate) bell: Vec<u8>,
     /// Whether peers may copy our memory with process_vm_readv/writev.
     pub(crate) cma: bool,
@@ -236,6 +240,7 @@ impl SmTransport {
             segment: self.seg.id(),
             share: share::server()?,
             netns: crate::sys::os::net_namespace(),
+            pidns: crate::sys::os::pid_namespace(),
             bell: self.bell.name().to_vec(),
             cma: crate::sys::os::cma_status().is_ok(),
         })
@@ -245,6 +250,7 @@ impl SmTransport {
     fn reaches_addr(&self, a: &SmAddr) -> bool {
         a.node == crate::sys::os::node_id()
             && a.netns == crate::sys::os::net_namespace()
+            && a.pidns == crate::sys::os::pid_namespace()
             && a.local_size == self.seg.layout.p.local_size
             && a.local_rank < a.local_size
             && a.local_rank != self.local_rank

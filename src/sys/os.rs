@@ -78,7 +78,18 @@ pub(crate) fn node_id() -> String {
 /// Unix sockets in the abstract namespace reach only processes that share
 /// it.
 pub(crate) fn net_namespace() -> String {
-    std::fs::read_link("/proc/self/ns/net")
+    namespace("net")
+}
+
+/// This process's pid namespace, as `/proc/self/ns/pid` names it (empty
+/// where it cannot be read): peers in another see other pids for the same
+/// processes.
+pub(crate) fn pid_namespace() -> String {
+    namespace("pid")
+}
+
+fn namespace(kind: &str) -> String {
+    std::fs::read_link(format!("/proc/self/ns/{kind}"))
         .map(|l| l.to_string_lossy().into_owned())
         .unwrap_or_default()
 }
