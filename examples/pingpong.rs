@@ -1,6 +1,7 @@
 //! Latency: ranks 0 and 1 bounce an 8-byte message back and forth; rank 0
 //! prints the half round-trip time and the transport that carried it. Any
-//! other ranks just wait at the final barrier.
+//! other ranks just wait at the final barrier. Rank 1 receives every ping
+//! into one buffer (`Receiver::recv_into`).
 //!
 //! ```text
 //! cargo run --example pingpong                  # launches 2 local ranks
@@ -60,12 +61,15 @@ async fn pingpong(fabric: &Fabric) -> Outcome {
         1 => {
             let peer = fabric.endpoint(0)?;
             let mut rx = fabric.receiver(TAG)?;
+            // One buffer for every ping: over sm, nothing is allocated per
+            // message.
+            let mut ping = Vec::with_capacity(8);
             for i in 0..WARMUP + iters {
-                let ping = rx.recv().await?;
-                ensure(ping.src == 0 && ping.data[..] == i.to_le_bytes(), || {
-                    format!("ping {i}: got {:?} from rank {}", ping.data, ping.src)
+                let src = rx.recv_into(&mut ping).await?;
+                ensure(src == 0 && ping[..] == i.to_le_bytes(), || {
+                    format!("ping {i}: got {ping:?} from rank {src}")
                 })?;
-                peer.send_inline(TAG, &ping.data).await?;
+                peer.send_inline(TAG, &ping).await?;
             }
         }
         _ => {}

@@ -98,6 +98,33 @@ struct Inline {
     /// first hand-off that takes the lock anyway, since a receiver fed
     /// this way may never reach a refill while it stays hot.
     handed: usize,
+    /// A buffer the receiver lent (`Receiver::recv_into`): the first
+    /// message handed over is copied into it, straight from where the
+    /// transport holds it, instead of into a buffer of its own. Valid for
+    /// the registration (see `InlineGuard::register`).
+    lent: Option<std::ptr::NonNull<Vec<u8>>>,
+    /// The sender of the message copied into `lent`, once there is one.
+    lent_src: Option<Rank>,
+}
+
+/// A message's payload as a transport offers it: made into a buffer of its
+/// own ([`into_bytes`](Payload::into_bytes)), or copied into one a receiver
+/// lent ([`copy_into`](Payload::copy_into)), whichever the dispatcher
+/// needs. A closure making `Bytes` is one (its copy goes through them).
+pub(crate) trait Payload {
+    /// The payload in a buffer of its own.
+    fn into_bytes(self) -> Bytes;
+    /// The payload appended to `out`.
+    fn copy_into(self, out: &mut Vec<u8>);
+}
+
+impl<F: FnOnce() -> Bytes> Payload for F {
+    fn into_bytes(self) -> Bytes {
+        self()
+    }
+    fn copy_into(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self());
+    }
 }
 
 impl Inline {
@@ -137,12 +164,17 @@ impl InlineGuard<'_> {
     /// receiver's empty local queue, reused so that no hand-off allocates)
     /// to collect what is handed over; unless one is registered already (a
     /// nested poll keeps the first): then `buf` comes back.
+    ///
+    /// `lent`, if any, must stay valid and unused by anything else until
+    /// the guard is taken or dropped (the caller's poll holds it borrowed
+    /// for that long): hand-offs on this thread write into it.
     fn register(
         disp: &Dispatcher,
         tag: Tag,
         queued: Arc<AtomicUsize>,
         buf: VecDeque<Result<Message>>,
         handed: usize,
+        lent: Option<std::ptr::NonNull<Vec<u8>>>,
     ) -> Result<InlineGuard<'_>, (Arc<AtomicUsize>, VecDeque<Result<Message>>)> {
         let mut buf = Some((queued, buf));
         let ok = INLINE
@@ -163,6 +195,8 @@ impl InlineGuard<'_> {
                     items,
                     bytes: 0,
                     handed,
+                    lent,
+                    lent_src: None,
                 });
                 true
             })
@@ -197,7 +231,16 @@ impl Drop for InlineGuard<'_> {
             .try_with(|c| c.try_borrow_mut().ok()?.take())
             .ok()
             .flatten();
-        if let Some(i) = left {
+        if let Some(mut i) = left {
+            if let (Some(src), Some(lent)) = (i.lent_src, i.lent) {
+                // Unwinding after a message was copied into the lent
+                // buffer: it goes back first, in a buffer of its own.
+                // SAFETY: the poll that registered `lent` is still on the
+                // stack (this drop runs in it), so the buffer is valid.
+                let data = Bytes::copy_from_slice(unsafe { lent.as_ref() });
+                let tag = self.tag;
+                i.items.push_front(Ok(Message { src, tag, data }));
+            }
             let n = i.items.len();
             self.disp.unpop(self.tag, i.handed, i.items, n);
         }
@@ -591,12 +634,12 @@ impl Dispatcher {
     /// With `locked`, the caller holds `tags` and saw the queue empty; the
     /// receiver's `handed` bytes are then taken out and returned, for the
     /// caller to give back to the budgets.
-    fn hand_over<F: FnOnce() -> Bytes>(
+    fn hand_over<P: Payload>(
         &self,
         (src, tag, len): (Rank, Tag, usize),
         locked: bool,
-        make: F,
-    ) -> std::result::Result<usize, F> {
+        make: P,
+    ) -> std::result::Result<usize, P> {
         let mut make = Some(make);
         let handed = INLINE
             .try_with(|c| {
@@ -606,9 +649,23 @@ impl Dispatcher {
                 if !i.takes(self, tag, len, empty) {
                     return None;
                 }
-                let data = make.take()?();
-                i.bytes = i.bytes.saturating_add(cost(len));
-                i.items.push_back(Ok(Message { src, tag, data }));
+                match i.lent {
+                    Some(mut lent) if i.lent_src.is_none() && i.items.is_empty() => {
+                        // SAFETY: `register` was given a buffer that stays
+                        // valid and unused by its owner until the
+                        // registration ends, and this thread's
+                        // registration is the only user meanwhile.
+                        let out = unsafe { lent.as_mut() };
+                        out.clear();
+                        make.take()?.copy_into(out);
+                        i.lent_src = Some(src);
+                    }
+                    _ => {
+                        let data = make.take()?.into_bytes();
+                        i.bytes = i.bytes.saturating_add(cost(len));
+                        i.items.push_back(Ok(Message { src, tag, data }));
+                    }
+                }
                 Some(if locked {
                     std::mem::take(&mut i.handed)
                 } else {
@@ -634,7 +691,7 @@ impl Dispatcher {
                     self.give_back_budget(q, handed);
                     return None;
                 }
-                Err(data) => data(),
+                Err(data) => data.into_bytes(),
             }
         } else {
             data
@@ -861,13 +918,7 @@ impl Offers<'_> {
     /// message of `len` bytes for `tag` may be accepted, `make` builds it
     /// and it is queued or handed over. Returns whether it was. The caller
     /// delivers as [`Dispatcher::deliver`] requires.
-    pub(crate) fn offer(
-        &mut self,
-        src: Rank,
-        tag: Tag,
-        len: usize,
-        make: impl FnOnce() -> Bytes,
-    ) -> bool {
+    pub(crate) fn offer(&mut self, src: Rank, tag: Tag, len: usize, make: impl Payload) -> bool {
         let d = self.disp;
         // The caller holds its receive lock (see `Dispatcher::hand_over`).
         let make = match d.hand_over((src, tag, len), false, make) {
@@ -884,7 +935,7 @@ impl Offers<'_> {
             d.refuse(q, tag_ok);
             return false;
         }
-        let data = make();
+        let data = make.into_bytes();
         let w = d.enqueue(q, Message { src, tag, data });
         self.wake.extend(w);
         true
@@ -1003,6 +1054,60 @@ impl Receiver {
     /// Dropping the future loses nothing: messages stay with the receiver.
     pub async fn recv_from(&mut self, src: crate::Rank) -> Result<Message> {
         futures::future::poll_fn(|cx| self.poll_recv_from(src, cx)).await
+    }
+
+    /// Wait for the next message on this tag and put it in `buf` (cleared
+    /// first; its capacity is kept and grown as needed), returning its
+    /// sender: [`recv`](Self::recv) for a loop that reuses one buffer.
+    ///
+    /// When this receiver's own progress finds the message (a receiver
+    /// waiting while traffic is hot, one message at a time, as in a
+    /// request loop or a ping-pong), it is copied straight from where the
+    /// transport holds it into `buf`: over `sm`'s fast boxes (messages up
+    /// to 1 KiB) no buffer is allocated for it at all. A message that was
+    /// queued meanwhile (several arrived at once, or the progress task
+    /// took it) is copied out of its queued buffer.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let mut rx = f.receiver(3)?;
+    /// let mut buf = Vec::with_capacity(1024);
+    /// loop {
+    ///     let src = rx.recv_into(&mut buf).await?;
+    ///     if buf.is_empty() {
+    ///         break;
+    ///     }
+    ///     println!("{} bytes from rank {src}", buf.len());
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Dropping the future loses nothing: a message is either in `buf`
+    /// when the future completes, or still with the receiver.
+    pub async fn recv_into(&mut self, buf: &mut Vec<u8>) -> Result<crate::Rank> {
+        futures::future::poll_fn(|cx| self.poll_recv_into(cx, buf)).await
+    }
+
+    /// Poll for the next message into `buf` (see
+    /// [`recv_into`](Self::recv_into)). `Err(Closed)` once the fabric is
+    /// closed and nothing is left.
+    pub fn poll_recv_into(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut Vec<u8>,
+    ) -> Poll<Result<crate::Rank>> {
+        match self.poll_take(cx, Some(&mut *buf)) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => Poll::Ready(Err(Error::Closed)),
+            Poll::Ready(Some(Took::Lent(src))) => Poll::Ready(Ok(src)),
+            Poll::Ready(Some(Took::Item(Ok(m)))) => {
+                buf.clear();
+                buf.extend_from_slice(&m.data);
+                Poll::Ready(Ok(m.src))
+            }
+            Poll::Ready(Some(Took::Item(Err(e)))) => Poll::Ready(Err(e)),
+        }
     }
 
     /// Poll for the next message from `src` (see [`recv_from`](Self::recv_from)).
@@ -1126,15 +1231,41 @@ impl Receiver {
     }
 }
 
+/// What one look of a receiver found: an item of its queue, or a message
+/// copied into the buffer it lent.
+enum Took {
+    Item(Result<Message>),
+    Lent(Rank),
+}
+
 impl Stream for Receiver {
     type Item = Result<Message>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let me = self.get_mut();
+        self.get_mut().poll_take(cx, None).map(|t| {
+            t.map(|t| match t {
+                Took::Item(x) => x,
+                // Nothing was lent.
+                Took::Lent(_) => Err(Error::Closed),
+            })
+        })
+    }
+}
+
+impl Receiver {
+    /// The body of `poll_next`, and of `poll_recv_into` with `lent`: the
+    /// first message its own progress finds is copied into `lent` (see
+    /// `Inline::lent`).
+    fn poll_take(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut lent: Option<&mut Vec<u8>>,
+    ) -> Poll<Option<Took>> {
+        let me = self;
         // Look, make progress inline, and only then register for a wake-up:
         // a message found by our own progress needs no waker.
         if let Some(x) = me.next_local() {
-            return Poll::Ready(Some(x));
+            return Poll::Ready(Some(Took::Item(x)));
         }
         if me.queued.is_none() {
             // Lost to a poll that unwound: take it again.
@@ -1153,7 +1284,7 @@ impl Stream for Receiver {
         {
             match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
                 Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+                Poll::Ready(Some(())) => return Poll::Ready(me.next_local().map(Took::Item)),
                 Poll::Pending => {}
             }
         }
@@ -1162,7 +1293,7 @@ impl Stream for Receiver {
             // and hand out what is queued, then end.
             me.poller = None;
             return match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
-                Poll::Ready(Some(())) => Poll::Ready(me.next_local()),
+                Poll::Ready(Some(())) => Poll::Ready(me.next_local().map(Took::Item)),
                 _ => Poll::Ready(None),
             };
         }
@@ -1173,7 +1304,8 @@ impl Stream for Receiver {
             Some(queued) => {
                 let buf = std::mem::take(&mut me.local);
                 let handed = std::mem::take(&mut me.handed);
-                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed) {
+                let lent_ptr = lent.take().map(std::ptr::NonNull::from);
+                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed, lent_ptr) {
                     Ok(guard) => {
                         me.disp.progress_inline_with(&mut me.poller);
                         if let Some(i) = guard.take() {
@@ -1181,6 +1313,11 @@ impl Stream for Receiver {
                             me.free = i.items.len();
                             me.local = i.items;
                             me.handed = i.handed;
+                            if let Some(src) = i.lent_src {
+                                // First in order: whatever else was handed
+                                // over came after it.
+                                return Poll::Ready(Some(Took::Lent(src)));
+                            }
                         }
                     }
                     Err((queued, buf)) => {
@@ -1194,14 +1331,14 @@ impl Stream for Receiver {
             }
         }
         if !me.local.is_empty() {
-            return Poll::Ready(me.next_local());
+            return Poll::Ready(me.next_local().map(Took::Item));
         }
         match me
             .disp
             .refill(me.tag, &mut me.handed, &mut me.local, Some(cx))
         {
             Poll::Ready(None) => return Poll::Ready(None),
-            Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+            Poll::Ready(Some(())) => return Poll::Ready(me.next_local().map(Took::Item)),
             Poll::Pending => {}
         }
         if me.closed.load(std::sync::atomic::Ordering::Acquire) {

@@ -224,16 +224,24 @@ impl<'a> FBox<'a> {
 
     /// The payload of `len` bytes from slot `n`, in a new vector (as
     /// [`FBox::payload_out`], without zeroing the vector first).
-    #[cfg(not(btl_loom))]
     fn payload_vec(&self, n: u64, len: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(len);
+        self.payload_into(n, len, &mut v);
+        v
+    }
+
+    /// The payload of `len` bytes from slot `n`, appended to `v` (no
+    /// allocation where `v` has the room).
+    #[cfg(not(btl_loom))]
+    fn payload_into(&self, n: u64, len: usize, v: &mut Vec<u8>) {
+        let start = v.len();
         let first = len.min(FIRST_WORDS * 8);
         let _ = self
             .raw
             .read_strided_into::<{ FIRST_WORDS * 8 }, { FIRST_WORDS * 8 }>(
                 self.offset(n, SLOT_WORDS - FIRST_WORDS),
                 first,
-                &mut v,
+                v,
             );
         if len > first {
             let _ = self
@@ -241,19 +249,18 @@ impl<'a> FBox<'a> {
                 .read_strided_into::<{ CONT_WORDS * 8 }, { SLOT_WORDS * 8 }>(
                     self.offset(n + 1, 1),
                     len - first,
-                    &mut v,
+                    v,
                 );
         }
         // (Both reads are in range for a message `peek` found.)
-        debug_assert_eq!(v.len(), len);
-        v
+        debug_assert_eq!(v.len() - start, len);
     }
 
     #[cfg(btl_loom)]
-    fn payload_vec(&self, n: u64, len: usize) -> Vec<u8> {
-        let mut v = vec![0u8; len];
-        self.payload_out(n, &mut v);
-        v
+    fn payload_into(&self, n: u64, len: usize, v: &mut Vec<u8>) {
+        let start = v.len();
+        v.resize(start + len, 0);
+        self.payload_out(n, &mut v[start..]);
     }
 
     /// The inverse of [`FBox::payload_in`].
@@ -487,6 +494,12 @@ impl<'a> FBox<'a> {
     /// length), in a new vector.
     pub(crate) fn read_vec(&self, st: &Receiver, len: usize) -> Vec<u8> {
         self.payload_vec(st.next, len)
+    }
+
+    /// The payload of the message `peek` found, of `len` bytes, appended to
+    /// `out` (a buffer a receiver lent).
+    pub(crate) fn read_into(&self, st: &Receiver, len: usize, out: &mut Vec<u8>) {
+        self.payload_into(st.next, len, out);
     }
 
     /// Release the message `peek` found (of `len` bytes): the sender may

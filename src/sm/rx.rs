@@ -267,8 +267,11 @@ impl RxState {
                         return (took, bad, None);
                     }
                 };
-                let seen = &*st;
-                let read = || Bytes::from(b.read_vec(seen, found.len));
+                let read = FboxPayload {
+                    b: &b,
+                    st: &*st,
+                    len: found.len,
+                };
                 if !o.offer(p.rank, found.tag, found.len, read) {
                     return (took, Step::Blocked, None);
                 }
@@ -826,4 +829,21 @@ fn refuse(t: &SmTransport, p: &SmPeer, handle: u64) {
     // looking the link up). A failure means the peer is gone; its loss is
     // reported elsewhere.
     let _ = t.with_tx(|tx| tx.submit(t, p, Kind::CmaDone, handle, Bytes::from_static(&[0])));
+}
+
+/// A fast-box message as the dispatcher takes it: read into a buffer of
+/// its own, or into one a receiver lent (no allocation then).
+struct FboxPayload<'a, 'b> {
+    b: &'a fbox::FBox<'b>,
+    st: &'a fbox::Receiver,
+    len: usize,
+}
+
+impl crate::core::dispatch::Payload for FboxPayload<'_, '_> {
+    fn into_bytes(self) -> Bytes {
+        Bytes::from(self.b.read_vec(self.st, self.len))
+    }
+    fn copy_into(self, out: &mut Vec<u8>) {
+        self.b.read_into(self.st, self.len, out);
+    }
 }

@@ -1,0 +1,162 @@
+//! `Receiver::recv_into`: a receive loop that reuses one buffer allocates
+//! nothing per message where the receiver's own progress finds it (sm's
+//! fast boxes), and gets every message, whole and in order, either way.
+//! Allocations are counted per thread by this binary's allocator.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::time::Duration;
+
+use async_btl::{Config, Fabric, FabricBuilder, LocalExchange, ProgressMode};
+
+/// Counts the allocations of the calling thread, then asks the system.
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: every call goes to `System` with the same arguments; the count
+// is a thread-local `Cell` of a const-initialised type without `Drop`,
+// whose access allocates nothing.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(Cell::get)
+}
+
+const ROUNDS: u64 = 5_000;
+
+/// One test at a time: each keeps two busy-polling threads.
+static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn fabric(ex: &LocalExchange, rank: u32) -> Fabric {
+    FabricBuilder::new(rank, 2)
+        .job_key([4; 32])
+        .config(Config {
+            progress: ProgressMode::BusyPoll,
+            ..Config::default()
+        })
+        .build(ex)
+        .await
+        .unwrap()
+}
+
+/// A ping-pong of `ROUNDS` 24-byte messages; rank 1 receives with
+/// `recv_into` (`lend`) or `recv`, checks each, and returns its thread's
+/// allocations per message over the timed part.
+fn ping_pong(lend: bool) -> f64 {
+    let ex = LocalExchange::new(2);
+    let ex0 = ex.clone();
+    let pinger = std::thread::spawn(move || {
+        runtime().block_on(async move {
+            let f = fabric(&ex0, 0).await;
+            let ep = f.endpoint(1).unwrap();
+            let mut rx = f.receiver(2).unwrap();
+            for i in 0..ROUNDS + 100 {
+                let mut m = [0u8; 24];
+                m[..8].copy_from_slice(&i.to_le_bytes());
+                ep.send_inline(1, &m).await.unwrap();
+                let back = rx.recv().await.unwrap();
+                assert_eq!(back.data[..8], i.to_le_bytes());
+            }
+            f.close().await.unwrap();
+        })
+    });
+    let per_message = runtime().block_on(async move {
+        let f = fabric(&ex, 1).await;
+        let ep = f.endpoint(0).unwrap();
+        let mut rx = f.receiver(1).unwrap();
+        let mut buf = Vec::with_capacity(64);
+        let mut start = 0;
+        for i in 0..ROUNDS + 100 {
+            if i == 100 {
+                start = allocs();
+            }
+            let src = if lend {
+                tokio::time::timeout(Duration::from_secs(20), rx.recv_into(&mut buf))
+                    .await
+                    .unwrap()
+                    .unwrap()
+            } else {
+                let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                    .await
+                    .unwrap()
+                    .unwrap();
+                buf.clear();
+                buf.extend_from_slice(&m.data);
+                m.src
+            };
+            assert_eq!(src, 0);
+            assert_eq!(buf.len(), 24);
+            assert_eq!(buf[..8], i.to_le_bytes(), "message {i} out of order");
+            ep.send_inline(2, &buf).await.unwrap();
+        }
+        let per = (allocs() - start) as f64 / ROUNDS as f64;
+        f.close().await.unwrap();
+        per
+    });
+    pinger.join().unwrap();
+    per_message
+}
+
+#[test]
+fn a_receive_loop_into_one_buffer_allocates_nothing_per_message() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let lent = ping_pong(true);
+    let own = ping_pong(false);
+    println!("allocations per message on the receiving thread: recv_into {lent:.3}, recv {own:.3}");
+    // `recv` builds a buffer for every message; `recv_into` copies the
+    // fast box straight into the lent one (the odd message the progress
+    // task queued meanwhile still has its own).
+    assert!(own >= 0.9, "recv allocated {own} per message");
+    assert!(lent <= 0.25, "recv_into allocated {lent} per message");
+}
+
+#[test]
+fn messages_queued_before_the_receive_come_whole_and_in_order() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let ex = LocalExchange::new(2);
+        let (a, b) = futures::join!(fabric(&ex, 0), fabric(&ex, 1));
+        let ep = a.endpoint(1).unwrap();
+        let sizes = [0usize, 1, 24, 1000, 5000, 70_000, 3];
+        for (i, n) in sizes.iter().enumerate() {
+            ep.send(9, vec![i as u8; *n]).await.unwrap();
+        }
+        let mut rx = b.receiver(9).unwrap();
+        let mut buf = vec![0xffu8; 10];
+        for (i, n) in sizes.iter().enumerate() {
+            let src = rx.recv_into(&mut buf).await.unwrap();
+            assert_eq!(src, 0);
+            assert_eq!(buf.len(), *n, "message {i}");
+            assert!(buf.iter().all(|x| *x == i as u8), "message {i}");
+        }
+        futures::try_join!(a.close(), b.close()).unwrap();
+    });
+}
