@@ -224,6 +224,7 @@ impl<'a> FBox<'a> {
 
     /// The payload of `len` bytes from slot `n`, in a new vector (as
     /// [`FBox::payload_out`], without zeroing the vector first).
+    #[inline]
     fn payload_vec(&self, n: u64, len: usize) -> Vec<u8> {
         let mut v = Vec::with_capacity(len);
         self.payload_into(n, len, &mut v);
@@ -233,6 +234,7 @@ impl<'a> FBox<'a> {
     /// The payload of `len` bytes from slot `n`, appended to `v` (no
     /// allocation where `v` has the room).
     #[cfg(not(btl_loom))]
+    #[inline]
     fn payload_into(&self, n: u64, len: usize, v: &mut Vec<u8>) {
         let start = v.len();
         let first = len.min(FIRST_WORDS * 8);
