@@ -695,6 +695,11 @@ async fn bystander(f: Fabric) {
 /// its way out, is not a misbehaving one.
 async fn loss_traffic(f: Fabric) {
     use futures::StreamExt;
+    // Warnings to stderr, where the test looks for false alarms.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter("async_btl=warn")
+        .try_init();
     let me = f.rank();
     let peers: Vec<u32> = (0..f.size()).filter(|r| *r != me).collect();
     let mut rx = f.receiver(9).unwrap();
@@ -743,6 +748,9 @@ async fn loss_traffic(f: Fabric) {
         s.abort();
     }
     println!("bad_frames={}", f.stats().bad_frames);
+    // Close beside the other survivor: what it hands back of ours on its
+    // way out is no bad frame either (a warning here would name it).
+    let _ = tokio::time::timeout(Duration::from_secs(15), f.close()).await;
 }
 
 #[test]
@@ -757,6 +765,16 @@ fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
             value(&outs[r as usize], "bad_frames").as_deref(),
             Some("0"),
             "rank {r}"
+        );
+        let log = String::from_utf8_lossy(&outs[r as usize].stderr);
+        let false_alarms: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("did not hold") || l.contains("bad RMA message"))
+            .collect();
+        assert!(
+            false_alarms.is_empty(),
+            "rank {r} warned about a healthy peer:\n{}",
+            false_alarms.join("\n")
         );
     }
 }
