@@ -66,19 +66,29 @@ fn wrong_length(got: usize, want: usize) -> Error {
 
 /// async-btl over an [`Endpoint`]: sends are `Endpoint::send` of a slice of
 /// one preallocated buffer (no copy before the transport's own), receives
-/// take messages from a tag's [`Receiver`].
+/// take messages from a tag's [`Receiver`]: up to [`INLINE_MAX`] bytes into
+/// one kept buffer (`Receiver::recv_into`, as MPI receives into the
+/// caller's buffer), larger ones as the transport's own buffer (`recv`,
+/// no copy).
 pub struct BtlWire {
     ep: Endpoint,
     rx: Receiver,
     tag: Tag,
     data: Bytes,
+    into: Vec<u8>,
 }
 
 impl BtlWire {
     /// A wire to `ep`'s peer on `tag`, for messages up to `max_len` bytes.
     pub fn new(ep: Endpoint, rx: Receiver, tag: Tag, max_len: usize) -> Self {
         let data = Bytes::from((0..max_len).map(|i| i as u8).collect::<Vec<u8>>());
-        BtlWire { ep, rx, tag, data }
+        BtlWire {
+            ep,
+            rx,
+            tag,
+            data,
+            into: Vec::with_capacity(INLINE_MAX),
+        }
     }
 
     fn payload(&self, len: usize) -> Result<Bytes> {
@@ -96,10 +106,15 @@ impl BtlWire {
     }
 }
 
-async fn btl_recv(rx: &mut Receiver, len: usize) -> Result<()> {
-    let m = rx.recv().await?;
-    if m.data.len() != len {
-        return Err(wrong_length(m.data.len(), len));
+async fn btl_recv(rx: &mut Receiver, into: &mut Vec<u8>, len: usize) -> Result<()> {
+    let got = if len <= INLINE_MAX {
+        rx.recv_into(into).await?;
+        into.len()
+    } else {
+        rx.recv().await?.data.len()
+    };
+    if got != len {
+        return Err(wrong_length(got, len));
     }
     Ok(())
 }
@@ -122,7 +137,7 @@ impl Wire for BtlWire {
     }
 
     async fn recv(&mut self, len: usize) -> Result<()> {
-        btl_recv(&mut self.rx, len).await
+        btl_recv(&mut self.rx, &mut self.into, len).await
     }
 
     /// Start every send of the window, in order, polling each once (most
@@ -157,11 +172,11 @@ impl Wire for BtlWire {
 
     async fn exchange_window(&mut self, len: usize, count: u64) -> Result<()> {
         let p = self.payload(len)?;
-        let (ep, tag, rx) = (&self.ep, self.tag, &mut self.rx);
+        let (ep, tag, rx, into) = (&self.ep, self.tag, &mut self.rx, &mut self.into);
         let sends = try_join_all((0..count).map(|_| ep.send(tag, p.clone())));
         let recvs = async {
             for _ in 0..count {
-                btl_recv(rx, len).await?;
+                btl_recv(rx, into, len).await?;
             }
             Ok(())
         };
