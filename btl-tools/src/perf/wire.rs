@@ -66,7 +66,7 @@ fn wrong_length(got: usize, want: usize) -> Error {
 
 /// async-btl over an [`Endpoint`]: sends are `Endpoint::send` of a slice of
 /// one preallocated buffer (no copy before the transport's own), receives
-/// take messages from a tag's [`Receiver`]: up to [`INLINE_MAX`] bytes into
+/// take messages from a tag's [`Receiver`]: up to 1 KiB (`INLINE_MAX`) into
 /// one kept buffer (`Receiver::recv_into`, as MPI receives into the
 /// caller's buffer), larger ones as the transport's own buffer (`recv`,
 /// no copy).
