@@ -39,11 +39,7 @@ fn rank_main() {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = rank_runtime();
     rt.block_on(async {
         let start = Instant::now();
         let f = Fabric::from_env().await.expect("fabric from launcher env");

@@ -36,11 +36,7 @@ fn rank_main() {
         return; // the parent test process: nothing to do here
     };
     assert_eq!(scenario, "truncated", "unknown scenario");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = rank_runtime();
     rt.block_on(async {
         let f = Fabric::from_env().await.expect("fabric from launcher env");
         let sync = PathBuf::from(std::env::var("BTL_TEST_SYNC").unwrap());

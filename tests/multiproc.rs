@@ -22,11 +22,7 @@ fn rank_main() {
             .build()
             .unwrap()
     } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap()
+        rank_runtime()
     };
     rt.block_on(async {
         let f = Fabric::from_env().await.expect("fabric from launcher env");

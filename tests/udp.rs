@@ -72,11 +72,7 @@ fn rank_main() {
     let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
         return; // the parent test process: nothing to do here
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = rank_runtime();
     rt.block_on(async {
         if scenario == "mixed" {
             return mixed().await;

@@ -37,11 +37,7 @@ fn rank_main() {
     let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = rank_runtime();
     rt.block_on(async {
         let f = Fabric::from_env().await.expect("fabric from launcher env");
         assert_eq!(scenario, "stream");

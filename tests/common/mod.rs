@@ -125,6 +125,16 @@ impl Job {
     }
 }
 
+/// The runtime a rank of a test job runs its scenario on: multi-thread,
+/// two workers, I/O and timers on.
+pub fn rank_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub fn dump(outs: &[Output]) {
     for (r, o) in outs.iter().enumerate() {
         eprintln!(
