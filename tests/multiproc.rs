@@ -15,8 +15,11 @@ fn rank_main() {
         return; // the parent test process: nothing to do here
     };
     // The split-copy scenario needs a sender that truly stops (one thread,
-    // blocked): a current-thread runtime there.
-    let rt = if scenario == "split" || scenario == "starved" {
+    // blocked): a current-thread runtime there, and where a test asks.
+    let rt = if scenario == "split"
+        || scenario == "starved"
+        || std::env::var_os("BTL_TEST_CURRENT_THREAD").is_some()
+    {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -35,6 +38,7 @@ fn rank_main() {
             "bystander" => bystander(f).await,
             "loss_traffic" => loss_traffic(f).await,
             "from_source" => from_source(f).await,
+            "left_in_order" => left_in_order(f).await,
             "starved" => starved(f).await,
             "atomics" => {
                 let n = |k: &str| std::env::var(k).unwrap().parse().unwrap();
@@ -770,6 +774,69 @@ fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
         assert!(
             false_alarms.is_empty(),
             "rank {r} warned about a healthy peer:\n{}",
+            false_alarms.join("\n")
+        );
+    }
+}
+
+/// Rank 0 sends rank 1 a few ring messages (fewer than make its pool run
+/// low, so it takes nothing back on its own); rank 1 takes them, which hands
+/// the fragments back, answers, and drops its fabric. Rank 0 sees it leave
+/// before it reads its return ring: what it finds there is rank 1's honest
+/// return, no bad frame.
+async fn left_in_order(f: Fabric) {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter("async_btl=warn")
+        .try_init();
+    const K: u64 = 8;
+    if f.rank() == 0 {
+        let mut rx = f.receiver(4).unwrap();
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..K {
+            ep.send(3, pattern(2000, i)).await.unwrap();
+        }
+        rx.recv().await.unwrap();
+        // Rank 1 leaves now; its progress checks see that within a heartbeat.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        drop(ep);
+        // Close takes back every fragment peers returned.
+        let _ = tokio::time::timeout(Duration::from_secs(10), f.close()).await;
+        println!("left_in_order_done=1");
+    } else {
+        let mut rx = f.receiver(3).unwrap();
+        for i in 0..K {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(2000, i));
+        }
+        f.endpoint(0).unwrap().send(4, vec![1u8]).await.unwrap();
+        drop(rx);
+        drop(f);
+        println!("left_in_order_done=1");
+    }
+}
+
+#[test]
+fn a_peer_that_leaves_in_order_is_no_misbehaver() {
+    for (runtime, env) in [
+        ("multi-thread", &[][..]),
+        ("current-thread", &[("BTL_TEST_CURRENT_THREAD", "1")][..]),
+    ] {
+        let outs = spawn_job(2, "left_in_order", env).wait(Duration::from_secs(60));
+        assert_ok(&outs);
+        assert_eq!(
+            value(&outs[0], "left_in_order_done").as_deref(),
+            Some("1"),
+            "{runtime}"
+        );
+        let log = String::from_utf8_lossy(&outs[0].stderr);
+        let false_alarms: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("did not hold") || l.contains("WARN"))
+            .collect();
+        assert!(
+            false_alarms.is_empty(),
+            "{runtime}: rank 0 warned about a peer that left in order:\n{}",
             false_alarms.join("\n")
         );
     }

@@ -379,7 +379,7 @@ impl SmTransport {
             // fail instead of waiting for fragments we will never return.
             self.seg.refused(peer.local).store(1, Ordering::Release);
         }
-        self.with_tx(|tx| tx.peer_lost(peer, how == Loss::Crashed));
+        self.with_tx(|tx| tx.peer_lost(self, peer, how));
         lock(&self.rx).peer_lost(peer.local);
         self.cma.peer_lost(peer.rank, reason, how == Loss::Crashed);
         self.core.on_peer_lost(peer.rank, reason, how);

@@ -23,7 +23,7 @@ use crate::core::completion::Completion;
 use crate::core::stats::Counters;
 use crate::sys::ring::{ConsumerState, ProducerState};
 use crate::sys::sync::lock;
-use crate::transport::{Kind as CoreKind, Link};
+use crate::transport::{Kind as CoreKind, Link, Loss};
 use crate::{Error, Rank, Result};
 
 const FREE: u32 = u32::MAX;
@@ -262,37 +262,48 @@ impl TxState {
     fn reclaim(&mut self, t: &SmTransport) -> usize {
         let mut n = 0;
         for p in t.peer_list().iter().flatten() {
-            let ring = t.seg.returns(p.local);
-            let mut st = self.ret[p.local as usize];
-            loop {
-                match ring.peek(&mut st) {
-                    Ok(Some(off)) => {
-                        ring.advance(&mut st);
-                        match self.layout.frag_index(off) {
-                            Some(i) if self.dest[i] == p.local => {
-                                self.free(i);
-                                n += 1;
-                            }
-                            _ => {
-                                Counters::bump(&t.core.counters().bad_frames);
-                                tracing::warn!(
-                                    peer = p.rank,
-                                    "peer returned a fragment it did not hold"
-                                );
-                            }
+            // A lost peer's fragments all came home when it was lost
+            // (`peer_lost`): what it still hands back is no news.
+            if !p.is_lost() {
+                n += self.reclaim_from(t, p);
+            }
+        }
+        n
+    }
+
+    /// Take back the fragments `p` returned.
+    fn reclaim_from(&mut self, t: &SmTransport, p: &SmPeer) -> usize {
+        let mut n = 0;
+        let ring = t.seg.returns(p.local);
+        let mut st = self.ret[p.local as usize];
+        loop {
+            match ring.peek(&mut st) {
+                Ok(Some(off)) => {
+                    ring.advance(&mut st);
+                    match self.layout.frag_index(off) {
+                        Some(i) if self.dest[i] == p.local => {
+                            self.free(i);
+                            n += 1;
+                        }
+                        _ => {
+                            Counters::bump(&t.core.counters().bad_frames);
+                            tracing::warn!(
+                                peer = p.rank,
+                                "peer returned a fragment it did not hold"
+                            );
                         }
                     }
-                    Ok(None) => break,
-                    Err(_) => {
-                        Counters::bump(&t.core.counters().bad_frames);
-                        self.misbehaved
-                            .push((p.local, "its fragment return ring is corrupt".into()));
-                        break;
-                    }
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    Counters::bump(&t.core.counters().bad_frames);
+                    self.misbehaved
+                        .push((p.local, "its fragment return ring is corrupt".into()));
+                    break;
                 }
             }
-            self.ret[p.local as usize] = st;
         }
+        self.ret[p.local as usize] = st;
         n
     }
 
@@ -939,7 +950,14 @@ impl TxState {
     /// (closed, cut off) and in the middle of copying a rendezvous message
     /// out of our memory, so those buffers are leaked, never freed (like
     /// the quarantine of single-copy regions).
-    pub(crate) fn peer_lost(&mut self, peer: &SmPeer, crashed: bool) {
+    pub(crate) fn peer_lost(&mut self, t: &SmTransport, peer: &SmPeer, how: Loss) {
+        let crashed = how == Loss::Crashed;
+        // A peer that left in order handed back what it took: read that
+        // first, so that its honest returns are not later found in the ring
+        // for fragments already taken home (and it called a misbehaver).
+        if how == Loss::Closed {
+            self.reclaim_from(t, peer);
+        }
         self.rndv_order[peer.local as usize].clear();
         for ch in 0..CHANNELS {
             let queue = &mut self.queues[peer.local as usize * CHANNELS + ch];
