@@ -76,6 +76,28 @@
 //!   with [`Error::PeerLost`] within a bounded time, and each open
 //!   [`Receiver`] yields that error once; the other peers carry on.
 //!
+//! ## Runtimes
+//!
+//! A fabric lives on the tokio runtime that creates it: its progress tasks
+//! are spawned there and park on its I/O driver and timers, so build the
+//! runtime with both (`#[tokio::main]`, or `Builder::enable_all`). Both
+//! flavours are meant:
+//!
+//! - **Multi-thread** (the default of `#[tokio::main]`): progress tasks and
+//!   the caller's tasks run side by side; the usual choice for a service.
+//! - **Current-thread** (`flavor = "current_thread"`, one core per rank as
+//!   under `mpirun` binding): everything shares one thread. Operations that
+//!   complete at once still spend tokio's cooperative budget, and a waiter
+//!   that polls hot gives way to the runtime's other I/O and timers every few
+//!   polls, so a TCP socket or a ticker beside a busy fabric is served
+//!   promptly.
+//!
+//! On either, peer liveness does not depend on the caller's tasks: a small
+//! watchdog thread per fabric checks peers when the progress tasks have not
+//! run for a few heartbeats, so a loop that never yields still sees
+//! [`Error::PeerLost`]. `BTL_PROGRESS=interrupt` (no spinning) suits a rank
+//! that shares its core with other busy work.
+//!
 //! ## Configuration and logs
 //!
 //! [`Config::from_env`] reads the `BTL_*` variables (README, "Configuration").
