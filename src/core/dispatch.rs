@@ -1155,6 +1155,25 @@ impl Receiver {
     /// as [`try_recv`](Self::try_recv) makes). `Ok(None)`: none yet. A lost
     /// peer waiting to be reported is returned as its `Err(PeerLost)`, and
     /// stays for `recv`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> async_btl::Result<()> {
+    /// let f = async_btl::Fabric::single().await?;
+    /// let mut rx = f.receiver(7)?;
+    /// f.endpoint(0)?.send(7, vec![0u8; 300]).await?;
+    /// // Size the buffer before taking the message.
+    /// let (src, len) = loop {
+    ///     if let Some(p) = rx.probe()? {
+    ///         break p;
+    ///     }
+    ///     tokio::task::yield_now().await;
+    /// };
+    /// let mut buf = Vec::with_capacity(len);
+    /// assert_eq!(rx.recv_into(&mut buf).await?, src);
+    /// assert_eq!(buf.len(), 300);
+    /// # f.close().await }
+    /// ```
     pub fn probe(&mut self) -> Result<Option<(crate::Rank, usize)>> {
         self.probe_where(|_| true)
     }
