@@ -885,7 +885,8 @@ impl TxState {
         let can_push = !self.free_eager.is_empty() || !self.free_max.is_empty();
         t.peer_list().iter().flatten().all(|p| {
             let l = p.local as usize;
-            let returns_empty = t.seg.returns(p.local).looks_empty(&self.ret[l]);
+            // A lost peer's ring is no longer read (see `reclaim`).
+            let returns_empty = p.is_lost() || t.seg.returns(p.local).looks_empty(&self.ret[l]);
             // User messages also wait on the peer's fast box, which rings us
             // when it takes from it. A head that fits the box needs no
             // fragment while the pair's user ring is drained (it goes in
