@@ -753,6 +753,15 @@ async fn loss_traffic(f: Fabric) {
     let _ = tokio::time::timeout(Duration::from_secs(15), f.close()).await;
 }
 
+/// The lines of a rank's stderr that hold any of `needles`.
+fn log_lines(out: &std::process::Output, needles: &[&str]) -> Vec<String> {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| needles.iter().any(|n| l.contains(n)))
+        .map(str::to_string)
+        .collect()
+}
+
 #[test]
 fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
     let outs = spawn_job(4, "loss_traffic", &[]).wait(Duration::from_secs(60));
@@ -766,11 +775,7 @@ fn survivors_count_no_bad_frames_when_peers_die_or_leave_mid_stream() {
             Some("0"),
             "rank {r}"
         );
-        let log = String::from_utf8_lossy(&outs[r as usize].stderr);
-        let false_alarms: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("did not hold") || l.contains("bad RMA message"))
-            .collect();
+        let false_alarms = log_lines(&outs[r as usize], &["did not hold", "bad RMA message"]);
         assert!(
             false_alarms.is_empty(),
             "rank {r} warned about a healthy peer:\n{}",
@@ -829,11 +834,7 @@ fn a_peer_that_leaves_in_order_is_no_misbehaver() {
             Some("1"),
             "{runtime}"
         );
-        let log = String::from_utf8_lossy(&outs[0].stderr);
-        let false_alarms: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("did not hold") || l.contains("WARN"))
-            .collect();
+        let false_alarms = log_lines(&outs[0], &["did not hold", "WARN"]);
         assert!(
             false_alarms.is_empty(),
             "{runtime}: rank 0 warned about a peer that left in order:\n{}",
