@@ -919,3 +919,11 @@ pub fn rdma_frame(b: &[u8]) -> Option<Vec<u8>> {
 pub fn rdma_key_handle(b: &[u8]) -> Option<Vec<u8>> {
     crate::rdma::wire::Handle::decode(b).map(|h| h.encode())
 }
+
+/// Decode an `smcuda` handshake message (what a peer's GPU layer sends
+/// before any IPC handle); its re-encoding if accepted.
+pub fn smcuda_handshake(b: &[u8]) -> Option<Vec<u8>> {
+    crate::smcuda::handshake::Msg::decode(b)
+        .ok()
+        .map(|m| m.encode())
+}

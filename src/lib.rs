@@ -126,6 +126,7 @@ pub mod udp;
 mod core;
 pub(crate) mod rdma;
 pub(crate) mod sm;
+pub(crate) mod smcuda;
 mod sys;
 mod transport;
 

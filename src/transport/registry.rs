@@ -103,8 +103,9 @@ pub(crate) struct Entry {
     pub(crate) alloc_shared: Option<AllocShared>,
 }
 
-/// A transport this version does not have yet: listed, never opened.
-const fn planned(
+/// A transport this version does not have yet: listed with its host
+/// check, never opened.
+pub(crate) const fn planned(
     name: &'static str,
     rank: u32,
     reach: Reach,
@@ -124,15 +125,6 @@ const fn planned(
         alloc_shared: None,
     }
 }
-
-#[linkme::distributed_slice(TRANSPORTS)]
-static SMCUDA: Entry = planned(
-    "smcuda",
-    50,
-    Reach::Node,
-    "not part of this version (it will need the `cuda` feature)",
-    || Err("no host check for CUDA in this version".to_string()),
-);
 
 /// Every transport this build knows, in preference order.
 pub(crate) fn entries() -> Vec<&'static Entry> {
