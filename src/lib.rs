@@ -119,6 +119,12 @@ pub mod exchange;
 #[cfg(not(btl_loom))]
 #[doc(hidden)]
 pub mod fuzz_support;
+/// The GPU check of `smcuda`'s GPU layer between two processes, for
+/// `btl-gpu-check`. Not part of the supported API.
+#[doc(hidden)]
+pub mod gpu_check {
+    pub use crate::smcuda::check::{child, run, Bandwidth, ModeReport, Options, Report};
+}
 pub mod info;
 pub mod launch;
 pub mod udp;

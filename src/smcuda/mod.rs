@@ -29,6 +29,7 @@
 #![cfg_attr(not(test), allow(dead_code))]
 
 pub(crate) mod cache;
+pub(crate) mod check;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub(crate) mod double;

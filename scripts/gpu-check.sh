@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU check of smcuda's GPU layer, for a machine with an NVIDIA GPU
+# and no Rust toolchain: it runs prebuilt binaries, compiles nothing.
+#
+# Here (with Rust), build the binaries into an ignored folder:
+#   scripts/gpu-check.sh --build            # -> target/gpu-bin/
+# There, from a copy of the tree that carries target/gpu-bin/:
+#   scripts/gpu-check.sh [BTL-GPU-CHECK ARGS...]
+# It prints the driver's view (nvidia-smi), what btl-info finds for
+# smcuda, then runs btl-gpu-check (two processes: IPC handles, copies
+# with checksums from 8 B to 256 MiB, ordering behind a peer's event,
+# free and allocate again, bandwidth beside a local device-to-device
+# copy). The figures go to $OUT/gpu-check.json (or ./gpu-check.json).
+# BTL_GPU_BIN names another folder of binaries; BTL_SMCUDA_GPU=test-double
+# runs the same check on the test double (no GPU needed). Exit status:
+# that of btl-gpu-check (0: passed; 3: no GPU found).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+bin=${BTL_GPU_BIN:-$root/target/gpu-bin}
+
+if [ "${1:-}" = "--build" ]; then
+  cd "$root"
+  cargo build --release -p btl-tools --features cuda --bin btl-gpu-check --bin btl-info
+  mkdir -p "$bin"
+  for b in btl-gpu-check btl-info; do
+    cp "target/release/$b" "$bin/$b"
+    strip "$bin/$b"
+  done
+  ls -l "$bin"
+  exit 0
+fi
+
+for b in btl-gpu-check btl-info; do
+  if [ ! -x "$bin/$b" ]; then
+    echo "gpu-check.sh: $bin/$b is missing: build it with scripts/gpu-check.sh --build" >&2
+    exit 2
+  fi
+done
+out=${OUT:-.}
+mkdir -p "$out"
+echo "== driver"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi -L || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv || true
+else
+  echo "nvidia-smi: not found"
+fi
+echo "== btl-info (smcuda)"
+"$bin/btl-info" | grep -i -A1 smcuda || true
+echo "== btl-gpu-check"
+require=()
+[ "${BTL_SMCUDA_GPU:-cuda}" = "cuda" ] && require=(--require-gpu)
+set +e
+timeout -k 10 220 "$bin/btl-gpu-check" "${require[@]}" --json "$out/gpu-check.json" "$@"
+rc=$?
+set -e
+echo "gpu-check.sh: btl-gpu-check exited with $rc; figures in $out/gpu-check.json"
+exit $rc
