@@ -927,3 +927,11 @@ pub fn smcuda_handshake(b: &[u8]) -> Option<Vec<u8>> {
         .ok()
         .map(|m| m.encode())
 }
+
+/// Decode an `smcuda` key handle (as a peer's `RemoteKey` carries it);
+/// its re-encoding if accepted.
+pub fn smcuda_key_handle(b: &[u8]) -> Option<Vec<u8>> {
+    crate::smcuda::key::Handle::decode(b)
+        .ok()
+        .map(|h| h.encode())
+}

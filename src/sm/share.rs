@@ -54,6 +54,9 @@ pub(crate) enum Kind {
     Segment = 1,
     /// A region made by `Fabric::alloc_region`.
     Region = 2,
+    /// A GPU allocation's VMM descriptor (`smcuda`): not a memory file,
+    /// so the asker hands it to the GPU driver instead of mapping it.
+    Gpu = 3,
 }
 
 /// A peer's request for one memory file.
@@ -141,6 +144,7 @@ impl Request {
         let kind = match b[8] {
             1 => Kind::Segment,
             2 => Kind::Region,
+            3 => Kind::Gpu,
             value => {
                 return Err(WireError::Unknown {
                     what: "kind",
@@ -258,11 +262,20 @@ pub(crate) fn serve(
     let fd = mem
         .take_fd()
         .ok_or_else(|| crate::Error::Misuse("serving memory this process does not own".into()))?;
-    let offer = Offer {
-        job_tag,
-        fd,
-        len: mem.len() as u64,
-    };
+    serve_fd(fd, mem.len() as u64, kind, id, job_tag)
+}
+
+/// Serve the descriptor `fd` (of `len` bytes) as `kind`/`id` to peers of
+/// `job_tag`; the server keeps it until the guard drops.
+pub(crate) fn serve_fd(
+    fd: OwnedFd,
+    len: u64,
+    kind: Kind,
+    id: [u8; 16],
+    job_tag: [u64; 2],
+) -> crate::Result<Served> {
+    server()?;
+    let offer = Offer { job_tag, fd, len };
     let key = (kind, id);
     let mut offers = lock(&OFFERS);
     // Checked before inserting: the offer already there keeps its guard.
@@ -395,6 +408,26 @@ pub(crate) fn fetch(
     req: Request,
     min_len: usize,
 ) -> Result<SharedMem, FetchError> {
+    let (fd, len) = fetch_fd(server, pid, req)?;
+    let mem = SharedMem::from_peer(fd, min_len).map_err(FetchError::Refused)?;
+    if mem.len() as u64 != len {
+        return Err(FetchError::Misbehaved(format!(
+            "its shared-memory server said {len} bytes for memory of {}",
+            mem.len()
+        )));
+    }
+    Ok(mem)
+}
+
+/// Fetch the descriptor served as `req` by the share server `server` of
+/// process `pid`, and the size it states, checking nothing of what the
+/// descriptor is (the caller does). Every step is bounded by
+/// [`FETCH_LIMIT`].
+pub(crate) fn fetch_fd(
+    server: &[u8; 16],
+    pid: u32,
+    req: Request,
+) -> Result<(OwnedFd, u64), FetchError> {
     let conn = fdpass::connect(&socket_name(server), FETCH_LIMIT).map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound => {
             FetchError::Unknown(format!(
@@ -425,15 +458,7 @@ pub(crate) fn fetch(
             answer.status
         )));
     }
-    let mem = SharedMem::from_peer(fds.remove(0), min_len).map_err(FetchError::Refused)?;
-    if mem.len() as u64 != answer.len {
-        return Err(bad(format!(
-            "said {} bytes for memory of {}",
-            answer.len,
-            mem.len()
-        )));
-    }
-    Ok(mem)
+    Ok((fds.remove(0), answer.len))
 }
 
 #[cfg(all(test, not(btl_loom)))]

@@ -3,9 +3,12 @@
 //! transport do underneath, done by hand over a Unix socket.
 //!
 //! The owner (the parent process) allocates device memory and exports
-//! it; the initiator (a child process it starts) imports it through the
-//! mapping cache and copies into it (put) and out of it (get), with
-//! checksums of every size from 8 bytes to the largest asked for. Then:
+//! it as `smcuda` keys do ([`super::key`]: a VMM descriptor served by its
+//! share server, which checks the asker's uid and the job tag, or a legacy
+//! handle in the key); the initiator (a child process it starts) opens the
+//! key through the mapping cache and copies into the memory (put) and out
+//! of it (get), with checksums of every size from 8 bytes to the largest
+//! asked for. Then:
 //! * ordering: the owner queues a long run of fills and records an
 //!   interprocess event after them, and hands its handle over at once;
 //!   the initiator's copy waits on the event, so it must read the last
@@ -20,7 +23,6 @@
 //! handles) are tried; one the device or sandbox refuses is reported as
 //! skipped with the reason.
 
-use std::os::fd::AsFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,7 +31,8 @@ use serde::{Deserialize, Serialize};
 use socket2::Socket;
 
 use super::cache::Cache;
-use super::gpu::{AllocKind, DeviceAlloc, Gpu, GpuError, Mapping, MemHandle, PtrInfo, Stream};
+use super::gpu::{AllocKind, DeviceAlloc, Gpu, GpuError, Mapping, Stream};
+use super::key::{self, Exported, Handle};
 use crate::sys::fdpass;
 
 /// The variable naming the owner's socket, for the initiator.
@@ -52,6 +55,8 @@ pub struct Options {
     /// ordering check (long enough that the initiator's copy is queued
     /// well before they end).
     pub order_fills: u32,
+    /// The tag the owner serves its memory under (set by [`run`]: random).
+    pub job_tag: [u64; 2],
 }
 
 impl Default for Options {
@@ -61,6 +66,7 @@ impl Default for Options {
             device: 0,
             bandwidth_bytes: 4 << 30,
             order_fills: 256,
+            job_tag: [0; 2],
         }
     }
 }
@@ -203,6 +209,10 @@ fn serve(
     report: &mut Report,
 ) -> Result<(), String> {
     let name = crate::sys::os::hex(&crate::sys::os::random_bytes::<16>());
+    let opts = &Options {
+        job_tag: [rand::random(), rand::random()],
+        ..opts.clone()
+    };
     let listener = fdpass::listen(name.as_bytes()).map_err(|e| io("listening", e))?;
     let opts_json = postcard::to_allocvec(opts).map_err(|e| e.to_string())?;
     let mut proc = child
@@ -250,28 +260,7 @@ fn serve(
 /// The owner's buffer, and the stream its fills run on.
 struct Owned {
     alloc: DeviceAlloc,
-}
-
-fn map_reply(
-    gpu: &dyn Gpu,
-    a: &DeviceAlloc,
-    same: bool,
-) -> Result<(Vec<u8>, Option<std::os::fd::OwnedFd>), String> {
-    let buffer_id = match gpu.classify(a.ptr).map_err(|e| e.to_string())? {
-        PtrInfo::Device { buffer_id, .. } => buffer_id,
-        PtrInfo::Host => return Err("a fresh allocation classified as host memory".into()),
-    };
-    let mut b = vec![b'M', same as u8];
-    b.extend_from_slice(&a.ptr.to_le_bytes());
-    b.extend_from_slice(&a.len.to_le_bytes());
-    b.extend_from_slice(&buffer_id.to_le_bytes());
-    match gpu.export(a).map_err(|e| e.to_string())? {
-        MemHandle::Fd(fd) => Ok((b, Some(fd))),
-        MemHandle::Legacy(h) => {
-            b.extend_from_slice(&h);
-            Ok((b, None))
-        }
-    }
+    _exported: Exported,
 }
 
 fn owner_loop(
@@ -302,11 +291,22 @@ fn owner_loop(
                         if msg[0] == b'R' {
                             let _ = gpu.upload(a.ptr, &pattern(0x5a, a.len as usize));
                         }
-                        match map_reply(&**gpu, &a, old == Some(a.ptr)) {
-                            Ok((b, fd)) => send(conn, &b, fd.as_ref().map(|f| f.as_fd()))?,
-                            Err(e) => err(conn, e)?,
+                        let id = crate::sys::os::random_bytes::<16>();
+                        match key::export(&**gpu, &a, id, opts.job_tag) {
+                            Ok(exported) => {
+                                let mut b = vec![b'M', (old == Some(a.ptr)) as u8];
+                                b.extend(exported.handle.encode());
+                                send(conn, &b, None)?;
+                                owned = Some(Owned {
+                                    alloc: a,
+                                    _exported: exported,
+                                });
+                            }
+                            Err(e) => {
+                                let _ = gpu.free(a);
+                                err(conn, e.to_string())?
+                            }
                         }
-                        owned = Some(Owned { alloc: a });
                     }
                     Err(e) => err(conn, e.to_string())?,
                 }
@@ -453,23 +453,16 @@ fn fetch(
     kind: AllocKind,
 ) -> Result<(Arc<Mapping>, u64, bool, u64), String> {
     send(conn, &[req, (kind == AllocKind::Legacy) as u8], None)?;
-    let (msg, fd) = recv(conn)?;
+    let (msg, _) = recv(conn)?;
     if msg[0] == b'E' {
         return Err(String::from_utf8_lossy(&msg[1..]).into_owned());
     }
     let same = msg.get(1) == Some(&1);
-    let (base, len, buffer_id) = (u64_at(&msg, 2)?, u64_at(&msg, 10)?, u64_at(&msg, 18)?);
-    let handle = match (fd, msg.get(26..90)) {
-        (Some(fd), _) => MemHandle::Fd(fd),
-        (None, Some(h)) => MemHandle::Legacy(h.try_into().expect("64 bytes")),
-        (None, None) => return Err("the owner sent no handle".into()),
-    };
-    let map = cache
-        .get_or_open(0, base, len, buffer_id, || {
-            Mapping::import(gpu, opts.device, handle.try_clone()?, len)
-        })
+    let h = Handle::decode(msg.get(2..).unwrap_or_default())
+        .map_err(|e| format!("the owner's key: {e}"))?;
+    let map = key::open(gpu, cache, 0, &h, opts.job_tag, opts.device)
         .map_err(|e| format!("importing the owner's memory: {e}"))?;
-    Ok((map, len, same, buffer_id))
+    Ok((map, h.len, same, h.buffer_id))
 }
 
 fn ask(conn: &Socket, req: u8, n: u64, seed: u8) -> Result<(), String> {

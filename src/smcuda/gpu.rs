@@ -109,20 +109,6 @@ pub(crate) enum MemHandle {
     Legacy([u8; 64]),
 }
 
-impl MemHandle {
-    /// A second copy of the handle (a descriptor is duplicated), for an
-    /// open that may be retried.
-    pub(crate) fn try_clone(&self) -> Result<MemHandle, GpuError> {
-        Ok(match self {
-            MemHandle::Fd(fd) => MemHandle::Fd(
-                fd.try_clone()
-                    .map_err(|e| GpuError::Failed(format!("duplicating a handle: {e}")))?,
-            ),
-            MemHandle::Legacy(h) => MemHandle::Legacy(*h),
-        })
-    }
-}
-
 /// A peer's allocation, mapped into this process. Given back with
 /// [`Gpu::unmap`].
 #[derive(Debug)]

@@ -35,6 +35,7 @@ pub(crate) mod cuda;
 pub(crate) mod double;
 pub(crate) mod gpu;
 pub(crate) mod handshake;
+pub(crate) mod key;
 
 use std::sync::Arc;
 

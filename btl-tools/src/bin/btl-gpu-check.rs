@@ -102,6 +102,7 @@ fn main() -> ExitCode {
         device: args.device,
         bandwidth_bytes: args.bandwidth_bytes,
         order_fills: args.order_fills.max(1),
+        ..Options::default()
     };
     let exe = match std::env::current_exe() {
         Ok(e) => e,
