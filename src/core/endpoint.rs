@@ -57,6 +57,9 @@ struct Inner {
     /// Carries one-sided operations on host memory first
     /// ([`Link::post`]); usually the same link.
     rma: Arc<dyn Link>,
+    /// Carries one-sided operations on device memory, if a transport
+    /// reaches the peer's.
+    gpu: Option<Arc<dyn Link>>,
     core: Arc<Core>,
     /// `link.peer()`, kept here: every put and get checks its key's owner
     /// against it, and a dynamic call per operation showed in profiles of
@@ -74,11 +77,12 @@ impl std::fmt::Debug for Endpoint {
 }
 
 impl Endpoint {
-    pub(crate) fn new(link: Arc<dyn Link>, rma: Arc<dyn Link>, core: Arc<Core>) -> Self {
-        let peer = link.peer();
+    pub(crate) fn new(route: crate::core::fabric::Route, core: Arc<Core>) -> Self {
+        let peer = route.msg.peer();
         Endpoint(Arc::new(Inner {
-            link,
-            rma,
+            link: route.msg,
+            rma: route.rma,
+            gpu: route.gpu,
             core,
             peer,
         }))
@@ -215,6 +219,9 @@ impl Endpoint {
         let len = range.end.saturating_sub(range.start);
         Self::local_range(local, &range)?;
         self.check_key(key, offset, len)?;
+        if local.inner.device.is_some() {
+            return self.start_device_rma(local, range.start, len, key, offset, put, implicit);
+        }
         let c = &self.0.core.counters;
         let lraw = local.inner.raw().slice(range.start as u64, len)?;
         // A key some transport mapped on its first use (UCX's `rkey_ptr`):
@@ -234,6 +241,9 @@ impl Endpoint {
                 return Ok(None);
             }
         }
+        if key.on_device() {
+            return self.start_device_rma(local, range.start, len, key, offset, put, implicit);
+        }
         if self.0.core.is_closed() {
             return Err(Error::Closed);
         }
@@ -242,6 +252,7 @@ impl Endpoint {
             region: &local.inner,
             offset: range.start as u64,
             raw: lraw,
+            len,
         };
         let op = if put {
             OneSided::Put {
@@ -286,6 +297,75 @@ impl Endpoint {
             rma.start_get(link, &key.id, offset, dst, done.clone())?;
         }
         Ok(done)
+    }
+
+    /// A put or get with device memory on either side: only a transport
+    /// that carries device memory may take it (the CPU never touches such
+    /// memory, so nothing is emulated).
+    #[allow(clippy::too_many_arguments)]
+    fn start_device_rma(
+        &self,
+        local: &MemoryRegion,
+        start: usize,
+        len: usize,
+        key: &RemoteKey,
+        offset: u64,
+        put: bool,
+        implicit: bool,
+    ) -> Result<Option<Arc<Completion>>> {
+        let Some(gpu) = &self.0.gpu else {
+            return Err(Error::Misuse(format!(
+                "no transport carries device memory to rank {} (smcuda needs a GPU and a peer on this node)",
+                self.0.peer
+            )));
+        };
+        if self.0.core.is_closed() {
+            return Err(Error::Closed);
+        }
+        self.check_not_lost()?;
+        let at = Local {
+            region: &local.inner,
+            offset: start as u64,
+            raw: crate::sys::mem::RawBuf::empty(),
+            len,
+        };
+        let op = if put {
+            OneSided::Put {
+                src: at,
+                key,
+                offset,
+            }
+        } else {
+            OneSided::Get {
+                dst: at,
+                key,
+                offset,
+            }
+        };
+        let c = &self.0.core.counters;
+        match gpu.post(op)? {
+            Native::Done(_) => {
+                c.add(if put {
+                    Hot::DirectPuts
+                } else {
+                    Hot::DirectGets
+                });
+                Ok(None)
+            }
+            Native::Posted(done) => {
+                c.add(if put {
+                    Hot::DirectPuts
+                } else {
+                    Hot::DirectGets
+                });
+                self.0.core.rma.track(self.0.peer, done.clone(), implicit);
+                Ok((!implicit).then_some(done))
+            }
+            Native::Emulate => Err(Error::Misuse(format!(
+                "{} cannot carry this operation on device memory",
+                gpu.transport()
+            ))),
+        }
     }
 
     fn rma(
@@ -390,6 +470,11 @@ impl Endpoint {
                 c.add(Hot::NativeAtomics);
                 return Ok(Ok(old));
             }
+        }
+        if key.on_device() {
+            return Err(Error::Misuse(
+                "atomics on device memory are not supported".into(),
+            ));
         }
         if self.0.core.is_closed() {
             return Err(Error::Closed);

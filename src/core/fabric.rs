@@ -389,6 +389,9 @@ impl Core {
 pub(crate) struct Route {
     pub(crate) msg: Arc<dyn Link>,
     pub(crate) rma: Arc<dyn Link>,
+    /// One-sided operations on device memory, where a transport carries
+    /// them to this peer.
+    pub(crate) gpu: Option<Arc<dyn Link>>,
 }
 
 impl Fabric {
@@ -408,6 +411,9 @@ impl Fabric {
 pub enum MemoryKind {
     /// Host (CPU) memory.
     Host,
+    /// The memory of the GPU with this ordinal (in the process that
+    /// allocated it; `Fabric::alloc_device_region`).
+    Device(u32),
 }
 
 /// Settings for building a [`Fabric`] by hand (no launcher).
@@ -547,6 +553,7 @@ impl Fabric {
         // in preference order.
         let mut opened: Vec<Arc<dyn Transport>> = Vec::new();
         let mut caps: Vec<(bool, bool)> = Vec::new();
+        let mut device_caps: Vec<bool> = Vec::new();
         for e in registry::entries() {
             if e.not_built.is_some() || !(e.implicit || core.config.allows(e.name)) {
                 continue;
@@ -554,6 +561,7 @@ impl Fabric {
             if let Some(t) = (e.open)(&core, &job)? {
                 opened.push(t);
                 caps.push((e.messages, e.one_sided));
+                device_caps.push(e.device_memory);
             }
         }
         let me = Published {
@@ -600,6 +608,7 @@ impl Fabric {
             }
         };
         let mut picks: Vec<Option<(usize, usize)>> = Vec::with_capacity(table.len());
+        let mut gpu_picks: Vec<Option<usize>> = Vec::with_capacity(table.len());
         let mut unreachable = Vec::new();
         for p in &table {
             let mut msg = None;
@@ -618,6 +627,14 @@ impl Fabric {
                     rma = Some(i);
                 }
             }
+            let mut gpu = None;
+            for (i, t) in opened.iter().enumerate() {
+                if device_caps[i] && reaches(t, p)? {
+                    gpu = Some(i);
+                    break;
+                }
+            }
+            gpu_picks.push(gpu);
             match msg {
                 Some(m) => picks.push(Some((m, rma.unwrap_or(m)))),
                 None => {
@@ -644,8 +661,10 @@ impl Fabric {
         for (i, t) in opened.iter().enumerate() {
             let peers: Vec<Peer<'_>> = table
                 .iter()
-                .zip(&picks)
-                .filter(|(_, pick)| pick.is_some_and(|(m, r)| m == i || r == i))
+                .zip(picks.iter().zip(&gpu_picks))
+                .filter(|(_, (pick, gpu))| {
+                    pick.is_some_and(|(m, r)| m == i || r == i) || **gpu == Some(i)
+                })
                 .filter_map(|(p, _)| {
                     Some(Peer {
                         rank: p.rank,
@@ -653,7 +672,8 @@ impl Fabric {
                     })
                 })
                 .collect();
-            if peers.is_empty() {
+            // A transport with device memory stays for its allocations.
+            if peers.is_empty() && !device_caps[i] {
                 t.shutdown();
                 continue;
             }
@@ -674,6 +694,7 @@ impl Fabric {
             links[r] = Some(Route {
                 msg: link(m)?,
                 rma: link(x)?,
+                gpu: gpu_picks[r].map(link).transpose()?,
             });
             tracing::debug!(
                 peer = r,
@@ -805,7 +826,7 @@ impl Fabric {
                 self.core.size
             ))
         })?;
-        Ok(Endpoint::new(route.msg, route.rma, self.core.clone()))
+        Ok(Endpoint::new(route, self.core.clone()))
     }
 
     /// The stream of messages on `tag`, from every peer. One receiver per tag
@@ -886,6 +907,36 @@ impl Fabric {
             }))
     }
 
+    /// Allocate `len` zeroed bytes of device memory on GPU `device`, as a
+    /// region: same-node peers put into and get from it with
+    /// [`Endpoint::put`](crate::Endpoint::put) and
+    /// [`Endpoint::get`](crate::Endpoint::get) from device regions of
+    /// their own, copied by the GPU through CUDA IPC (`smcuda`), never
+    /// through the host. `read` and `write` on it copy through the device.
+    /// The memory is freed when the last clone of the region and every
+    /// operation on it are gone.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when no transport of this fabric has device
+    /// memory (`smcuda` needs a GPU and the `cuda` feature: `btl-info`
+    /// says why not), or when the device refuses the allocation.
+    pub fn alloc_device_region(&self, device: u32, len: usize) -> Result<MemoryRegion> {
+        let id = crate::sys::os::random_bytes::<16>();
+        for t in self.transports.iter() {
+            if let Some(made) = t.alloc_device(device, len, &id) {
+                let (mem, handle) = made?;
+                return Ok(self
+                    .core
+                    .rma
+                    .regions
+                    .add_device(self.core.rank, id, mem, handle));
+            }
+        }
+        Err(Error::Config(
+            "no transport of this fabric has device memory (smcuda needs a GPU and the `cuda` feature; btl-info says why not)".into(),
+        ))
+    }
+
     /// A snapshot of the fabric's counters, every transport's included.
     pub fn stats(&self) -> Stats {
         let mut s = self.core.counters.snapshot();
@@ -918,6 +969,10 @@ impl Fabric {
     pub fn rma_transport_for(&self, peer: Rank, memory: MemoryKind) -> Option<&'static str> {
         match memory {
             MemoryKind::Host => self.core.route(peer).map(|r| r.rma.transport()),
+            MemoryKind::Device(_) => self
+                .core
+                .route(peer)
+                .and_then(|r| r.gpu.map(|l| l.transport())),
         }
     }
 

@@ -209,7 +209,15 @@ impl RemoteKey {
     /// Whether a transport registered the region for peers to map
     /// (`sm`'s shared files).
     pub(crate) fn is_shared(&self) -> bool {
-        !self.handles.is_empty()
+        !self.handles.is_empty() && !self.on_device()
+    }
+
+    /// Whether the region lives in device (GPU) memory: a transport that
+    /// carries device memory made it.
+    pub(crate) fn on_device(&self) -> bool {
+        self.handles
+            .iter()
+            .any(|h| crate::transport::registry::carries_device(&h.transport))
     }
 
     /// Check `offset..offset+len` against the key's stated bounds.
@@ -250,11 +258,33 @@ pub(crate) fn no_nic(_: &KeyId, _: RawBuf) -> (Vec<KeyHandle>, Vec<NicReg>) {
     (Vec::new(), Vec::new())
 }
 
+/// Device memory behind a region, owned by the transport that allocated
+/// it: the CPU never touches it (the region's `raw` is empty, so host
+/// paths find nothing to copy), reads and writes go through the device,
+/// and dropping it frees the memory. The region is dropped only after
+/// every operation on it, so no copy still runs on freed memory.
+pub(crate) trait DeviceMemory: Send + Sync {
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// The device it lives on.
+    fn device(&self) -> u32;
+    /// Copy `dst.len()` bytes at `offset` out to the host (blocking).
+    fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
+    /// Copy `src` in at `offset` from the host (blocking).
+    fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String>;
+    /// The transport's own type, for its own operations.
+    fn as_any(&self) -> &dyn Any;
+}
+
 pub(crate) struct RegionInner {
     pub(crate) id: KeyId,
     /// The key peers use (handed out by `MemoryRegion::remote_key`).
     key: RemoteKey,
+    /// The memory as the CPU reaches it (empty for device memory).
     raw: RawBuf,
+    /// Device memory, for a region in a GPU's memory (declared before
+    /// `backing`; dropped with the region).
+    pub(crate) device: Option<Box<dyn DeviceMemory>>,
     /// Hardware registrations of `raw` (declared before `backing`, so
     /// dropped first: no NIC may still reach memory being freed).
     nic: Vec<NicReg>,
@@ -324,7 +354,17 @@ impl std::fmt::Debug for MemoryRegion {
 impl MemoryRegion {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.inner.raw.len()
+        match &self.inner.device {
+            Some(d) => d.len(),
+            None => self.inner.raw.len(),
+        }
+    }
+    /// The kind of memory the region lives in.
+    pub fn memory(&self) -> crate::MemoryKind {
+        match &self.inner.device {
+            Some(d) => crate::MemoryKind::Device(d.device()),
+            None => crate::MemoryKind::Host,
+        }
     }
     /// Whether the region has no bytes.
     pub fn is_empty(&self) -> bool {
@@ -345,6 +385,10 @@ impl MemoryRegion {
     /// [`Error::Misuse`] when `offset..offset + dst.len()` is not inside
     /// the region (nothing is copied).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if let Some(d) = &self.inner.device {
+            self.check_local(offset, dst.len())?;
+            return d.read(offset as u64, dst).map_err(Error::Misuse);
+        }
         self.inner
             .raw
             .read(offset as u64, dst)
@@ -356,10 +400,22 @@ impl MemoryRegion {
     /// [`Error::Misuse`] when `offset..offset + src.len()` is not inside
     /// the region (nothing is written).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        if let Some(d) = &self.inner.device {
+            self.check_local(offset, src.len())?;
+            return d.write(offset as u64, src).map_err(Error::Misuse);
+        }
         self.inner
             .raw
             .write(offset as u64, src)
             .map_err(|_| self.local_range_error(offset, src.len()))
+    }
+
+    /// `offset..offset + len` inside the region, or the caller's mistake.
+    fn check_local(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(self.local_range_error(offset, len)),
+        }
     }
 
     /// A local access outside the region: the caller's mistake, not a
@@ -374,7 +430,7 @@ impl MemoryRegion {
     /// The whole region, copied.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len()];
-        let _ = self.inner.raw.read(0, &mut v);
+        let _ = self.read(0, &mut v);
         v
     }
     /// Take a heap region's buffer back, if this is the only handle and no
@@ -439,6 +495,7 @@ impl RegionTable {
             id,
             key,
             raw,
+            device: None,
             nic,
             backing: Some(backing),
             table: Arc::downgrade(self),
@@ -496,6 +553,33 @@ impl RegionTable {
             vec![handle],
             nics,
         )
+    }
+
+    /// Register device memory a transport allocated: `mem` owns it,
+    /// `handle` says how peers reach it. No NIC registers it.
+    pub(crate) fn add_device(
+        self: &Arc<Self>,
+        owner: Rank,
+        id: KeyId,
+        mem: Box<dyn DeviceMemory>,
+        handle: KeyHandle,
+    ) -> MemoryRegion {
+        let key = RemoteKey {
+            owner,
+            id,
+            len: mem.len() as u64,
+            handles: vec![handle],
+            mapped: Default::default(),
+        };
+        self.insert(RegionInner {
+            id,
+            key,
+            raw: RawBuf::empty(),
+            device: Some(mem),
+            nic: Vec::new(),
+            backing: None,
+            table: Arc::downgrade(self),
+        })
     }
 
     /// Look a live region up by id.

@@ -134,6 +134,7 @@ pub(crate) static ENTRY: Entry = Entry {
     implicit: false,
     messages: true,
     one_sided: true,
+    device_memory: false,
     reach: Reach::Network,
     #[cfg(feature = "rdma")]
     not_built: None,

@@ -450,6 +450,7 @@ pub(crate) static ENTRY: Entry = Entry {
     messages: true,
     one_sided: true,
     implicit: false,
+    device_memory: false,
     reach: crate::transport::registry::Reach::Node,
     not_built: None,
     probe,

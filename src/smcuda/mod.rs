@@ -36,10 +36,11 @@ pub(crate) mod double;
 pub(crate) mod gpu;
 pub(crate) mod handshake;
 pub(crate) mod key;
+pub(crate) mod transport;
 
 use std::sync::Arc;
 
-use crate::transport::registry::{self, Entry, Reach};
+use crate::transport::registry::{Entry, Reach};
 use gpu::{Gpu, GpuError};
 
 /// The GPU implementation `BTL_SMCUDA_GPU` selects: `cuda` (the default)
@@ -91,15 +92,28 @@ fn probe() -> std::result::Result<String, String> {
     ))
 }
 
-/// The registry's entry: listed with its probe, not opened.
+/// The registry's entry.
 #[linkme::distributed_slice(crate::transport::registry::TRANSPORTS)]
-static ENTRY: Entry = registry::planned(
-    "smcuda",
-    50,
-    Reach::Node,
-    "not part of this version (its GPU layer is: driver probe, IPC handshake, mapping cache)",
+static ENTRY: Entry = Entry {
+    name: "smcuda",
+    rank: 50,
+    implicit: false,
+    messages: false,
+    one_sided: false,
+    device_memory: true,
+    reach: Reach::Node,
+    not_built: None,
     probe,
-);
+    open: |core, _job| match open_gpu() {
+        Ok(gpu) => Ok(Some(transport::SmcudaTransport::new(core.clone(), gpu)
+            as Arc<dyn crate::transport::Transport>)),
+        Err(e) => {
+            tracing::debug!("smcuda not opened: {e}");
+            Ok(None)
+        }
+    },
+    alloc_shared: None,
+};
 
 #[cfg(test)]
 mod tests {

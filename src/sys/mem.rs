@@ -57,6 +57,16 @@ impl RawBuf {
         }
     }
 
+    /// A range of no bytes (what a region whose memory the CPU must not
+    /// touch, device memory, shows to host paths: every copy into or out
+    /// of it is out of bounds).
+    pub(crate) fn empty() -> RawBuf {
+        RawBuf {
+            ptr: NonNull::dangling(),
+            len: 0,
+        }
+    }
+
     /// The start address (for the kernel's cross-memory copies).
     pub(crate) fn addr(&self) -> usize {
         self.ptr.as_ptr() as usize

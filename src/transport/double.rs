@@ -41,6 +41,7 @@ pub(crate) static ENTRY: Entry = Entry {
     messages: false,
     one_sided: true,
     implicit: false,
+    device_memory: false,
     reach: crate::transport::registry::Reach::Node,
     not_built: None,
     probe: || Ok("a test double: fabrics of one process, one-sided only".into()),

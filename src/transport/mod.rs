@@ -164,8 +164,11 @@ pub(crate) struct Local<'a> {
     pub(crate) region: &'a Arc<RegionInner>,
     /// Where the range starts in it.
     pub(crate) offset: u64,
-    /// The range itself (already checked against the region).
+    /// The range itself (already checked against the region; empty for
+    /// device memory, which the CPU does not reach).
     pub(crate) raw: RawBuf,
+    /// The range's length (`raw`'s, for host memory).
+    pub(crate) len: usize,
 }
 
 /// A one-sided operation offered to [`Link::post`].
@@ -351,6 +354,23 @@ pub(crate) trait Transport: Send + Sync {
         _id: &crate::core::region::KeyId,
         _raw: RawBuf,
     ) -> Option<(crate::core::region::KeyHandle, crate::core::region::NicReg)> {
+        None
+    }
+
+    /// Allocate `len` zeroed bytes on GPU `device` for a region with key
+    /// id `id`, if this transport has device memory: the memory and the
+    /// key's handle. `None` (the default): it has none.
+    fn alloc_device(
+        &self,
+        _device: u32,
+        _len: usize,
+        _id: &crate::core::region::KeyId,
+    ) -> Option<
+        Result<(
+            Box<dyn crate::core::region::DeviceMemory>,
+            crate::core::region::KeyHandle,
+        )>,
+    > {
         None
     }
 

@@ -86,6 +86,10 @@ pub(crate) struct Entry {
     /// that they route those even where another transport carries the
     /// messages.
     pub(crate) one_sided: bool,
+    /// It carries one-sided operations on device (GPU) memory and
+    /// allocates such memory (`Transport::alloc_device`); a fabric keeps
+    /// it open even when it reaches no peer, for its allocations.
+    pub(crate) device_memory: bool,
     /// Which peers it can reach at all.
     pub(crate) reach: Reach,
     /// `None` when compiled into this build; else why not (the cargo
@@ -103,27 +107,10 @@ pub(crate) struct Entry {
     pub(crate) alloc_shared: Option<AllocShared>,
 }
 
-/// A transport this version does not have yet: listed with its host
-/// check, never opened.
-pub(crate) const fn planned(
-    name: &'static str,
-    rank: u32,
-    reach: Reach,
-    why: &'static str,
-    probe: fn() -> std::result::Result<String, String>,
-) -> Entry {
-    Entry {
-        name,
-        rank,
-        implicit: false,
-        messages: true,
-        one_sided: true,
-        reach,
-        not_built: Some(why),
-        probe,
-        open: |_, _| Ok(None),
-        alloc_shared: None,
-    }
+/// Whether the transport named `name` carries device memory (its key
+/// handles name device memory).
+pub(crate) fn carries_device(name: &str) -> bool {
+    TRANSPORTS.iter().any(|e| e.device_memory && e.name == name)
 }
 
 /// Every transport this build knows, in preference order.

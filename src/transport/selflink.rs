@@ -113,6 +113,7 @@ pub(crate) static ENTRY: Entry = Entry {
     messages: true,
     one_sided: false,
     implicit: true,
+    device_memory: false,
     reach: crate::transport::registry::Reach::ThisRank,
     not_built: None,
     probe: || Ok("always available: messages and one-sided operations to this process".into()),

@@ -269,6 +269,7 @@ pub(crate) static ENTRY: Entry = Entry {
     messages: true,
     one_sided: false,
     implicit: false,
+    device_memory: false,
     reach: crate::transport::registry::Reach::Network,
     not_built: None,
     probe,

@@ -1,0 +1,474 @@
+//! The `smcuda` transport: put and get between device regions of ranks on
+//! one node, copied by the GPU through CUDA IPC, completed by the events
+//! of the copies.
+//!
+//! It carries no messages (those go over `sm`) and no one-sided operations
+//! on host memory; its links carry only operations with device memory on
+//! both sides. A put or get is one copy queued on the stream of the local
+//! region's device, between the local allocation and the peer's allocation
+//! mapped here (`key::open`: from the mapping cache, or opened now: a VMM
+//! descriptor fetched from the peer's share server, or the legacy handle in
+//! the key), followed by an event; the progress task polls the events in
+//! order and completes each operation when its event fired: then the bytes
+//! are in the target's memory (put) or in ours (get). Each pending
+//! operation holds its local region and the peer's mapping, so neither is
+//! freed or unmapped while the GPU may still touch it, whatever the
+//! future's owner drops.
+//!
+//! Parking: before the progress task sleeps, a host function queued on
+//! every stream with work rings the transport's bell when the stream gets
+//! there; an operation posted while armed queues one too, so no wake-up is
+//! lost and an idle job takes no CPU.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use super::cache::Cache;
+use super::gpu::{AllocKind, DeviceAlloc, Event, Gpu, GpuError, Mapping, Stream};
+use super::key::{self, Exported, Handle};
+use crate::core::completion::Completion;
+use crate::core::fabric::Core;
+use crate::core::region::{DeviceMemory, KeyHandle, KeyId, RegionInner};
+use crate::error::AccessError;
+use crate::sys::os::ProcWatch;
+use crate::sys::sync::lock;
+use crate::transport::{Kind, Link, Loss, Native, OneSided, Peer, Transport};
+use crate::{Error, Rank, Result};
+
+/// The key handle's version.
+const HANDLE_VERSION: u16 = 1;
+/// Mapped peer allocations kept for reuse.
+const CACHE_ENTRIES: usize = 256;
+
+/// What a process publishes about its `smcuda` transport.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct SmcudaAddr {
+    pub(crate) node: String,
+    pub(crate) netns: String,
+    pub(crate) pid: u32,
+    pub(crate) rank: Rank,
+}
+
+/// Device memory of ours behind a region.
+struct DeviceMem {
+    gpu: Arc<dyn Gpu>,
+    alloc: Option<DeviceAlloc>,
+    /// Stops serving its descriptor when dropped (before the memory goes).
+    _exported: Exported,
+    len: usize,
+}
+
+impl DeviceMemory for DeviceMem {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device(&self) -> u32 {
+        self.alloc.as_ref().map_or(0, |a| a.device)
+    }
+    fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let a = self.alloc.as_ref().ok_or("freed")?;
+        self.gpu
+            .download(dst, a.ptr + offset)
+            .map_err(|e| format!("reading device memory: {e}"))
+    }
+    fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String> {
+        let a = self.alloc.as_ref().ok_or("freed")?;
+        self.gpu
+            .upload(a.ptr + offset, src)
+            .map_err(|e| format!("writing device memory: {e}"))
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if let Some(a) = self.alloc.take() {
+            if let Err(e) = self.gpu.free(a) {
+                tracing::warn!("smcuda: freeing device memory: {e}");
+            }
+        }
+    }
+}
+
+/// An operation whose copy is queued.
+struct Pending {
+    event: Event,
+    done: Arc<Completion>,
+    peer: Rank,
+    /// Failed already (its peer was lost): the copy is still let finish
+    /// before the memory it touches is let go.
+    failed: bool,
+    _mapping: Arc<Mapping>,
+    _region: Arc<RegionInner>,
+}
+
+/// The `smcuda` transport of one process.
+pub(crate) struct SmcudaTransport {
+    core: Arc<Core>,
+    gpu: Arc<dyn Gpu>,
+    kind: AllocKind,
+    streams: Mutex<HashMap<u32, Stream>>,
+    cache: Mutex<Cache<Mapping>>,
+    pending: Mutex<VecDeque<Pending>>,
+    free_events: Mutex<Vec<(u32, Event)>>,
+    armed: AtomicBool,
+    bell: Arc<tokio::sync::Notify>,
+    watches: Mutex<HashMap<Rank, ProcWatch>>,
+}
+
+impl SmcudaTransport {
+    /// The transport over `gpu`.
+    pub(crate) fn new(core: Arc<Core>, gpu: Arc<dyn Gpu>) -> Arc<SmcudaTransport> {
+        let kind = if gpu.devices().iter().all(|d| d.vmm) {
+            AllocKind::Vmm
+        } else {
+            AllocKind::Legacy
+        };
+        Arc::new(SmcudaTransport {
+            core,
+            gpu,
+            kind,
+            streams: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::new(CACHE_ENTRIES)),
+            pending: Mutex::new(VecDeque::new()),
+            free_events: Mutex::new(Vec::new()),
+            armed: AtomicBool::new(false),
+            bell: Arc::new(tokio::sync::Notify::new()),
+            watches: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn gpu_error(what: &str, e: GpuError) -> Error {
+        match e {
+            GpuError::Refused(why) => {
+                Error::Access(AccessError::NotPermitted(format!("smcuda: {what}: {why}")))
+            }
+            other => Error::Config(format!("smcuda: {what}: {other}")),
+        }
+    }
+
+    fn stream(&self, device: u32) -> Result<Stream> {
+        let mut s = lock(&self.streams);
+        if let Some(st) = s.get(&device) {
+            return Ok(*st);
+        }
+        let st = self
+            .gpu
+            .stream(device)
+            .map_err(|e| Self::gpu_error("creating a stream", e))?;
+        s.insert(device, st);
+        Ok(st)
+    }
+
+    fn event(&self, device: u32) -> Result<Event> {
+        let mut free = lock(&self.free_events);
+        if let Some(i) = free.iter().position(|(d, _)| *d == device) {
+            return Ok(free.swap_remove(i).1);
+        }
+        drop(free);
+        self.gpu
+            .event(device, false)
+            .map_err(|e| Self::gpu_error("creating an event", e))
+    }
+
+    /// Queue the copy of one operation with peer `peer`.
+    fn post_copy(&self, peer: Rank, op: OneSided<'_>) -> Result<Native> {
+        let (local, key, offset, put) = match op {
+            OneSided::Put { src, key, offset } => (src, key, offset, true),
+            OneSided::Get { dst, key, offset } => (dst, key, offset, false),
+            OneSided::Atomic { .. } => {
+                return Err(Error::Misuse(
+                    "atomics on device memory are not supported".into(),
+                ))
+            }
+        };
+        let Some(mine) = local
+            .region
+            .device
+            .as_ref()
+            .and_then(|d| d.as_any().downcast_ref::<DeviceMem>())
+        else {
+            return Err(Error::Misuse(
+                "smcuda copies between device regions: the local region is host memory (stage it through a device region)".into(),
+            ));
+        };
+        let alloc = mine
+            .alloc
+            .as_ref()
+            .ok_or_else(|| Error::Misuse("the local device region was freed".into()))?;
+        let kh = key.handle("smcuda").ok_or_else(|| {
+            Error::Misuse(
+                "the remote region is host memory: smcuda copies between device regions".into(),
+            )
+        })?;
+        let h = match (kh.version == HANDLE_VERSION).then(|| Handle::decode(&kh.data)) {
+            Some(Ok(h)) => h,
+            _ => {
+                return Err(Error::Access(AccessError::NotPermitted(
+                    "not a readable smcuda key handle".into(),
+                )))
+            }
+        };
+        let len = local.len as u64;
+        // The key's own bounds were checked by the initiator; these are
+        // the allocation's, which only the handle knows.
+        if !matches!(offset.checked_add(len), Some(end) if end <= h.len) {
+            return Err(Error::Access(AccessError::OutOfBounds {
+                offset,
+                end: offset.saturating_add(len),
+                len: h.len,
+            }));
+        }
+        if len == 0 {
+            return Ok(Native::Done(0));
+        }
+        let device = alloc.device;
+        let mapping = key::open(
+            &self.gpu,
+            &mut lock(&self.cache),
+            peer,
+            &h,
+            self.core.job_tag(),
+            device,
+        )
+        .map_err(|e| Self::gpu_error("opening the peer's device memory", e))?;
+        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + local.offset);
+        let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
+        let stream = self.stream(device)?;
+        let event = self.event(device)?;
+        let queued = self
+            .gpu
+            .copy(stream, dst, src, len)
+            .and_then(|_| self.gpu.record(event, stream));
+        if let Err(e) = queued {
+            lock(&self.free_events).push((device, event));
+            return Err(Self::gpu_error("queueing the copy", e));
+        }
+        let done = Completion::new();
+        lock(&self.pending).push_back(Pending {
+            event,
+            done: done.clone(),
+            peer,
+            failed: false,
+            _mapping: mapping,
+            _region: local.region.clone(),
+        });
+        if self.armed.load(Ordering::Acquire) {
+            self.ring_when_done(stream);
+        }
+        Ok(Native::Posted(done))
+    }
+
+    /// Have `stream` ring our bell when it gets to the work queued now.
+    fn ring_when_done(&self, stream: Stream) {
+        let bell = self.bell.clone();
+        if let Err(e) = self.gpu.notify(stream, Arc::new(move || bell.notify_one())) {
+            // Without the host function the progress task still wakes at
+            // its timeout.
+            tracing::debug!("smcuda: queueing a wake-up: {e}");
+            self.bell.notify_one();
+        }
+    }
+}
+
+/// The link to one peer.
+struct SmcudaLink {
+    peer: Rank,
+    t: Arc<SmcudaTransport>,
+}
+
+impl Link for SmcudaLink {
+    fn peer(&self) -> Rank {
+        self.peer
+    }
+    fn transport(&self) -> &'static str {
+        "smcuda"
+    }
+    fn try_send(&self, _kind: Kind, _tag: u64, _data: &[u8]) -> Result<bool> {
+        Err(Error::Misuse("smcuda carries no messages".into()))
+    }
+    fn submit(
+        &self,
+        _kind: Kind,
+        _tag: u64,
+        _data: bytes::Bytes,
+    ) -> Result<Option<Arc<Completion>>> {
+        Err(Error::Misuse("smcuda carries no messages".into()))
+    }
+    fn post(&self, op: OneSided<'_>) -> Result<Native> {
+        self.t.post_copy(self.peer, op)
+    }
+    fn has_queued(&self) -> bool {
+        false
+    }
+}
+
+fn decode_addr(p: &Peer<'_>) -> Result<SmcudaAddr> {
+    postcard::from_bytes(p.addr).map_err(|e| {
+        Error::Bootstrap(format!(
+            "rank {} published an unreadable smcuda address: {e}",
+            p.rank
+        ))
+    })
+}
+
+#[async_trait]
+impl Transport for SmcudaTransport {
+    fn name(&self) -> &'static str {
+        "smcuda"
+    }
+
+    fn address(&self) -> Result<Vec<u8>> {
+        postcard::to_allocvec(&SmcudaAddr {
+            node: crate::sys::os::node_id(),
+            netns: crate::sys::os::net_namespace(),
+            pid: crate::sys::os::pid(),
+            rank: self.core.rank(),
+        })
+        .map_err(|e| Error::Bootstrap(format!("encoding the smcuda address: {e}")))
+    }
+
+    fn reaches(&self, peer: &Peer<'_>) -> Result<bool> {
+        let a = decode_addr(peer)?;
+        Ok(a.rank == peer.rank
+            && peer.rank != self.core.rank()
+            && a.node == crate::sys::os::node_id()
+            && a.netns == crate::sys::os::net_namespace())
+    }
+
+    fn connect(self: Arc<Self>, peers: &[Peer<'_>]) -> Result<Vec<(Rank, Arc<dyn Link>)>> {
+        let mut links: Vec<(Rank, Arc<dyn Link>)> = Vec::new();
+        for p in peers {
+            let a = decode_addr(p)?;
+            lock(&self.watches).insert(p.rank, ProcWatch::new(a.pid));
+            links.push((
+                p.rank,
+                Arc::new(SmcudaLink {
+                    peer: p.rank,
+                    t: self.clone(),
+                }),
+            ));
+        }
+        Ok(links)
+    }
+
+    fn alloc_device(
+        &self,
+        device: u32,
+        len: usize,
+        id: &KeyId,
+    ) -> Option<Result<(Box<dyn DeviceMemory>, KeyHandle)>> {
+        let made = (|| {
+            let a = self
+                .gpu
+                .alloc(device, len as u64, self.kind)
+                .map_err(|e| Self::gpu_error("allocating device memory", e))?;
+            let exported = match key::export(&*self.gpu, &a, *id, self.core.job_tag()) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = self.gpu.free(a);
+                    return Err(e);
+                }
+            };
+            let handle = KeyHandle::new("smcuda", HANDLE_VERSION, exported.handle.encode());
+            let mem = DeviceMem {
+                gpu: self.gpu.clone(),
+                alloc: Some(a),
+                _exported: exported,
+                len,
+            };
+            Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
+        })();
+        Some(made)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn progress(&self) -> usize {
+        let mut q = lock(&self.pending);
+        let mut n = 0;
+        while let Some(p) = q.front() {
+            let r = self.gpu.query(p.event);
+            if matches!(r, Ok(false)) {
+                break;
+            }
+            let p = q.pop_front().expect("looked at above");
+            if !p.failed {
+                p.done.complete(match r {
+                    Err(e) => Err(Self::gpu_error("the copy failed", e)),
+                    _ => Ok(()),
+                });
+            }
+            // Events come back to the pool by device; the stream's device
+            // is the local region's.
+            let device = p._region.device.as_ref().map_or(0, |d| d.device());
+            lock(&self.free_events).push((device, p.event));
+            n += 1;
+        }
+        n
+    }
+
+    fn arm(&self) -> bool {
+        self.armed.store(true, Ordering::Release);
+        if lock(&self.pending).is_empty() {
+            return true;
+        }
+        let streams: Vec<Stream> = lock(&self.streams).values().copied().collect();
+        for s in streams {
+            self.ring_when_done(s);
+        }
+        true
+    }
+
+    fn disarm(&self) {
+        self.armed.store(false, Ordering::Release);
+    }
+
+    async fn wait(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.bell.notified()).await;
+    }
+
+    fn check_peers(&self) {
+        let dead: Vec<Rank> = lock(&self.watches)
+            .iter()
+            .filter(|(r, w)| !self.core.is_gone(**r) && w.exited())
+            .map(|(r, _)| *r)
+            .collect();
+        for r in dead {
+            self.core
+                .on_peer_lost(r, "its process exited (smcuda)", Loss::Crashed);
+        }
+        let mut q = lock(&self.pending);
+        let mut lost = Vec::new();
+        for p in q
+            .iter_mut()
+            .filter(|p| !p.failed && self.core.is_gone(p.peer))
+        {
+            p.failed = true;
+            lost.push((p.peer, p.done.clone()));
+        }
+        drop(q);
+        for (peer, done) in lost {
+            lock(&self.cache).forget(peer);
+            done.complete(Err(Error::PeerLost {
+                rank: peer,
+                reason: "lost while a GPU copy with it was in flight".into(),
+            }));
+        }
+    }
+
+    fn drained(&self) -> bool {
+        lock(&self.pending).is_empty()
+    }
+
+    fn shutdown(&self) {}
+}

@@ -1,0 +1,269 @@
+//! The `smcuda` transport between real processes on the GPU test double
+//! (`BTL_SMCUDA_GPU=test-double`: device memory is shared host memory, so
+//! handles cross processes; copies complete later on worker threads),
+//! beside `sm` for the messages. Each test re-executes this binary as the
+//! ranks.
+
+mod common;
+
+use std::time::Duration;
+
+use async_btl::{Error, Fabric, MemoryKind, RemoteKey};
+use common::*;
+
+/// Launch variables of every test: the test double, with copies that
+/// complete a little later than they are queued.
+fn job(n: u32, scenario: &str, faults: &str) -> Job {
+    spawn_job(
+        n,
+        scenario,
+        &[
+            ("BTL_SMCUDA_GPU", "test-double"),
+            ("BTL_SMCUDA_DOUBLE_FAULTS", faults),
+        ],
+    )
+}
+
+/// The child side: runs the scenario named in BTL_TEST_SCENARIO.
+#[test]
+fn rank_main() {
+    let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
+        return; // the parent test process: nothing to do here
+    };
+    rank_runtime().block_on(async {
+        let f = Fabric::from_env().await.expect("fabric from launcher env");
+        match scenario.as_str() {
+            "putget" => putget(f).await,
+            "kill" => kill(f).await,
+            "parking" => parking(f).await,
+            other => panic!("unknown scenario {other}"),
+        }
+    });
+}
+
+/// Sizes of the puts and gets, and where each lands in the 64 MiB region
+/// (disjoint ranges, below the implicit put's at 60 MiB).
+const SIZES: [(usize, u64); 6] = [
+    (8, 0),
+    (1000, 8),
+    (4096, 4096),
+    (65_537, 1 << 20),
+    (4 << 20, 8 << 20),
+    (40 << 20, 16 << 20),
+];
+const REGION: usize = 64 << 20;
+
+async fn exchange_keys(f: &Fabric, mine: &RemoteKey) -> RemoteKey {
+    let peer = 1 - f.rank();
+    f.endpoint(peer)
+        .unwrap()
+        .send(7, mine.to_bytes())
+        .await
+        .unwrap();
+    let m = f.receiver(7).unwrap().recv().await.unwrap();
+    RemoteKey::from_bytes(&m.data).unwrap()
+}
+
+async fn putget(f: Fabric) {
+    let me = f.rank();
+    let peer = 1 - me;
+    assert_eq!(f.transport_for(peer), Some("sm"));
+    assert_eq!(
+        f.rma_transport_for(peer, MemoryKind::Device(0)),
+        Some("smcuda")
+    );
+    let region = f.alloc_device_region(0, REGION).unwrap();
+    assert_eq!(region.memory(), MemoryKind::Device(0));
+    assert_eq!(region.len(), REGION);
+    assert!(!region.is_shared(), "the CPU of a peer cannot map it");
+    let theirs = exchange_keys(&f, &region.remote_key()).await;
+    let ep = f.endpoint(peer).unwrap();
+    if me == 0 {
+        // Puts of every size from a device region of ours.
+        let src = f.alloc_device_region(0, REGION).unwrap();
+        for (i, &(n, at)) in SIZES.iter().enumerate() {
+            src.write(0, &pattern(n, i as u64)).unwrap();
+            ep.put(&src, 0..n, &theirs, at).await.unwrap();
+        }
+        // Implicit puts complete by the flush.
+        src.write(0, &pattern(3000, 99)).unwrap();
+        ep.put_nbi(&src, 0..3000, &theirs, 60 << 20).unwrap();
+        ep.flush().await.unwrap();
+        // Out of the key's range: refused before anything is queued.
+        let e = ep
+            .put(&src, 0..16, &theirs, REGION as u64 - 8)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        // Host memory on one side: a clear error, nothing copied.
+        let host = f.register(vec![0u8; 64]);
+        let e = ep.put(&host, 0..64, &theirs, 0).await.unwrap_err();
+        assert!(e.to_string().contains("host memory"), "{e}");
+        let e = ep.fetch_add(&theirs, 0, 1).await.unwrap_err();
+        assert!(e.to_string().contains("atomics on device memory"), "{e}");
+        ep.send(8, &b"put"[..]).await.unwrap();
+        // Gets of what rank 1 wrote into its own region.
+        f.receiver(9).unwrap().recv().await.unwrap();
+        let dst = f.alloc_device_region(0, REGION).unwrap();
+        for (i, &(n, at)) in SIZES.iter().enumerate() {
+            ep.get(&dst, 0..n, &theirs, at).await.unwrap();
+            let mut got = vec![0u8; n];
+            dst.read(0, &mut got).unwrap();
+            assert!(got == pattern(n, 50 + i as u64)[..], "get of {n} bytes");
+        }
+        println!("direct_puts={}", f.stats().direct_puts);
+    } else {
+        f.receiver(8).unwrap().recv().await.unwrap();
+        for (i, &(n, at)) in SIZES.iter().enumerate().rev() {
+            let mut got = vec![0u8; n];
+            region.read(at as usize, &mut got).unwrap();
+            assert!(got == pattern(n, i as u64)[..], "put of {n} bytes at {at}");
+        }
+        let mut got = vec![0u8; 3000];
+        region.read(60 << 20, &mut got).unwrap();
+        assert!(got == pattern(3000, 99)[..], "implicit put");
+        for (i, &(n, at)) in SIZES.iter().enumerate() {
+            region
+                .write(at as usize, &pattern(n, 50 + i as u64))
+                .unwrap();
+        }
+        ep.send(9, &b"written"[..]).await.unwrap();
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+async fn kill(f: Fabric) {
+    let region = f.alloc_device_region(0, 16 << 20).unwrap();
+    let theirs = exchange_keys(&f, &region.remote_key()).await;
+    if f.rank() == 1 {
+        println!("ready");
+        // Killed by the test while rank 0's copies are queued.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        return;
+    }
+    let ep = f.endpoint(1).unwrap();
+    let src = f.alloc_device_region(0, 16 << 20).unwrap();
+    // Each copy takes the double's copy delay: the kill lands among them.
+    let start = std::time::Instant::now();
+    let mut failed = None;
+    for _ in 0..200 {
+        if let Err(e) = ep.put(&src, 0..(16 << 20), &theirs, 0).await {
+            failed = Some(e);
+            break;
+        }
+    }
+    let e = failed.expect("a put failed once the peer was killed");
+    assert!(matches!(e, Error::PeerLost { rank: 1, .. }), "{e}");
+    println!("failed_after_ms={}", start.elapsed().as_millis());
+}
+
+/// Ping-pong of puts in Interrupt mode: each rank puts into the other's
+/// device region and then says so; every put's completion waits on the
+/// GPU's host function ringing the parked progress task.
+async fn parking(f: Fabric) {
+    let me = f.rank();
+    let peer = 1 - me;
+    let region = f.alloc_device_region(0, 1 << 20).unwrap();
+    let src = f.alloc_device_region(0, 1 << 20).unwrap();
+    let theirs = exchange_keys(&f, &region.remote_key()).await;
+    let ep = f.endpoint(peer).unwrap();
+    let mut rx = f.receiver(5).unwrap();
+    let len = |i: u64| [8usize, 4096, 300_000][(i % 3) as usize];
+    for i in 0..300u64 {
+        if (i % 2) as u32 != me {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data.len(), 8);
+            let mut got = vec![0u8; len(i)];
+            region.read(0, &mut got).unwrap();
+            assert!(got == pattern(len(i), i)[..], "round {i}");
+            continue;
+        }
+        src.write(0, &pattern(len(i), i)).unwrap();
+        ep.put(&src, 0..len(i), &theirs, 0).await.unwrap();
+        ep.send(5, i.to_le_bytes().to_vec()).await.unwrap();
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// No wake-up is lost when every wait parks: the heartbeat (the only
+/// other thing that ends a parked wait) is longer than the watchdog, so
+/// one put whose completion nobody announced fails the test.
+#[test]
+fn parked_put_ping_pong_loses_no_wake_up() {
+    let outs = spawn_job(
+        2,
+        "parking",
+        &[
+            ("BTL_SMCUDA_GPU", "test-double"),
+            ("BTL_SMCUDA_DOUBLE_FAULTS", "copy-delay-ms:1"),
+            ("BTL_PROGRESS", "interrupt"),
+            ("BTL_HEARTBEAT_MS", "120000"),
+        ],
+    )
+    .wait(Duration::from_secs(60));
+    assert_ok(&outs);
+}
+
+#[test]
+fn device_regions_put_and_get_between_processes_through_the_double() {
+    let outs = job(2, "putget", "copy-delay-ms:1").wait(Duration::from_secs(90));
+    assert_ok(&outs);
+    let puts: u64 = value(&outs[0], "direct_puts").unwrap().parse().unwrap();
+    assert_eq!(
+        puts,
+        SIZES.len() as u64 + 1,
+        "every put and the implicit one, by the GPU"
+    );
+}
+
+#[test]
+fn legacy_handles_carry_the_same_traffic() {
+    // No VMM: allocations are legacy, and their handles travel in the key.
+    let outs = job(2, "putget", "no-vmm").wait(Duration::from_secs(90));
+    assert_ok(&outs);
+}
+
+#[test]
+fn a_peer_killed_mid_copy_fails_the_pending_put() {
+    let job = job(2, "kill", "copy-delay-ms:20");
+    let rank1 = job.children[1].id();
+    // Let the copies start, then kill rank 1.
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &rank1.to_string()])
+        .status();
+    let outs = job.wait(Duration::from_secs(60));
+    assert!(
+        outs[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&outs[0].stderr)
+    );
+    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
+    assert!(ms < 30_000, "the put failed only after {ms} ms");
+}
+
+#[test]
+fn without_a_gpu_device_regions_say_why() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // The default backend is the CUDA driver: absent here (or not
+        // built in), so no transport has device memory.
+        if std::env::var_os("BTL_SMCUDA_GPU").is_some() {
+            println!("skipped: BTL_SMCUDA_GPU is set for this process");
+            return;
+        }
+        let f = Fabric::single().await.unwrap();
+        match f.alloc_device_region(0, 4096) {
+            Err(e) => assert!(e.to_string().contains("smcuda"), "{e}"),
+            Ok(r) => {
+                println!("a GPU is here: {:?}", r.memory());
+            }
+        }
+        f.close().await.unwrap();
+    });
+}
