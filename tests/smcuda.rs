@@ -30,6 +30,11 @@ fn rank_main() {
     let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
         return; // the parent test process: nothing to do here
     };
+    // Warnings to stderr, where a test reads why IPC was refused.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter("async_btl=warn")
+        .try_init();
     rank_runtime().block_on(async {
         let f = Fabric::from_env().await.expect("fabric from launcher env");
         match scenario.as_str() {
@@ -95,10 +100,10 @@ async fn putget(f: Fabric) {
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Access(_)), "{e}");
-        // Host memory on one side: a clear error, nothing copied.
-        let host = f.register(vec![0u8; 64]);
-        let e = ep.put(&host, 0..64, &theirs, 0).await.unwrap_err();
-        assert!(e.to_string().contains("host memory"), "{e}");
+        // Host memory on our side: the host-staged path, into the peer's
+        // device memory by the peer.
+        let host = f.register(pattern(5000, 77).to_vec());
+        ep.put(&host, 0..5000, &theirs, 62 << 20).await.unwrap();
         let e = ep.fetch_add(&theirs, 0, 1).await.unwrap_err();
         assert!(e.to_string().contains("atomics on device memory"), "{e}");
         ep.send(8, &b"put"[..]).await.unwrap();
@@ -111,7 +116,13 @@ async fn putget(f: Fabric) {
             dst.read(0, &mut got).unwrap();
             assert!(got == pattern(n, 50 + i as u64)[..], "get of {n} bytes");
         }
-        println!("direct_puts={}", f.stats().direct_puts);
+        // And back out of it into host memory.
+        let back = f.register(vec![0u8; 5000]);
+        ep.get(&back, 0..5000, &theirs, 62 << 20).await.unwrap();
+        assert!(back.to_vec() == pattern(5000, 77)[..], "staged get");
+        let s = f.stats();
+        println!("direct_puts={}", s.direct_puts);
+        println!("staged={}", s.staged_device_ops);
     } else {
         f.receiver(8).unwrap().recv().await.unwrap();
         for (i, &(n, at)) in SIZES.iter().enumerate().rev() {
@@ -210,12 +221,26 @@ fn parked_put_ping_pong_loses_no_wake_up() {
 fn device_regions_put_and_get_between_processes_through_the_double() {
     let outs = job(2, "putget", "copy-delay-ms:1").wait(Duration::from_secs(90));
     assert_ok(&outs);
-    let puts: u64 = value(&outs[0], "direct_puts").unwrap().parse().unwrap();
-    assert_eq!(
-        puts,
-        SIZES.len() as u64 + 1,
-        "every put and the implicit one, by the GPU"
-    );
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    // Every put and the implicit one by the GPU; the put from and the get
+    // into host memory through the host.
+    assert_eq!(n("direct_puts"), SIZES.len() as u64 + 1);
+    assert_eq!(n("staged"), 2);
+}
+
+#[test]
+fn refused_ipc_stages_every_operation_through_the_host() {
+    // MIG instances: the pair refuses IPC at connect, and the same traffic
+    // goes through the host, each side's device memory copied by its
+    // own process.
+    let outs = job(2, "putget", "mig").wait(Duration::from_secs(90));
+    assert_ok(&outs);
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    assert_eq!(n("direct_puts"), 0);
+    // Every put and get, the implicit put, the two with host memory.
+    assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 3);
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(log.contains("MIG"), "the reason is logged: {log}");
 }
 
 #[test]

@@ -12,7 +12,7 @@ use crate::core::completion::Completion;
 use crate::core::dispatch::OP_UNSEEN;
 use crate::core::fabric::Core;
 use crate::core::region::{MemoryRegion, RemoteKey};
-use crate::core::stats::Hot;
+use crate::core::stats::{Counters, Hot};
 use crate::sys::mem::AtomicOp;
 use crate::transport::{Kind, Link, Local, Native, OneSided};
 use crate::{AccessError, Error, Rank, Result, Tag};
@@ -299,9 +299,13 @@ impl Endpoint {
         Ok(done)
     }
 
-    /// A put or get with device memory on either side: only a transport
-    /// that carries device memory may take it (the CPU never touches such
-    /// memory, so nothing is emulated).
+    /// A put or get with device memory on either side: one GPU copy by
+    /// the transport that carries device memory to the peer, where one
+    /// does and takes it; else the host-staged path: the operation is
+    /// emulated over the messages, and each side's device memory is copied
+    /// through the device by its own process (a put's source out before
+    /// the request leaves, a get's answer in when it lands, the target's
+    /// memory by the target).
     #[allow(clippy::too_many_arguments)]
     fn start_device_rma(
         &self,
@@ -313,16 +317,13 @@ impl Endpoint {
         put: bool,
         implicit: bool,
     ) -> Result<Option<Arc<Completion>>> {
-        let Some(gpu) = &self.0.gpu else {
-            return Err(Error::Misuse(format!(
-                "no transport carries device memory to rank {} (smcuda needs a GPU and a peer on this node)",
-                self.0.peer
-            )));
-        };
         if self.0.core.is_closed() {
             return Err(Error::Closed);
         }
         self.check_not_lost()?;
+        let Some(gpu) = &self.0.gpu else {
+            return self.staged_rma(local, start, len, key, offset, put, implicit);
+        };
         let at = Local {
             region: &local.inner,
             offset: start as u64,
@@ -361,11 +362,44 @@ impl Endpoint {
                 self.0.core.rma.track(self.0.peer, done.clone(), implicit);
                 Ok((!implicit).then_some(done))
             }
-            Native::Emulate => Err(Error::Misuse(format!(
-                "{} cannot carry this operation on device memory",
-                gpu.transport()
-            ))),
+            Native::Emulate => self.staged_rma(local, start, len, key, offset, put, implicit),
         }
+    }
+
+    /// The host-staged path of [`start_device_rma`](Self::start_device_rma).
+    #[allow(clippy::too_many_arguments)]
+    fn staged_rma(
+        &self,
+        local: &MemoryRegion,
+        start: usize,
+        len: usize,
+        key: &RemoteKey,
+        offset: u64,
+        put: bool,
+        implicit: bool,
+    ) -> Result<Option<Arc<Completion>>> {
+        let (link, rma, c) = (&*self.0.link, &self.0.core.rma, &self.0.core.counters);
+        let done = (!implicit).then(Completion::new);
+        if put {
+            c.add(Hot::EmulatedPuts);
+            Counters::bump(&c.staged_device_ops);
+            // The source, staged in host memory: the request copies it out
+            // before this returns.
+            let mut staged = Vec::with_capacity(len);
+            local.inner.read_to(start as u64, len, &mut staged)?;
+            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
+            let src = (heap.raw(), 0, len);
+            match &done {
+                Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
+                None => rma.put_implicit(link, &key.id, offset, src)?,
+            }
+        } else {
+            c.add(Hot::EmulatedGets);
+            Counters::bump(&c.staged_device_ops);
+            let dst = (local.inner.clone(), start as u64, len);
+            rma.start_get(link, &key.id, offset, dst, done.clone())?;
+        }
+        Ok(done)
     }
 
     fn rma(

@@ -297,6 +297,61 @@ impl RegionInner {
         self.raw
     }
 
+    /// Its length (device memory's, or the host range's).
+    pub(crate) fn len(&self) -> usize {
+        match &self.device {
+            Some(d) => d.len(),
+            None => self.raw.len(),
+        }
+    }
+
+    /// `off..off+len` inside the region.
+    fn check_range(&self, off: u64, len: usize) -> Result<(), AccessError> {
+        match off.checked_add(len as u64) {
+            Some(end) if end <= self.len() as u64 => Ok(()),
+            _ => Err(AccessError::OutOfBounds {
+                offset: off,
+                end: off.saturating_add(len as u64),
+                len: self.len() as u64,
+            }),
+        }
+    }
+
+    /// Write `src` at `off`: device memory through the device (the
+    /// host-staged path of an operation no transport carries on the
+    /// device), host memory by one copy.
+    pub(crate) fn write_at(&self, off: u64, src: &[u8]) -> Result<(), AccessError> {
+        match &self.device {
+            Some(d) => {
+                self.check_range(off, src.len())?;
+                d.write(off, src).map_err(AccessError::NotPermitted)
+            }
+            None => self.raw.write(off, src),
+        }
+    }
+
+    /// Append `len` bytes at `off` to `dst` (device memory through the
+    /// device).
+    pub(crate) fn read_to(
+        &self,
+        off: u64,
+        len: usize,
+        dst: &mut Vec<u8>,
+    ) -> Result<(), AccessError> {
+        match &self.device {
+            Some(d) => {
+                self.check_range(off, len)?;
+                let at = dst.len();
+                dst.resize(at + len, 0);
+                d.read(off, &mut dst[at..]).map_err(|e| {
+                    dst.truncate(at);
+                    AccessError::NotPermitted(e)
+                })
+            }
+            None => self.raw.read_into(off, len, dst),
+        }
+    }
+
     /// `transport`'s hardware registration of this region, if it made one.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn nic(&self, transport: &str) -> Option<&(dyn Any + Send + Sync)> {

@@ -757,7 +757,7 @@ impl Rma {
                 };
                 let r = self
                     .target(&key, off, payload.len())
-                    .and_then(|reg| reg.raw().write(off, payload));
+                    .and_then(|reg| reg.write_at(off, payload));
                 self.put_done(link, src, id, r);
             }
             Kind::PutPart => {
@@ -799,7 +799,7 @@ impl Rma {
                         // faulted its pages in every time.
                         let mut b = self.buffers.take(1 + len);
                         b.push(0);
-                        match reg.raw().read_into(off, len, &mut b) {
+                        match reg.read_to(off, len, &mut b) {
                             Ok(()) => self.buffers.freeze(b),
                             Err(e) => encode_status(&Err(e), 0).freeze(),
                         }
@@ -814,10 +814,16 @@ impl Rma {
                 else {
                     return self.malformed_put(src, id, "malformed atomic request");
                 };
-                let r = self
-                    .target(&key, off, 8)
-                    .and_then(|reg| reg.raw().atomic(off, op));
-                if matches!(r, Err(AccessError::Misaligned { .. })) {
+                let r = self.target(&key, off, 8).and_then(|reg| match reg.device {
+                    Some(_) => Err(AccessError::NotPermitted(
+                        "atomics on device memory are not supported".into(),
+                    )),
+                    None => reg.raw().atomic(off, op),
+                });
+                if matches!(
+                    r,
+                    Err(AccessError::Misaligned { .. } | AccessError::NotPermitted(_))
+                ) {
                     Counters::bump(&self.counters.access_refused);
                 }
                 if id == 0 {
@@ -886,7 +892,7 @@ impl Rma {
                 len: 0,
             })
             .and_then(|len| self.check_target(&key, start, len))
-            .and_then(|reg| reg.raw().write(start + at, payload));
+            .and_then(|reg| reg.write_at(start + at, payload));
         Some((r, at == 0, end == len))
     }
 
@@ -916,7 +922,7 @@ impl Rma {
             .get(key)
             .ok_or(AccessError::UnknownKey)
             .and_then(|reg| {
-                let n = reg.raw().len() as u64;
+                let n = reg.len() as u64;
                 match off.checked_add(len as u64) {
                     Some(end) if end <= n => Ok(reg),
                     _ => Err(AccessError::OutOfBounds {
@@ -1003,7 +1009,7 @@ impl Rma {
                     dst, offset, len, ..
                 },
                 Kind::GetResp,
-            ) if payload.len() == len => dst.raw().write(offset, payload).map_err(Error::from),
+            ) if payload.len() == len => dst.write_at(offset, payload).map_err(Error::from),
             _ => Err(Error::PeerMisbehaved {
                 rank: src,
                 what: "RMA answer does not match the request".into(),

@@ -11,6 +11,8 @@ use crate::sys::sync::lock;
 pub(crate) struct Counters {
     pub(crate) bad_frames: AtomicU64,
     pub(crate) access_refused: AtomicU64,
+    /// Puts and gets with device memory taken by the host-staged path.
+    pub(crate) staged_device_ops: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
     /// Set once the address exchange is done.
     pub(crate) rendezvous_refused: AtomicU64,
@@ -150,6 +152,7 @@ impl Counters {
         Stats {
             bad_frames: g(&self.bad_frames),
             access_refused: g(&self.access_refused),
+            staged_device_ops: g(&self.staged_device_ops),
             peers_lost: g(&self.peers_lost),
             rendezvous_refused: g(&self.rendezvous_refused),
             sends: self.hot.get(Hot::Sends),
@@ -200,6 +203,11 @@ pub struct Stats {
     pub emulated_puts: u64,
     /// get operations emulated on messages.
     pub emulated_gets: u64,
+    /// puts and gets with device memory on a side that went by the
+    /// host-staged path (also counted as emulated): no transport carries
+    /// device memory to that peer, or CUDA IPC with it was refused (the
+    /// reason is logged once per peer).
+    pub staged_device_ops: u64,
     /// Remote atomics the transport carried natively (a hardware atomic on
     /// a peer's region mapped here).
     pub native_atomics: u64,

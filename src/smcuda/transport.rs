@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cache::Cache;
 use super::gpu::{AllocKind, DeviceAlloc, Event, Gpu, GpuError, Mapping, Stream};
+use super::handshake::{decide, Caps, Msg, Verdict};
 use super::key::{self, Exported, Handle};
 use crate::core::completion::Completion;
 use crate::core::fabric::Core;
@@ -52,6 +53,8 @@ pub(crate) struct SmcudaAddr {
     pub(crate) netns: String,
     pub(crate) pid: u32,
     pub(crate) rank: Rank,
+    /// Its side of the handshake (`handshake::Msg::Req`'s wire form).
+    pub(crate) caps: Vec<u8>,
 }
 
 /// Device memory of ours behind a region.
@@ -121,6 +124,8 @@ pub(crate) struct SmcudaTransport {
     armed: AtomicBool,
     bell: Arc<tokio::sync::Notify>,
     watches: Mutex<HashMap<Rank, ProcWatch>>,
+    /// Peers whose device memory goes through the host, and why.
+    staged: Mutex<HashMap<Rank, String>>,
 }
 
 impl SmcudaTransport {
@@ -142,6 +147,7 @@ impl SmcudaTransport {
             armed: AtomicBool::new(false),
             bell: Arc::new(tokio::sync::Notify::new()),
             watches: Mutex::new(HashMap::new()),
+            staged: Mutex::new(HashMap::new()),
         })
     }
 
@@ -189,25 +195,26 @@ impl SmcudaTransport {
                 ))
             }
         };
+        // A copy between device regions only; host memory on a side, or
+        // a peer IPC is refused with, takes the host-staged path.
+        if lock(&self.staged).contains_key(&peer) {
+            return Ok(Native::Emulate);
+        }
         let Some(mine) = local
             .region
             .device
             .as_ref()
             .and_then(|d| d.as_any().downcast_ref::<DeviceMem>())
         else {
-            return Err(Error::Misuse(
-                "smcuda copies between device regions: the local region is host memory (stage it through a device region)".into(),
-            ));
+            return Ok(Native::Emulate);
         };
         let alloc = mine
             .alloc
             .as_ref()
             .ok_or_else(|| Error::Misuse("the local device region was freed".into()))?;
-        let kh = key.handle("smcuda").ok_or_else(|| {
-            Error::Misuse(
-                "the remote region is host memory: smcuda copies between device regions".into(),
-            )
-        })?;
+        let Some(kh) = key.handle("smcuda") else {
+            return Ok(Native::Emulate);
+        };
         let h = match (kh.version == HANDLE_VERSION).then(|| Handle::decode(&kh.data)) {
             Some(Ok(h)) => h,
             _ => {
@@ -230,15 +237,25 @@ impl SmcudaTransport {
             return Ok(Native::Done(0));
         }
         let device = alloc.device;
-        let mapping = key::open(
+        let opened = key::open(
             &self.gpu,
             &mut lock(&self.cache),
             peer,
             &h,
             self.core.job_tag(),
             device,
-        )
-        .map_err(|e| Self::gpu_error("opening the peer's device memory", e))?;
+        );
+        let mapping = match opened {
+            Ok(m) => m,
+            Err(GpuError::Refused(why)) => {
+                self.stage(
+                    peer,
+                    format!("opening its device memory was refused: {why}"),
+                );
+                return Ok(Native::Emulate);
+            }
+            Err(e) => return Err(Self::gpu_error("opening the peer's device memory", e)),
+        };
         let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + local.offset);
         let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
         let stream = self.stream(device)?;
@@ -264,6 +281,42 @@ impl SmcudaTransport {
             self.ring_when_done(stream);
         }
         Ok(Native::Posted(done))
+    }
+
+    /// From now on, operations with `peer` take the host-staged path.
+    fn stage(&self, peer: Rank, why: String) {
+        tracing::warn!(
+            "smcuda: no CUDA IPC with rank {peer}, device memory goes through the host: {why}"
+        );
+        lock(&self.staged).insert(peer, why);
+    }
+
+    /// What this rank says of its GPU side in the handshake.
+    fn caps(&self) -> Caps {
+        let devs = self.gpu.devices();
+        let first = devs.first();
+        Caps {
+            ready: first.is_some(),
+            device: first.map_or([0; 16], |d| d.uuid),
+            vmm: !devs.is_empty() && devs.iter().all(|d| d.vmm),
+            legacy: true,
+            mig: devs.iter().any(|d| d.mig),
+            pidns: crate::sys::os::pid_namespace()
+                .chars()
+                .filter(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Whether our first device reaches the device with UUID `uuid`.
+    fn reaches_device(&self, uuid: &[u8; 16]) -> bool {
+        let devs = self.gpu.devices();
+        match devs.iter().find(|d| &d.uuid == uuid) {
+            Some(d) => self.gpu.can_access_peer(0, d.ordinal),
+            None => false,
+        }
     }
 
     /// Have `stream` ring our bell when it gets to the work queued now.
@@ -331,6 +384,7 @@ impl Transport for SmcudaTransport {
             netns: crate::sys::os::net_namespace(),
             pid: crate::sys::os::pid(),
             rank: self.core.rank(),
+            caps: Msg::Req(self.caps()).encode(),
         })
         .map_err(|e| Error::Bootstrap(format!("encoding the smcuda address: {e}")))
     }
@@ -348,6 +402,23 @@ impl Transport for SmcudaTransport {
         for p in peers {
             let a = decode_addr(p)?;
             lock(&self.watches).insert(p.rank, ProcWatch::new(a.pid));
+            // Both ranks decide alike from both sides' capabilities, so
+            // that a pair either uses IPC or stages through the host.
+            match Msg::decode(&a.caps) {
+                Ok(Msg::Req(theirs)) => {
+                    if let Verdict::Refuse(why) =
+                        decide(&self.caps(), &theirs, |u| self.reaches_device(u))
+                    {
+                        self.stage(p.rank, why);
+                    }
+                }
+                _ => {
+                    return Err(Error::Bootstrap(format!(
+                        "rank {} published unreadable smcuda capabilities",
+                        p.rank
+                    )))
+                }
+            }
             links.push((
                 p.rank,
                 Arc::new(SmcudaLink {
