@@ -69,6 +69,14 @@ async fn exchange_keys(f: &Fabric, mine: &RemoteKey) -> RemoteKey {
     RemoteKey::from_bytes(&m.data).unwrap()
 }
 
+/// A key's 16-byte id, as its encoding carries it (after the owner).
+fn real_id(k: &RemoteKey) -> [u8; 16] {
+    let b = k.to_bytes();
+    // postcard: the owner as a varint, then the 16 id bytes.
+    let skip = b.iter().position(|x| x & 0x80 == 0).unwrap() + 1;
+    b[skip..skip + 16].try_into().unwrap()
+}
+
 async fn putget(f: Fabric) {
     let me = f.rank();
     let peer = 1 - me;
@@ -100,6 +108,35 @@ async fn putget(f: Fabric) {
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Access(_)), "{e}");
+        // A forged key (its id, which also names the memory at the
+        // owner's share server, replaced): refused, nothing written.
+        let mut forged = theirs.to_bytes();
+        let fake = [0x5au8; 16];
+        let mut hits = 0;
+        for i in 0..forged.len().saturating_sub(15) {
+            if forged[i..i + 16] == real_id(&theirs)[..] {
+                forged[i..i + 16].copy_from_slice(&fake);
+                hits += 1;
+            }
+        }
+        // A VMM key names its memory by that id at the owner's server,
+        // which refuses the forged one; a legacy handle is itself the
+        // capability (the driver opens it for whoever holds it), so
+        // there only the key's own id changed.
+        let legacy = std::env::var("BTL_SMCUDA_DOUBLE_FAULTS").is_ok_and(|f| f.contains("no-vmm"));
+        assert_eq!(
+            hits,
+            if legacy { 1 } else { 2 },
+            "the key's id, and the handle's"
+        );
+        if !legacy {
+            let forged = RemoteKey::from_bytes(&forged).unwrap();
+            let e = ep.put(&src, 0..64, &forged, 0).await.unwrap_err();
+            assert!(matches!(e, Error::Access(_)), "{e}");
+            let e = ep.get(&src, 0..64, &forged, 0).await.unwrap_err();
+            assert!(matches!(e, Error::Access(_)), "{e}");
+            println!("forged_refused=1");
+        }
         // Host memory on our side: the host-staged path, into the peer's
         // device memory by the peer.
         let host = f.register(pattern(5000, 77).to_vec());
@@ -226,6 +263,7 @@ fn device_regions_put_and_get_between_processes_through_the_double() {
     // into host memory through the host.
     assert_eq!(n("direct_puts"), SIZES.len() as u64 + 1);
     assert_eq!(n("staged"), 2);
+    assert_eq!(n("forged_refused"), 1);
 }
 
 #[test]
@@ -237,8 +275,9 @@ fn refused_ipc_stages_every_operation_through_the_host() {
     assert_ok(&outs);
     let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
     assert_eq!(n("direct_puts"), 0);
-    // Every put and get, the implicit put, the two with host memory.
-    assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 3);
+    // Every put and get, the implicit put, the two with host memory, the
+    // two with the forged key (refused by the target).
+    assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 5);
     let log = String::from_utf8_lossy(&outs[0].stderr);
     assert!(log.contains("MIG"), "the reason is logged: {log}");
 }

@@ -4,7 +4,10 @@
 //! mapping is kept after its operation, keyed by the owner's rank and the
 //! allocation's base. A hit needs the same length *and* the same buffer
 //! id: a buffer freed and allocated again at the same address has a new
-//! id, so it never reaches the old mapping. Entries are shared (`Arc`):
+//! id, so it never reaches the old mapping; and the same handle identity
+//! (the VMM id the owner serves it under, or a digest of the legacy
+//! handle), so a key forged from a real one by changing its id is not
+//! served from a mapping the real key opened. Entries are shared (`Arc`):
 //! an operation holds its mapping until its copy is done, and the bound
 //! on the number of entries evicts the least recently used entry that no
 //! operation holds, never one in use (an evicted entry in use is unmapped
@@ -41,6 +44,7 @@ pub(crate) struct CacheCounts {
 struct Slot<M> {
     len: u64,
     buffer_id: u64,
+    handle: [u8; 16],
     map: Arc<M>,
     used: u64,
 }
@@ -65,18 +69,22 @@ impl<M> Cache<M> {
     }
 
     /// The mapping of `owner`'s allocation at `base` (`len` bytes, buffer
-    /// `buffer_id`): from the cache, or made by `open`.
+    /// `buffer_id`, reached through the handle that `handle` names): from
+    /// the cache, or made by `open`. A key with another handle for the
+    /// same memory (a forged one, or a region the owner dropped and
+    /// offered again) does not hit: it is opened, and the owner decides.
     pub(crate) fn get_or_open(
         &mut self,
         owner: Rank,
         base: u64,
         len: u64,
         buffer_id: u64,
+        handle: [u8; 16],
         mut open: impl FnMut() -> Result<M, GpuError>,
     ) -> Result<Arc<M>, GpuError> {
         self.tick += 1;
         if let Some(s) = self.entries.get_mut(&(owner, base)) {
-            if s.len == len && s.buffer_id == buffer_id {
+            if s.len == len && s.buffer_id == buffer_id && s.handle == handle {
                 s.used = self.tick;
                 self.counts.hits += 1;
                 return Ok(s.map.clone());
@@ -108,6 +116,7 @@ impl<M> Cache<M> {
             Slot {
                 len,
                 buffer_id,
+                handle,
                 map: map.clone(),
                 used: self.tick,
             },
@@ -176,14 +185,14 @@ mod tests {
         let unmaps = Arc::new(AtomicUsize::new(0));
         let mut c = Cache::new(8);
         let a = c
-            .get_or_open(1, 0x1000, 4096, 7, opener(&unmaps, 1))
+            .get_or_open(1, 0x1000, 4096, 7, [0; 16], opener(&unmaps, 1))
             .unwrap();
         let b = c
-            .get_or_open(1, 0x1000, 4096, 7, opener(&unmaps, 2))
+            .get_or_open(1, 0x1000, 4096, 7, [0; 16], opener(&unmaps, 2))
             .unwrap();
         assert_eq!((a.1, b.1), (1, 1), "the second lookup hits");
         assert!(
-            c.get_or_open(2, 0x1000, 4096, 7, opener(&unmaps, 3))
+            c.get_or_open(2, 0x1000, 4096, 7, [0; 16], opener(&unmaps, 3))
                 .unwrap()
                 .1
                 == 3
@@ -191,7 +200,7 @@ mod tests {
         drop((a, b));
         // Freed and allocated again at the same address: a new buffer id.
         let fresh = c
-            .get_or_open(1, 0x1000, 4096, 8, opener(&unmaps, 4))
+            .get_or_open(1, 0x1000, 4096, 8, [0; 16], opener(&unmaps, 4))
             .unwrap();
         assert_eq!(fresh.1, 4);
         assert_eq!(
@@ -199,12 +208,19 @@ mod tests {
             1,
             "the stale mapping is gone"
         );
+        // The same memory through another handle (a forged key, or one
+        // offered again): opened anew.
+        let other = c
+            .get_or_open(1, 0x1000, 4096, 8, [9; 16], opener(&unmaps, 6))
+            .unwrap();
+        assert_eq!(other.1, 6);
+        drop(other);
         let longer = c
-            .get_or_open(1, 0x1000, 8192, 8, opener(&unmaps, 5))
+            .get_or_open(1, 0x1000, 8192, 8, [0; 16], opener(&unmaps, 5))
             .unwrap();
         assert_eq!(longer.1, 5);
         let k = c.counts();
-        assert_eq!((k.hits, k.opens, k.stale), (1, 4, 2));
+        assert_eq!((k.hits, k.opens, k.stale), (1, 5, 3));
     }
 
     #[test]
@@ -212,15 +228,15 @@ mod tests {
         let unmaps = Arc::new(AtomicUsize::new(0));
         let mut c = Cache::new(8);
         drop(
-            c.get_or_open(1, 0x1000, 0x2000, 1, opener(&unmaps, 1))
+            c.get_or_open(1, 0x1000, 0x2000, 1, [0; 16], opener(&unmaps, 1))
                 .unwrap(),
         );
         drop(
-            c.get_or_open(1, 0x9000, 0x1000, 2, opener(&unmaps, 2))
+            c.get_or_open(1, 0x9000, 0x1000, 2, [0; 16], opener(&unmaps, 2))
                 .unwrap(),
         );
         drop(
-            c.get_or_open(2, 0x1800, 0x1000, 3, opener(&unmaps, 3))
+            c.get_or_open(2, 0x1800, 0x1000, 3, [0; 16], opener(&unmaps, 3))
                 .unwrap(),
         );
         // The same memory again under another base: the driver refuses
@@ -228,7 +244,7 @@ mod tests {
         let mut refusals = 1;
         let u = unmaps.clone();
         let m = c
-            .get_or_open(1, 0x1800, 0x1000, 4, || {
+            .get_or_open(1, 0x1800, 0x1000, 4, [0; 16], || {
                 if refusals > 0 {
                     refusals -= 1;
                     Err(GpuError::AlreadyMapped)
@@ -245,7 +261,7 @@ mod tests {
         let mut refusals = 2;
         let u = unmaps.clone();
         let n = c
-            .get_or_open(1, 0x20000, 0x1000, 5, || {
+            .get_or_open(1, 0x20000, 0x1000, 5, [0; 16], || {
                 if refusals > 0 {
                     refusals -= 1;
                     Err(GpuError::AlreadyMapped)
@@ -263,8 +279,10 @@ mod tests {
         assert_eq!(c.len(), 3);
         // Refused three times: the error reaches the caller.
         assert_eq!(
-            c.get_or_open(1, 0x40000, 1, 6, || Err::<Map, _>(GpuError::AlreadyMapped))
-                .err(),
+            c.get_or_open(1, 0x40000, 1, 6, [0; 16], || Err::<Map, _>(
+                GpuError::AlreadyMapped
+            ))
+            .err(),
             Some(GpuError::AlreadyMapped)
         );
         assert_eq!(c.counts().remapped, 3);
@@ -276,7 +294,7 @@ mod tests {
         let mut c = Cache::new(2);
         let held: Vec<_> = (0..3)
             .map(|i| {
-                c.get_or_open(1, i * 0x1000, 0x1000, i, opener(&unmaps, i))
+                c.get_or_open(1, i * 0x1000, 0x1000, i, [0; 16], opener(&unmaps, i))
                     .unwrap()
             })
             .collect();
@@ -284,27 +302,32 @@ mod tests {
         assert_eq!(unmaps.load(Ordering::Relaxed), 0);
         drop(held);
         // Touch 0 so that 1 is the least recently used.
-        drop(c.get_or_open(1, 0, 0x1000, 0, opener(&unmaps, 9)).unwrap());
         drop(
-            c.get_or_open(1, 0x10000, 0x1000, 10, opener(&unmaps, 10))
+            c.get_or_open(1, 0, 0x1000, 0, [0; 16], opener(&unmaps, 9))
+                .unwrap(),
+        );
+        drop(
+            c.get_or_open(1, 0x10000, 0x1000, 10, [0; 16], opener(&unmaps, 10))
                 .unwrap(),
         );
         assert_eq!(c.len(), 2);
         assert_eq!(unmaps.load(Ordering::Relaxed), 2);
         assert!(
-            c.get_or_open(1, 0, 0x1000, 0, opener(&unmaps, 11))
+            c.get_or_open(1, 0, 0x1000, 0, [0; 16], opener(&unmaps, 11))
                 .unwrap()
                 .1
                 == 0
         );
         assert!(
-            c.get_or_open(1, 0x10000, 0x1000, 10, opener(&unmaps, 12))
+            c.get_or_open(1, 0x10000, 0x1000, 10, [0; 16], opener(&unmaps, 12))
                 .unwrap()
                 .1
                 == 10
         );
         // A third entry evicts the least recently used one (at 0).
-        let kept = c.get_or_open(3, 0, 1, 1, opener(&unmaps, 13)).unwrap();
+        let kept = c
+            .get_or_open(3, 0, 1, 1, [0; 16], opener(&unmaps, 13))
+            .unwrap();
         assert_eq!(unmaps.load(Ordering::Relaxed), 3);
         // An entry dropped while held is unmapped when let go.
         c.forget(3);

@@ -9,7 +9,10 @@
 //! the peer fetches the descriptor from there (`SCM_RIGHTS`), after
 //! checking that the server is the owner's pid. A legacy IPC handle is
 //! 64 bytes the driver itself checks, so it travels in the key, as in
-//! UCX's `cuda_ipc` keys. Either way the key also says which device
+//! UCX's `cuda_ipc` keys: there the handle is the capability (the driver
+//! opens it for any process of the node that holds it), and a key whose
+//! id was changed still reaches the memory. Prefer VMM memory where the
+//! devices have it (the default), where the owner checks every open. Either way the key also says which device
 //! holds the memory, its base, length and buffer id (the cache's key:
 //! a freed and re-allocated buffer has a new id).
 
@@ -195,7 +198,17 @@ pub(crate) fn open(
     job_tag: [u64; 2],
     device: u32,
 ) -> Result<Arc<Mapping>, GpuError> {
-    cache.get_or_open(owner, h.base, h.len, h.buffer_id, || {
+    // What the cache must see again to hit: the VMM id (which the owner's
+    // server checks), or a digest of the legacy handle.
+    let ident = match &h.route {
+        Route::Vmm { id, .. } => *id,
+        Route::Legacy(bytes) => {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(bytes);
+            d[..16].try_into().expect("16 bytes")
+        }
+    };
+    cache.get_or_open(owner, h.base, h.len, h.buffer_id, ident, || {
         let mem = match h.route {
             Route::Vmm { pid, server, id } => {
                 let req = share::Request {
@@ -203,8 +216,12 @@ pub(crate) fn open(
                     job_tag,
                     id,
                 };
-                let (fd, len) = share::fetch_fd(&server, pid, req)
-                    .map_err(|e| GpuError::Refused(format!("fetching the peer's memory: {e}")))?;
+                let (fd, len) = share::fetch_fd(&server, pid, req).map_err(|e| match e {
+                    // No such memory (a forged or stale key): the key's
+                    // fault, not the pair's.
+                    share::FetchError::Unknown(why) => GpuError::BadPointer(why),
+                    e => GpuError::Refused(format!("fetching the peer's memory: {e}")),
+                })?;
                 if len != h.len {
                     return Err(GpuError::Refused(format!(
                         "the peer serves {len} bytes for an allocation of {}",

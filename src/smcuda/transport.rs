@@ -254,6 +254,10 @@ impl SmcudaTransport {
                 );
                 return Ok(Native::Emulate);
             }
+            Err(GpuError::BadPointer(why)) => {
+                tracing::debug!("smcuda: a key of rank {peer} names no memory it serves: {why}");
+                return Err(Error::Access(AccessError::UnknownKey));
+            }
             Err(e) => return Err(Self::gpu_error("opening the peer's device memory", e)),
         };
         let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + local.offset);
