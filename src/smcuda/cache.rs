@@ -152,6 +152,7 @@ impl<M> Cache<M> {
     }
 
     /// Entries held now.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }

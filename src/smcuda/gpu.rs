@@ -242,6 +242,11 @@ impl Mapping {
     pub(crate) fn ptr(&self) -> u64 {
         self.imported.as_ref().map_or(0, |m| m.ptr)
     }
+
+    /// How many bytes are mapped.
+    pub(crate) fn len(&self) -> u64 {
+        self.imported.as_ref().map_or(0, |m| m.len)
+    }
 }
 
 impl Drop for Mapping {

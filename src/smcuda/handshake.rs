@@ -18,6 +18,12 @@
 //! * a settled rank answers a new request with the same outcome, so a peer
 //!   that asks again (it retried) learns it too.
 //!
+//! The transport takes the decision from the capabilities both ranks
+//! publish in the address exchange (both decide alike, with no round
+//! trip); the request/answer state machine is the lazy form of the same
+//! exchange, for a control channel that carries it, and is tested on its
+//! own (its items are unused outside tests).
+//!
 //! The decision ([`decide`]) prefers VMM handles (file descriptors over a
 //! Unix socket: they cross PID namespaces and containers) and falls back
 //! to legacy handles only inside one PID namespace; MIG instances and
@@ -27,6 +33,7 @@ use crate::Rank;
 
 /// Requests answered `NotReady` before a rank gives up on IPC with that
 /// peer.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) const MAX_TRIES: u32 = 5;
 
 /// The wire version of these messages.
@@ -79,6 +86,7 @@ pub(crate) enum Msg {
 }
 
 /// Where the handshake with one peer stands.
+#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum State {
     /// Nothing asked yet (or asked again after `NotReady`); `tries`
@@ -145,6 +153,7 @@ pub(crate) fn decide(mine: &Caps, theirs: &Caps, reach: impl Fn(&[u8; 16]) -> bo
 }
 
 /// The handshake with one peer.
+#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone)]
 pub(crate) struct Handshake {
     me: Rank,
@@ -152,6 +161,7 @@ pub(crate) struct Handshake {
     state: State,
 }
 
+#[cfg_attr(not(test), allow(dead_code))]
 impl Handshake {
     /// Not started, between `me` and `peer`.
     pub(crate) fn new(me: Rank, peer: Rank) -> Handshake {

@@ -19,7 +19,9 @@
 use std::sync::Arc;
 
 use super::cache::Cache;
-use super::gpu::{AllocKind, DeviceAlloc, Gpu, GpuError, Mapping, MemHandle, PtrInfo};
+#[cfg(test)]
+use super::gpu::AllocKind;
+use super::gpu::{DeviceAlloc, Gpu, GpuError, Mapping, MemHandle, PtrInfo};
 use crate::sm::share;
 use crate::Rank;
 
@@ -237,6 +239,7 @@ pub(crate) fn open(
 }
 
 /// The allocation kind a route needs the importer to support.
+#[cfg(test)]
 pub(crate) fn kind_of(h: &Handle) -> AllocKind {
     match h.route {
         Route::Vmm { .. } => AllocKind::Vmm,

@@ -1,8 +1,11 @@
 //! `smcuda`: GPU memory between processes of one node through CUDA IPC —
 //! the heir of Open MPI's `btl_smcuda` (its host-memory half is `sm`).
 //!
-//! What this version has is the layer the transport stands on, each part
-//! tested on its own:
+//! [`transport`] carries put and get between device regions
+//! (`Fabric::alloc_device_region`) of ranks on one node, one GPU copy
+//! each, completed by the copy's event, and sends what it cannot carry
+//! (refused IPC, host memory on one side) to the host-staged path. It
+//! stands on:
 //! - [`gpu`]: the GPU operations as one trait ([`gpu::Gpu`]): classify a
 //!   pointer, allocate (VMM or legacy) and free, export and import memory
 //!   and event handles, record, query and wait on events, queue copies and
@@ -14,19 +17,16 @@
 //! - [`double`]: a test double of a GPU whose device memory is host memory
 //!   in memory files, so handles cross real processes, with injectable
 //!   faults; chosen only by `BTL_SMCUDA_GPU=test-double`;
-//! - [`handshake`]: the per-peer handshake that decides whether and how
-//!   two ranks use IPC (VMM descriptors, legacy handles, or the staged
-//!   path with the reason);
+//! - [`handshake`]: whether and how two ranks use IPC (VMM descriptors,
+//!   legacy handles, or the staged path with the reason): the decision
+//!   both ranks make from the capabilities each publishes, and the
+//!   request/answer messages of a lazy handshake;
+//! - [`key`]: the handle a device region's key carries, exported by the
+//!   owner and opened by peers;
 //! - [`cache`]: the cache of peers' allocations mapped here, keyed by
-//!   owner, base, length and buffer id, bounded, never evicting a mapping
-//!   an operation holds.
-//!
-//! The transport itself (its registry entry opens nothing yet) will carry
-//! `put`/`get`/`send` of device regions over these.
-
-// The transport's links and progress are the users of these parts; until
-// they exist, the parts are exercised by their tests.
-#![cfg_attr(not(test), allow(dead_code))]
+//!   owner, base, length, buffer id and handle, bounded, never evicting a
+//!   mapping an operation holds;
+//! - [`check`]: the two-process GPU check behind `btl-gpu-check`.
 
 pub(crate) mod cache;
 pub(crate) mod check;

@@ -260,6 +260,14 @@ impl SmcudaTransport {
             }
             Err(e) => return Err(Self::gpu_error("opening the peer's device memory", e)),
         };
+        // What the driver mapped bounds the copy too.
+        if !matches!(offset.checked_add(len), Some(end) if end <= mapping.len()) {
+            return Err(Error::Access(AccessError::OutOfBounds {
+                offset,
+                end: offset.saturating_add(len),
+                len: mapping.len(),
+            }));
+        }
         let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + local.offset);
         let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
         let stream = self.stream(device)?;
