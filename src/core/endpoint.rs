@@ -254,19 +254,7 @@ impl Endpoint {
             raw: lraw,
             len,
         };
-        let op = if put {
-            OneSided::Put {
-                src: at,
-                key,
-                offset,
-            }
-        } else {
-            OneSided::Get {
-                dst: at,
-                key,
-                offset,
-            }
-        };
+        let op = OneSided::put_or_get(put, at, key, offset);
         let (link, rma) = (&*self.0.link, &self.0.core.rma);
         match self.0.rma.post(op)? {
             Native::Done(_) => {
@@ -330,19 +318,7 @@ impl Endpoint {
             raw: crate::sys::mem::RawBuf::empty(),
             len,
         };
-        let op = if put {
-            OneSided::Put {
-                src: at,
-                key,
-                offset,
-            }
-        } else {
-            OneSided::Get {
-                dst: at,
-                key,
-                offset,
-            }
-        };
+        let op = OneSided::put_or_get(put, at, key, offset);
         let c = &self.0.core.counters;
         match gpu.post(op)? {
             Native::Done(_) => {

@@ -204,6 +204,23 @@ pub(crate) enum OneSided<'a> {
 }
 
 impl<'a> OneSided<'a> {
+    /// A put of `at` into `key` at `offset`, or (`put` false) a get of it.
+    pub(crate) fn put_or_get(put: bool, at: Local<'a>, key: &'a RemoteKey, offset: u64) -> Self {
+        if put {
+            OneSided::Put {
+                src: at,
+                key,
+                offset,
+            }
+        } else {
+            OneSided::Get {
+                dst: at,
+                key,
+                offset,
+            }
+        }
+    }
+
     /// The key of the region the operation reaches.
     #[inline]
     pub(crate) fn key(&self) -> &'a RemoteKey {
