@@ -91,7 +91,11 @@ struct Inline {
     /// The tag queue's length word (see `TagQueue::queued`), lent by the
     /// receiver for the registration.
     queued: Arc<AtomicUsize>,
-    items: VecDeque<Result<Message>>,
+    items: VecDeque<Held>,
+    /// The receiver's kept buffer (`Receiver::keep`), lent for the
+    /// registration by `recv_into`: small payloads that would be copied into
+    /// a buffer of their own are appended here instead (see [`Held::Kept`]).
+    keep: Option<Vec<u8>>,
     /// What the items handed over cost (never charged to the budgets).
     bytes: usize,
     /// The receiver's `handed` bytes: given back to the budgets by the
@@ -112,6 +116,10 @@ struct Inline {
 /// lent ([`copy_into`](Payload::copy_into)), whichever the dispatcher
 /// needs. A closure making `Bytes` is one (its copy goes through them).
 pub(crate) trait Payload {
+    /// Whether [`into_bytes`](Payload::into_bytes) copies into a new buffer
+    /// (rather than handing over one that exists): then a copy into a
+    /// buffer the receiver keeps costs less, and is made where there is one.
+    const COPIES: bool = false;
     /// The payload in a buffer of its own.
     fn into_bytes(self) -> Bytes;
     /// The payload appended to `out`.
@@ -141,6 +149,52 @@ impl Inline {
     }
 }
 
+/// What a receiver holds, taken from its tag's queue or handed over inline.
+enum Held {
+    /// A queued item: a message in a buffer of its own, or a lost peer.
+    Item(Result<Message>),
+    /// A message handed over inline whose payload was copied into the
+    /// receiver's kept buffer at `at..at + len` (no allocation per message:
+    /// the buffer is reused from one registration to the next).
+    Kept { src: Rank, at: u32, len: u32 },
+}
+
+impl Held {
+    /// The sender (of a message, or the peer lost), if any.
+    fn src(&self) -> Option<Rank> {
+        match self {
+            Held::Item(Ok(m)) => Some(m.src),
+            Held::Item(Err(Error::PeerLost { rank, .. })) => Some(*rank),
+            Held::Item(Err(_)) => None,
+            Held::Kept { src, .. } => Some(*src),
+        }
+    }
+
+    /// The item, a kept payload copied out of `keep` into a buffer of its own.
+    fn resolve(self, tag: Tag, keep: &[u8]) -> Result<Message> {
+        match self {
+            Held::Item(item) => item,
+            Held::Kept { src, at, len } => Ok(Message {
+                src,
+                tag,
+                data: Bytes::copy_from_slice(kept(keep, at, len)),
+            }),
+        }
+    }
+}
+
+/// The bytes of a [`Held::Kept`] payload in `keep` (empty if out of range,
+/// which no registration produces).
+fn kept(keep: &[u8], at: u32, len: u32) -> &[u8] {
+    let (at, len) = (at as usize, len as usize);
+    keep.get(at..at.saturating_add(len)).unwrap_or(&[])
+}
+
+/// Bytes of small payloads one registration copies into a receiver's kept
+/// buffer at most (past them, messages get buffers of their own): what the
+/// buffer may keep allocated between registrations.
+const KEEP_MAX: usize = 64 * 1024;
+
 /// Polls progress on every transport of a fabric, up to the given number of
 /// turns, until one does work; returns the work done. The fabric owns it;
 /// the dispatcher holds it weakly, and a receiver keeps the one it upgraded
@@ -167,6 +221,10 @@ fn lend(i: &mut Inline, src: Rank, make: impl Payload) {
     }
 }
 
+/// What [`InlineGuard::register`] gives back when it does not register:
+/// the length word, the local queue and the kept buffer it was lent.
+type Back = (Arc<AtomicUsize>, VecDeque<Held>, Option<Vec<u8>>);
+
 /// Takes the inline registration back when dropped, returning what it
 /// still holds to the tag's queue (only on unwinding: a normal poll takes
 /// the items itself).
@@ -188,11 +246,12 @@ impl InlineGuard<'_> {
         disp: &Dispatcher,
         tag: Tag,
         queued: Arc<AtomicUsize>,
-        buf: VecDeque<Result<Message>>,
+        buf: VecDeque<Held>,
         handed: usize,
         lent: Option<std::ptr::NonNull<Vec<u8>>>,
-    ) -> Result<InlineGuard<'_>, (Arc<AtomicUsize>, VecDeque<Result<Message>>)> {
-        let mut buf = Some((queued, buf));
+        keep: Option<Vec<u8>>,
+    ) -> Result<InlineGuard<'_>, Back> {
+        let mut buf = Some((queued, buf, keep));
         let ok = INLINE
             .try_with(|c| {
                 let Ok(mut c) = c.try_borrow_mut() else {
@@ -201,7 +260,7 @@ impl InlineGuard<'_> {
                 if c.is_some() {
                     return false;
                 }
-                let Some((queued, items)) = buf.take() else {
+                let Some((queued, items, keep)) = buf.take() else {
                     return false;
                 };
                 *c = Some(Inline {
@@ -209,6 +268,7 @@ impl InlineGuard<'_> {
                     tag,
                     queued,
                     items,
+                    keep,
                     bytes: 0,
                     handed,
                     lent,
@@ -255,10 +315,13 @@ impl Drop for InlineGuard<'_> {
                 // stack (this drop runs in it), so the buffer is valid.
                 let data = Bytes::copy_from_slice(unsafe { lent.as_ref() });
                 let tag = self.tag;
-                i.items.push_front(Ok(Message { src, tag, data }));
+                i.items
+                    .push_front(Held::Item(Ok(Message { src, tag, data })));
             }
             let n = i.items.len();
-            self.disp.unpop(self.tag, i.handed, i.items, n);
+            let keep = i.keep.unwrap_or_default();
+            let back = i.items.into_iter().map(|h| h.resolve(self.tag, &keep));
+            self.disp.unpop(self.tag, i.handed, back.collect(), n);
         }
     }
 }
@@ -669,9 +732,26 @@ impl Dispatcher {
                 if i.lent.is_some() && i.lent_src.is_none() && i.items.is_empty() {
                     lend(i, src, make.take()?);
                 } else {
-                    let data = make.take()?.into_bytes();
+                    let make = make.take()?;
+                    let item = match &mut i.keep {
+                        Some(k) if P::COPIES && k.len().saturating_add(len) <= KEEP_MAX => {
+                            let at = k.len();
+                            make.copy_into(k);
+                            let len = (k.len() - at) as u32;
+                            Held::Kept {
+                                src,
+                                at: at as u32,
+                                len,
+                            }
+                        }
+                        _ => Held::Item(Ok(Message {
+                            src,
+                            tag,
+                            data: make.into_bytes(),
+                        })),
+                    };
                     i.bytes = i.bytes.saturating_add(cost(len));
-                    i.items.push_back(Ok(Message { src, tag, data }));
+                    i.items.push_back(item);
                 }
                 Some(if locked {
                     std::mem::take(&mut i.handed)
@@ -808,6 +888,7 @@ impl Dispatcher {
             closed,
             queued: Some(q.queued.clone()),
             local: VecDeque::new(),
+            keep: Vec::new(),
             free: 0,
             poller: None,
             handed: 0,
@@ -827,7 +908,7 @@ impl Dispatcher {
         &self,
         tag: Tag,
         handed: &mut usize,
-        out: &mut VecDeque<Result<Message>>,
+        out: &mut VecDeque<Held>,
         cx: Option<&Context<'_>>,
     ) -> Poll<Option<()>> {
         let mut tags = lock(&self.tags);
@@ -845,7 +926,7 @@ impl Dispatcher {
             return Poll::Pending;
         }
         let n = q.items.len().min(POP_BATCH);
-        out.extend(q.items.drain(..n));
+        out.extend(q.items.drain(..n).map(Held::Item));
         q.queued.store(q.items.len(), Ordering::Relaxed);
         Poll::Ready(Some(()))
     }
@@ -983,7 +1064,11 @@ pub struct Receiver {
     queued: Option<Arc<AtomicUsize>>,
     /// Items taken from the tag's queue in one lock, or handed over inline,
     /// handed out one by one.
-    local: VecDeque<Result<Message>>,
+    local: VecDeque<Held>,
+    /// Where small messages handed over inline to `recv_into` keep their
+    /// payloads (see [`Held::Kept`]); emptied at each registration, when
+    /// `local` holds none of them.
+    keep: Vec<u8>,
     /// How many of `local`'s first items were handed over inline and so
     /// were never charged to the budgets.
     free: usize,
@@ -1071,9 +1156,12 @@ impl Receiver {
     /// waiting while traffic is hot, one message at a time, as in a
     /// request loop or a ping-pong), it is copied straight from where the
     /// transport holds it into `buf`: over `sm`'s fast boxes (messages up
-    /// to 1 KiB) no buffer is allocated for it at all. A message that was
-    /// queued meanwhile (several arrived at once, or the progress task
-    /// took it) is copied out of its queued buffer.
+    /// to 1 KiB) no buffer is allocated for it at all. The others that
+    /// progress call finds (several arrived at once) are copied into one
+    /// buffer the receiver keeps and reuses (up to 64 KiB of them), so a
+    /// stream of small messages allocates nothing per message either. A
+    /// message the progress task queued meanwhile is copied out of its
+    /// queued buffer.
     ///
     /// ```no_run
     /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
@@ -1108,12 +1196,17 @@ impl Receiver {
             Poll::Pending => Poll::Pending,
             Poll::Ready(None) => Poll::Ready(Err(Error::Closed)),
             Poll::Ready(Some(Took::Lent(src))) => Poll::Ready(Ok(src)),
-            Poll::Ready(Some(Took::Item(Ok(m)))) => {
+            Poll::Ready(Some(Took::Item(Held::Kept { src, at, len }))) => {
+                buf.clear();
+                buf.extend_from_slice(kept(&self.keep, at, len));
+                Poll::Ready(Ok(src))
+            }
+            Poll::Ready(Some(Took::Item(Held::Item(Ok(m))))) => {
                 buf.clear();
                 buf.extend_from_slice(&m.data);
                 Poll::Ready(Ok(m.src))
             }
-            Poll::Ready(Some(Took::Item(Err(e)))) => Poll::Ready(Err(e)),
+            Poll::Ready(Some(Took::Item(Held::Item(Err(e))))) => Poll::Ready(Err(e)),
         }
     }
 
@@ -1188,10 +1281,11 @@ impl Receiver {
         &mut self,
         want: impl Fn(crate::Rank) -> bool,
     ) -> Result<Option<(crate::Rank, usize)>> {
-        let find = |local: &VecDeque<Result<Message>>| {
+        let find = |local: &VecDeque<Held>| {
             local.iter().find_map(|it| match it {
-                Ok(m) if want(m.src) => Some(Ok((m.src, m.data.len()))),
-                Err(Error::PeerLost { rank, reason }) if want(*rank) => {
+                Held::Item(Ok(m)) if want(m.src) => Some(Ok((m.src, m.data.len()))),
+                Held::Kept { src, len, .. } if want(*src) => Some(Ok((*src, *len as usize))),
+                Held::Item(Err(Error::PeerLost { rank, reason })) if want(*rank) => {
                     Some(Err(Error::PeerLost {
                         rank: *rank,
                         reason: reason.clone(),
@@ -1228,19 +1322,16 @@ impl Receiver {
 
     /// Where in `local` the first item for `src` is.
     fn position_from(&self, src: crate::Rank) -> Option<usize> {
-        self.local.iter().position(|it| match it {
-            Ok(m) => m.src == src,
-            Err(Error::PeerLost { rank, .. }) => *rank == src,
-            Err(_) => false,
-        })
+        self.local.iter().position(|it| it.src() == Some(src))
     }
 
     /// Take `local[i]` out, charging it as [`next_local`](Self::next_local)
     /// charges the first.
     fn take_at(&mut self, i: usize) -> Result<Message> {
-        let Some(item) = self.local.remove(i) else {
+        let Some(held) = self.local.remove(i) else {
             return Err(Error::Closed);
         };
+        let item = held.resolve(self.tag, &self.keep);
         if i < self.free {
             self.free -= 1;
             return item;
@@ -1260,7 +1351,7 @@ impl Receiver {
 /// What one look of a receiver found: an item of its queue, or a message
 /// copied into the buffer it lent.
 enum Took {
-    Item(Result<Message>),
+    Item(Held),
     Lent(Rank),
 }
 
@@ -1271,7 +1362,7 @@ impl Stream for Receiver {
         let me = self.get_mut();
         // Look, make progress inline, and only then register for a wake-up:
         // a message found by our own progress needs no waker.
-        if let Some(x) = me.next_local() {
+        if let Some(x) = me.next_message() {
             return Poll::Ready(Some(x));
         }
         if me.queued.is_none() {
@@ -1291,7 +1382,7 @@ impl Stream for Receiver {
         {
             match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
                 Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+                Poll::Ready(Some(())) => return Poll::Ready(me.next_message()),
                 Poll::Pending => {}
             }
         }
@@ -1300,7 +1391,7 @@ impl Stream for Receiver {
             // and hand out what is queued, then end.
             me.poller = None;
             return match me.disp.refill(me.tag, &mut me.handed, &mut me.local, None) {
-                Poll::Ready(Some(())) => Poll::Ready(me.next_local()),
+                Poll::Ready(Some(())) => Poll::Ready(me.next_message()),
                 _ => Poll::Ready(None),
             };
         }
@@ -1311,7 +1402,7 @@ impl Stream for Receiver {
             Some(queued) => {
                 let buf = std::mem::take(&mut me.local);
                 let handed = std::mem::take(&mut me.handed);
-                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed, None) {
+                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed, None, None) {
                     Ok(guard) => {
                         me.disp.progress_inline_with(&mut me.poller);
                         if let Some(i) = guard.take() {
@@ -1321,7 +1412,7 @@ impl Stream for Receiver {
                             me.handed = i.handed;
                         }
                     }
-                    Err((queued, buf)) => {
+                    Err((queued, buf, _)) => {
                         (me.queued, me.local, me.handed) = (Some(queued), buf, handed);
                         me.disp.progress_inline_with(&mut me.poller);
                     }
@@ -1332,14 +1423,14 @@ impl Stream for Receiver {
             }
         }
         if !me.local.is_empty() {
-            return Poll::Ready(me.next_local());
+            return Poll::Ready(me.next_message());
         }
         match me
             .disp
             .refill(me.tag, &mut me.handed, &mut me.local, Some(cx))
         {
             Poll::Ready(None) => return Poll::Ready(None),
-            Poll::Ready(Some(())) => return Poll::Ready(me.next_local()),
+            Poll::Ready(Some(())) => return Poll::Ready(me.next_message()),
             Poll::Pending => {}
         }
         if me.closed.load(std::sync::atomic::Ordering::Acquire) {
@@ -1408,10 +1499,16 @@ impl Receiver {
                 let buf = std::mem::take(&mut me.local);
                 let handed = std::mem::take(&mut me.handed);
                 let lent_ptr = lent.take().map(std::ptr::NonNull::from);
-                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed, lent_ptr) {
+                // `local` is empty: nothing refers to what the kept buffer
+                // holds.
+                let mut keep = std::mem::take(&mut me.keep);
+                keep.clear();
+                let keep = Some(keep);
+                match InlineGuard::register(&me.disp, me.tag, queued, buf, handed, lent_ptr, keep) {
                     Ok(guard) => {
                         me.disp.progress_inline_with(&mut me.poller);
                         if let Some(i) = guard.take() {
+                            me.keep = i.keep.unwrap_or_default();
                             me.queued = Some(i.queued);
                             me.free = i.items.len();
                             me.local = i.items;
@@ -1423,8 +1520,9 @@ impl Receiver {
                             }
                         }
                     }
-                    Err((queued, buf)) => {
+                    Err((queued, buf, keep)) => {
                         (me.queued, me.local, me.handed) = (Some(queued), buf, handed);
+                        me.keep = keep.unwrap_or_default();
                         me.disp.progress_inline_with(&mut me.poller);
                     }
                 }
@@ -1462,28 +1560,38 @@ impl Receiver {
     /// A large message's cost leaves the budgets at once (one lock, small
     /// beside its size): a program working on it must not hold back the
     /// next one, which may arrive meanwhile.
-    fn next_local(&mut self) -> Option<Result<Message>> {
+    fn next_local(&mut self) -> Option<Held> {
         let item = self.local.pop_front()?;
         if self.free > 0 {
             // Handed over inline: never charged.
             self.free -= 1;
             return Some(item);
         }
-        if let Ok(m) = &item {
-            let c = cost(m.data.len());
-            if m.data.len() >= SETTLE_AT_ONCE {
-                self.disp.settle(self.tag, c);
-            } else {
-                self.handed += c;
-            }
+        let len = match &item {
+            Held::Item(Ok(m)) => m.data.len(),
+            Held::Kept { len, .. } => *len as usize,
+            Held::Item(Err(_)) => return Some(item),
+        };
+        if len >= SETTLE_AT_ONCE {
+            self.disp.settle(self.tag, cost(len));
+        } else {
+            self.handed += cost(len);
         }
         Some(item)
+    }
+
+    /// [`next_local`](Self::next_local) as a message in a buffer of its own.
+    fn next_message(&mut self) -> Option<Result<Message>> {
+        let held = self.next_local()?;
+        Some(held.resolve(self.tag, &self.keep))
     }
 }
 
 impl Drop for Receiver {
     fn drop(&mut self) {
+        let (tag, keep) = (self.tag, &self.keep);
         let back = std::mem::take(&mut self.local);
+        let back = back.into_iter().map(|h| h.resolve(tag, keep)).collect();
         self.disp.unpop(self.tag, self.handed, back, self.free);
         self.disp.release(self.tag);
     }
@@ -1618,6 +1726,113 @@ mod tests {
         assert!(futures::poll!(rx.next()).is_pending());
         assert_eq!(queued(&d, 1), 0);
         assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// A payload that, like a fast-box message, is copied wherever it goes.
+    struct Copied(u8, usize);
+
+    impl Payload for Copied {
+        const COPIES: bool = true;
+        fn into_bytes(self) -> Bytes {
+            Bytes::from(vec![self.0; self.1])
+        }
+        fn copy_into(self, out: &mut Vec<u8>) {
+            out.resize(out.len() + self.1, self.0);
+        }
+    }
+
+    /// `recv_into` keeps small copied payloads handed over inline in one
+    /// reused buffer instead of a buffer each; every way of taking them
+    /// (`recv_into`, `recv`, `recv_from`, `probe`) sees the same messages,
+    /// a registration keeps at most `KEEP_MAX` bytes this way, and a
+    /// dropped receiver puts what it kept back in the queue, in order and
+    /// charged to the budgets.
+    #[tokio::test]
+    async fn recv_into_keeps_small_payloads_in_one_buffer() {
+        // Message i is i + 1 bytes of i; the last two are large.
+        let big = KEEP_MAX / 2;
+        let len = move |i: u8| if i < 6 { usize::from(i) + 1 } else { big };
+        let (d, mut rx, _p) = hooked(once(move |d| {
+            d.offers(|o| (0..8u8).all(|i| o.offer(0, 1, len(i), Copied(i, len(i)))));
+            8
+        }));
+        let mut buf = Vec::new();
+        assert_eq!(rx.recv_into(&mut buf).await.unwrap(), 0);
+        assert_eq!(buf, vec![0u8; 1], "the first goes into the lent buffer");
+        let kept = rx
+            .local
+            .iter()
+            .filter(|h| matches!(h, Held::Kept { .. }))
+            .count();
+        // 1..6 and the first large one fit; the second large one does not.
+        assert_eq!(kept, 6);
+        assert!(matches!(rx.local.back(), Some(Held::Item(Ok(_)))));
+        assert_eq!(rx.recv_into(&mut buf).await.unwrap(), 0);
+        assert_eq!(buf, vec![1u8; 2]);
+        assert_eq!(rx.probe().unwrap(), Some((0, 3)));
+        let m = rx.recv().await.unwrap();
+        assert_eq!((m.src, m.tag, &m.data[..]), (0, 1, &[2u8; 3][..]));
+        let m = rx.recv_from(0).await.unwrap();
+        assert_eq!(&m.data[..], &[3u8; 4][..]);
+        assert_eq!(queued(&d, 1), 0, "handed over inline: never charged");
+        drop(rx);
+        let left: usize = (4..8u8).map(|i| cost(len(i))).sum();
+        assert_eq!(queued(&d, 1), left);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        for i in 4..8u8 {
+            rx.recv_into(&mut buf).await.unwrap();
+            assert_eq!(buf, vec![i; len(i)], "message {i}");
+        }
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(queued(&d, 1), 0);
+        assert_eq!(d.total.load(Ordering::Relaxed), 0);
+    }
+
+    /// A progress call that unwinds after handing over to `recv_into` puts
+    /// the lent buffer's message and the kept payloads back, in order.
+    #[tokio::test]
+    async fn kept_payloads_survive_a_panicking_progress_call() {
+        let (d, mut rx, _p) = hooked(once(|d| {
+            d.offers(|o| (0..3u8).all(|i| o.offer(0, 1, 10, Copied(i, 10))));
+            panic!("progress failed after handing over three messages");
+        }));
+        let mut buf = Vec::new();
+        let poll = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            futures::executor::block_on(rx.recv_into(&mut buf))
+        }));
+        assert!(poll.is_err());
+        assert_eq!(lock(&d.tags).get(&1).map(|q| q.items.len()), Some(3));
+        assert_eq!(queued(&d, 1), 3 * cost(10));
+        for i in 0..3u8 {
+            rx.recv_into(&mut buf).await.unwrap();
+            assert_eq!(buf, vec![i; 10], "message {i}");
+        }
+    }
+
+    /// The kept buffer is emptied at each registration and reused: a
+    /// second run of messages reads its own bytes, not the first run's.
+    #[tokio::test]
+    async fn the_kept_buffer_is_reused_across_registrations() {
+        let round = Arc::new(AtomicUsize::new(0));
+        let r = round.clone();
+        let (_d, mut rx, _p) = hooked(move |d| {
+            let k = r.fetch_add(1, Ordering::Relaxed) as u8;
+            if k >= 2 {
+                return 0;
+            }
+            d.offers(|o| (0..4u8).all(|i| o.offer(0, 1, 16, Copied(k * 10 + i, 16))));
+            4
+        });
+        let mut buf = Vec::new();
+        for k in 0..2u8 {
+            for i in 0..4u8 {
+                rx.recv_into(&mut buf).await.unwrap();
+                assert_eq!(buf, vec![k * 10 + i; 16], "round {k}, message {i}");
+            }
+            assert!(rx.local.is_empty());
+        }
+        assert!(rx.keep.capacity() >= 3 * 16, "kept, not freed");
     }
 
     /// Futures waiting on operations share inline progress: a lone one

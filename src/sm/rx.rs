@@ -840,6 +840,7 @@ struct FboxPayload<'a, 'b> {
 }
 
 impl crate::core::dispatch::Payload for FboxPayload<'_, '_> {
+    const COPIES: bool = true;
     fn into_bytes(self) -> Bytes {
         Bytes::from(self.b.read_vec(self.st, self.len))
     }
