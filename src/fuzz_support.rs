@@ -324,12 +324,12 @@ impl PeerRing {
 }
 
 /// Bytes of a rendezvous announcement.
-pub const SM_RTS_LEN: usize = crate::sm::tx::RTS_LEN;
+pub const SM_RTS_LEN: usize = crate::sm::rendezvous::RTS_LEN;
 
 /// Decode a rendezvous announcement: (handle, address, length) and its
 /// re-encoding.
 pub fn sm_rendezvous(b: &[u8; SM_RTS_LEN]) -> ((u64, u64, u64), [u8; SM_RTS_LEN]) {
-    let r = crate::sm::tx::Rts::decode(b);
+    let r = crate::sm::rendezvous::Rts::decode(b);
     ((r.handle, r.addr, r.len), r.encode())
 }
 

@@ -23,7 +23,7 @@
 //! words 8 ..    slots of 8 words (64 bytes):
 //!   first slot of a message:  mark(HEAD) with the length in it, tag,
 //!     6 payload words (mark(RNDV) for a rendezvous announcement, see
-//!     `sm::tx`)
+//!     `sm::rendezvous`)
 //!   each further slot:        mark(CONT), 7 payload words
 //!   a slot that sends the receiver back to slot 0: mark(SKIP)
 //! ```

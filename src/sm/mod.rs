@@ -19,16 +19,23 @@
 //! them under a mapping (a SIGBUS), and nothing is left in `/dev/shm`.
 //!
 //! Module map: [`segment`] (layout, header checks), [`share`] (handing
-//! memory to peers), [`frag`] (fragment header), [`doorbell`], [`tx`]
-//! (send side, the [`Link`] impl), [`rx`] (receive side, reassembly,
-//! dispatch).
+//! memory to peers), [`frag`] (fragment header), [`doorbell`], [`eager`]
+//! (fragments over the rings: pool, push, reassembly), [`fbox`] and
+//! [`fastpath`] (the fast box, and its send and receive), [`rendezvous`]
+//! (single copy of large messages, with split copy's transport side),
+//! [`link`] (the [`Link`] impl), [`tx`] and [`rx`] (send and receive
+//! state, queues, progress).
 
 pub(crate) mod config;
 pub(crate) mod doorbell;
+mod eager;
+mod fastpath;
 pub(crate) mod fbox;
 pub(crate) mod frag;
 pub(crate) mod kind;
+mod link;
 pub(crate) mod region;
+pub(crate) mod rendezvous;
 pub(crate) mod rma;
 pub(crate) mod rx;
 pub(crate) mod segment;
@@ -300,7 +307,7 @@ impl SmTransport {
             *slot = Some(peer.clone());
             links.push((
                 *rank,
-                Arc::new(tx::SmLink {
+                Arc::new(link::SmLink {
                     t: self.clone(),
                     peer,
                 }),

@@ -1,0 +1,184 @@
+//! The fast-box path of the transport, both halves: the send side puts a
+//! small user message (or a rendezvous announcement) in the peer's box
+//! while the pair's user ring is drained, and tells whether the peer took
+//! everything from it; the receive side takes runs of messages from the
+//! sender's box under one dispatcher lock, handing announcements to
+//! [`rendezvous`](super::rendezvous). The box's layout, push and peek are
+//! [`fbox`].
+
+use bytes::Bytes;
+
+use super::fbox;
+use super::rendezvous::{Held, RTS_LEN};
+use super::rx::{RxState, Step};
+use super::segment::CHANNELS;
+use super::tx::{TxState, USER};
+use super::{SmPeer, SmTransport};
+use crate::Result;
+
+impl TxState {
+    /// Put a small user message (or, with `rndv`, a rendezvous
+    /// announcement) in the peer's fast box. `None`: the box may not be
+    /// used now (the pair's user ring still holds messages, which must
+    /// arrive first); `Some(false)`: the box is full.
+    pub(super) fn via_fbox(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        rndv: bool,
+        tag: u64,
+        data: &[u8],
+    ) -> Result<Option<bool>> {
+        let l = peer.local as usize;
+        let ring = peer.seg.inbound(t.seg.local_rank, USER);
+        match ring.drained(&mut self.prod[l * CHANNELS + USER]) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
+        }
+        // A load and a plain store, no locked instruction (this is the
+        // hot path of small sends; the flag is only a hint).
+        let reply = peer.heard.load(std::sync::atomic::Ordering::Relaxed);
+        if reply {
+            peer.heard
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        let b = peer.seg.fbox(t.seg.local_rank);
+        let pushed = if rndv {
+            b.push_rendezvous(&mut self.fb[l], tag, data)
+        } else {
+            b.push(&mut self.fb[l], tag, data, !reply)
+        };
+        match pushed {
+            Ok(true) => {
+                t.notify(peer);
+                Ok(Some(true))
+            }
+            Ok(false) => Ok(Some(false)),
+            Err(_) => Err(self.corrupt(peer, "its fast box is corrupt")),
+        }
+    }
+
+    /// Whether the peer took every message we put in its fast box.
+    pub(super) fn fbox_drained(&mut self, t: &SmTransport, peer: &SmPeer) -> Result<bool> {
+        let st = &mut self.fb[peer.local as usize];
+        peer.seg
+            .fbox(t.seg.local_rank)
+            .drained(st)
+            .map_err(|_| self.corrupt(peer, "its fast box is corrupt"))
+    }
+}
+
+impl RxState {
+    /// Take up to `max` messages from the sender's fast box: runs of user
+    /// messages under one dispatcher lock, and rendezvous announcements
+    /// (whose copy runs outside it). Returns how many, and why it stopped:
+    /// `Took` (took `max`), `Empty`, `Blocked` (no room in a tag, or a
+    /// rendezvous waits) or `Bad`.
+    pub(super) fn fbox_run(&mut self, t: &SmTransport, p: &SmPeer, max: usize) -> (usize, Step) {
+        let l = p.local as usize;
+        // A rendezvous under way holds the box (and the ring path knows).
+        if self.awaiting[l].is_some() || self.split[l].is_some() {
+            return (0, Step::Empty);
+        }
+        let b = t.seg.fbox(p.local);
+        // No lock for an empty box (the common look of an idle poll).
+        if b.looks_empty(&self.fb[l]) {
+            return (0, Step::Empty);
+        }
+        let mut total = 0;
+        let (took, step) = loop {
+            let (took, step, rndv) = self.fbox_messages(t, p, b, max - total);
+            total += took;
+            let Some(found) = rndv else {
+                break (total, step);
+            };
+            if found.len != RTS_LEN {
+                break (total, Step::Bad("malformed rendezvous announcement"));
+            }
+            let mut rts = [0u8; RTS_LEN];
+            b.read(&self.fb[l], &mut rts);
+            let idx = l * CHANNELS + USER;
+            match self.rendezvous(t, p, idx, Held::Box, found.tag, &rts) {
+                Step::Took => total += 1,
+                other => break (total, other),
+            }
+            if total >= max {
+                break (total, Step::Took);
+            }
+        };
+        if took > 0 && !p.heard.load(std::sync::atomic::Ordering::Relaxed) {
+            p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        (took, step)
+    }
+
+    /// Take up to `max` user messages from the sender's fast box under one
+    /// dispatcher lock, stopping before a rendezvous announcement (returned).
+    fn fbox_messages(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        b: fbox::FBox<'_>,
+        max: usize,
+    ) -> (usize, Step, Option<fbox::Found>) {
+        let l = p.local as usize;
+        let st = &mut self.fb[l];
+        let (took, step, rndv) = t.core.offers(|o| {
+            let mut took = 0;
+            while took < max {
+                let found = match b.peek(st) {
+                    Ok(Some(f)) if f.rndv => return (took, Step::Took, Some(f)),
+                    Ok(Some(f)) => f,
+                    Ok(None) => return (took, Step::Empty, None),
+                    Err(_) => {
+                        let bad = Step::Bad("fast-box message longer than its slot");
+                        return (took, bad, None);
+                    }
+                };
+                let read = FboxPayload {
+                    b: &b,
+                    st: &*st,
+                    len: found.len,
+                };
+                if !o.offer(p.rank, found.tag, found.len, read) {
+                    return (took, Step::Blocked, None);
+                }
+                // After the delivery, under `rx`: see the order argument in
+                // `fbox`.
+                b.consume(st, found.len);
+                took += 1;
+            }
+            (took, Step::Took, None)
+        });
+        match step {
+            Step::Blocked => self.blocked[l] = true,
+            _ if took > 0 => self.blocked[l] = false,
+            _ => {}
+        }
+        if took > 0 {
+            // Counted by the caller, once per progress call (an atomic add
+            // per message costs as much as the rest of taking it).
+            self.fast += took as u64;
+        }
+        (took, step, rndv)
+    }
+}
+
+/// A fast-box message as the dispatcher takes it: read into a buffer of
+/// its own, or into one a receiver lent (no allocation then).
+struct FboxPayload<'a, 'b> {
+    b: &'a fbox::FBox<'b>,
+    st: &'a fbox::Receiver,
+    len: usize,
+}
+
+impl crate::core::dispatch::Payload for FboxPayload<'_, '_> {
+    const COPIES: bool = true;
+    fn into_bytes(self) -> Bytes {
+        Bytes::from(self.b.read_vec(self.st, self.len))
+    }
+    fn copy_into(self, out: &mut Vec<u8>) {
+        self.b.read_into(self.st, self.len, out);
+    }
+}
