@@ -133,7 +133,8 @@ struct Args {
     warmup: u64,
 
     /// Operations in flight per window in the bandwidth tests (shrunk so a
-    /// window holds at most 16 MiB).
+    /// window holds at most 16 MiB); msg_rate's stream is acknowledged only
+    /// every 64 windows, as UCX's tag_bw is not at all until its end.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     window: u64,
 

@@ -12,6 +12,14 @@ pub const SMALL: usize = 8 << 10;
 /// Bytes one window of a bandwidth test may hold before the window shrinks.
 pub const WINDOW_BYTES: usize = 16 << 20;
 
+/// `msg_rate`'s window, in windows of the bandwidth tests: its messages
+/// go out as one long stream with an acknowledgement only every 64
+/// windows (4096 messages by default), as UCX's `tag_bw` streams with no
+/// answer until the end, so that the rate is the stream's and not that of
+/// a round trip per 64 messages. (`bw` keeps the OSU window: a round trip
+/// per window, as `osu_bw` and Open MPI's baseline do.)
+pub const MSG_RATE_WINDOWS: u64 = 64;
+
 /// What the user asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counts {
@@ -49,7 +57,12 @@ impl Counts {
             let fits = WINDOW_BYTES
                 .checked_div(size)
                 .map_or(self.window, |n| n.max(2) as u64);
-            let window = self.window.min(fits).max(1);
+            let asked = if test == Test::MsgRate {
+                self.window.saturating_mul(MSG_RATE_WINDOWS)
+            } else {
+                self.window
+            };
+            let window = asked.min(fits).max(1);
             let (iters, warmup) = ((self.iters / 10).max(1), self.warmup / 10);
             Plan {
                 iters: scale(iters, 5.min(iters)),
@@ -91,6 +104,8 @@ mod tests {
         assert_eq!((bw.iters, bw.warmup, bw.window), (100, 10, 64));
         let bwbig = c.plan(Test::Bw, 16 << 20);
         assert_eq!((bwbig.iters, bwbig.window), (5, 2));
+        let rate = c.plan(Test::MsgRate, 8);
+        assert_eq!((rate.iters, rate.window), (100, 64 * MSG_RATE_WINDOWS));
     }
 
     #[test]

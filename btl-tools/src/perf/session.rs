@@ -481,11 +481,14 @@ fn header(
     set(
         "counts",
         format!(
-            "iters {}, warmup {}, window {} up to {} B; fewer above (see each row)",
+            "iters {}, warmup {}, window {} up to {} B (msg_rate: {}, one acknowledgement per window); fewer above (see each row)",
             s.counts.iters,
             s.counts.warmup,
             s.counts.window,
-            super::plan::SMALL
+            super::plan::SMALL,
+            s.counts
+                .window
+                .saturating_mul(super::plan::MSG_RATE_WINDOWS)
         ),
     );
     set(

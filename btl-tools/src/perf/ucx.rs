@@ -23,7 +23,9 @@
 //! - `put_bw`: `ucp_put_bw`, puts into the peer's registered memory (over
 //!   shared memory, into its mapping);
 //! - `get_bw`: `ucp_get`;
-//! - `msg_rate`: `tag_bw` at 8 B, its message rate;
+//! - `msg_rate`: `tag_bw` at 8 B, its message rate (a stream with no
+//!   answer until its end; ours is acknowledged once per 4096 messages,
+//!   see `plan::MSG_RATE_WINDOWS`);
 //! - `atomic_lat`: `ucp_fadd`, one 8-byte fetch-and-add at a time (UCX's
 //!   default of one outstanding operation for it), the time per operation;
 //! - `atomic_cswap_lat`: `ucp_cswap`, the same with compare-and-swap;
