@@ -41,6 +41,7 @@ fn rank_main() {
             "putget" => putget(f).await,
             "kill" => kill(f).await,
             "parking" => parking(f).await,
+            "whole" => whole_and_dropped(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -206,6 +207,58 @@ async fn kill(f: Fabric) {
     println!("failed_after_ms={}", start.elapsed().as_millis());
 }
 
+/// A put and a get of the whole 64 MiB region, checked byte for byte; then
+/// a put and a get whose futures are dropped at once, each with its only
+/// handle on the local region: the copies still run (the double's copies
+/// wait their delay first, so they run after the drops), into and out of
+/// memory kept alive for them, and `flush` waits for them.
+async fn whole_and_dropped(f: Fabric) {
+    let me = f.rank();
+    let peer = 1 - me;
+    let region = f.alloc_device_region(0, REGION).unwrap();
+    let theirs = exchange_keys(&f, &region.remote_key()).await;
+    let ep = f.endpoint(peer).unwrap();
+    let mut rx = f.receiver(8).unwrap();
+    if me == 0 {
+        let src = f.alloc_device_region(0, REGION).unwrap();
+        src.write(0, &pattern(REGION, 1)).unwrap();
+        ep.put(&src, 0..REGION, &theirs, 0).await.unwrap();
+        ep.send(8, &b"whole"[..]).await.unwrap();
+        rx.recv().await.unwrap();
+        let dst = f.alloc_device_region(0, REGION).unwrap();
+        ep.get(&dst, 0..REGION, &theirs, 0).await.unwrap();
+        let mut got = vec![0u8; REGION];
+        dst.read(0, &mut got).unwrap();
+        assert!(got == pattern(REGION, 2)[..], "the whole get");
+        // Dropped at once, with the only handle of their local regions.
+        let lone = f.alloc_device_region(0, 1 << 20).unwrap();
+        lone.write(0, &pattern(1 << 20, 3)).unwrap();
+        drop(ep.put(&lone, 0..(1 << 20), &theirs, 0));
+        drop(lone);
+        let lone = f.alloc_device_region(0, 1 << 20).unwrap();
+        drop(ep.get(&lone, 0..(1 << 20), &theirs, 8 << 20));
+        drop(lone);
+        ep.flush().await.unwrap();
+        ep.send(8, &b"dropped"[..]).await.unwrap();
+        rx.recv().await.unwrap();
+        println!("dropped_ok=1");
+    } else {
+        rx.recv().await.unwrap();
+        let mut got = vec![0u8; REGION];
+        region.read(0, &mut got).unwrap();
+        assert!(got == pattern(REGION, 1)[..], "the whole put");
+        region.write(0, &pattern(REGION, 2)).unwrap();
+        ep.send(8, &b"written"[..]).await.unwrap();
+        rx.recv().await.unwrap();
+        let mut got = vec![0u8; 1 << 20];
+        region.read(0, &mut got).unwrap();
+        assert!(got == pattern(1 << 20, 3)[..], "the dropped put landed");
+        ep.send(8, &b"checked"[..]).await.unwrap();
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 /// Ping-pong of puts in Interrupt mode: each rank puts into the other's
 /// device region and then says so; every put's completion waits on the
 /// GPU's host function ringing the parked progress task.
@@ -264,6 +317,13 @@ fn device_regions_put_and_get_between_processes_through_the_double() {
     assert_eq!(n("direct_puts"), SIZES.len() as u64 + 1);
     assert_eq!(n("staged"), 2);
     assert_eq!(n("forged_refused"), 1);
+}
+
+#[test]
+fn whole_regions_and_dropped_futures_between_processes() {
+    let outs = job(2, "whole", "copy-delay-ms:20").wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "dropped_ok").as_deref(), Some("1"));
 }
 
 #[test]
