@@ -67,6 +67,28 @@ async fn fabric(ex: &LocalExchange, rank: u32) -> Fabric {
         .unwrap()
 }
 
+/// Receive message `i` (24 bytes from rank 0, numbered in its first 8)
+/// into `buf`, with `recv_into` (`lend`) or with `recv` and a copy.
+async fn take(rx: &mut async_btl::Receiver, buf: &mut Vec<u8>, lend: bool, i: u64) {
+    let next = async {
+        if lend {
+            rx.recv_into(buf).await
+        } else {
+            let m = rx.recv().await?;
+            buf.clear();
+            buf.extend_from_slice(&m.data);
+            Ok(m.src)
+        }
+    };
+    let src = tokio::time::timeout(Duration::from_secs(20), next)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(src, 0);
+    assert_eq!(buf.len(), 24);
+    assert_eq!(buf[..8], i.to_le_bytes(), "message {i} out of order");
+}
+
 /// A ping-pong of `ROUNDS` 24-byte messages; rank 1 receives with
 /// `recv_into` (`lend`) or `recv`, checks each, and returns its thread's
 /// allocations per message over the timed part.
@@ -98,23 +120,7 @@ fn ping_pong(lend: bool) -> f64 {
             if i == 100 {
                 start = allocs();
             }
-            let src = if lend {
-                tokio::time::timeout(Duration::from_secs(20), rx.recv_into(&mut buf))
-                    .await
-                    .unwrap()
-                    .unwrap()
-            } else {
-                let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
-                    .await
-                    .unwrap()
-                    .unwrap();
-                buf.clear();
-                buf.extend_from_slice(&m.data);
-                m.src
-            };
-            assert_eq!(src, 0);
-            assert_eq!(buf.len(), 24);
-            assert_eq!(buf[..8], i.to_le_bytes(), "message {i} out of order");
+            take(&mut rx, &mut buf, lend, i).await;
             ep.send_inline(2, &buf).await.unwrap();
         }
         let per = (allocs() - start) as f64 / ROUNDS as f64;
@@ -173,23 +179,7 @@ fn stream(lend: bool) -> f64 {
             if i == 128 {
                 start = allocs();
             }
-            let next = async {
-                if lend {
-                    rx.recv_into(&mut buf).await
-                } else {
-                    let m = rx.recv().await?;
-                    buf.clear();
-                    buf.extend_from_slice(&m.data);
-                    Ok(m.src)
-                }
-            };
-            let src = tokio::time::timeout(Duration::from_secs(20), next)
-                .await
-                .unwrap()
-                .unwrap();
-            assert_eq!(src, 0);
-            assert_eq!(buf.len(), 24);
-            assert_eq!(buf[..8], i.to_le_bytes(), "message {i} out of order");
+            take(&mut rx, &mut buf, lend, i).await;
             if i % WINDOW == WINDOW - 1 {
                 ep.send_inline(2, &[1]).await.unwrap();
             }

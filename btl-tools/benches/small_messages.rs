@@ -229,6 +229,25 @@ impl Drop for Client {
     }
 }
 
+/// One `ucx_perftest` point: UCX's own figure (µs, or messages/s).
+fn ucx_figure(
+    rt: &tokio::runtime::Runtime,
+    test: Test,
+    size: usize,
+    plan: Plan,
+) -> Result<f64, String> {
+    let got = rt.block_on(ucx::measure(
+        Baseline::Ucx,
+        &[(test, size, plan)],
+        cores(),
+        Duration::from_secs(120),
+        &mut |_| {},
+    ));
+    got.into_iter()
+        .next()
+        .unwrap_or_else(|| Err("no result".into()))
+}
+
 /// One UCX point of `iters` operations: its own figure, as time for them.
 ///
 /// UCX runs at least [`UCX_MIN_ITERS`] operations: its figure over a
@@ -240,18 +259,8 @@ fn ucx_point(rt: &tokio::runtime::Runtime, test: Test, size: usize, iters: u64) 
         warmup: 1000,
         window: 1,
     };
-    let got = rt.block_on(ucx::measure(
-        Baseline::Ucx,
-        &[(test, size, plan)],
-        cores(),
-        Duration::from_secs(120),
-        &mut |_| {},
-    ));
-    let value = match got.into_iter().next() {
-        Some(Ok(v)) => v,
-        Some(Err(why)) => panic!("ucx_perftest failed: {why}"),
-        None => panic!("ucx_perftest gave no result"),
-    };
+    let value =
+        ucx_figure(rt, test, size, plan).unwrap_or_else(|why| panic!("ucx_perftest failed: {why}"));
     match test {
         // Microseconds per half round trip.
         Test::Lat => Duration::from_secs_f64(value * 1e-6 * iters as f64),
@@ -267,18 +276,7 @@ fn ucx_missing(rt: &tokio::runtime::Runtime) -> Option<String> {
         warmup: 0,
         window: 1,
     };
-    let got = rt.block_on(ucx::measure(
-        Baseline::Ucx,
-        &[(Test::Lat, 8, plan)],
-        cores(),
-        Duration::from_secs(60),
-        &mut |_| {},
-    ));
-    match got.into_iter().next() {
-        Some(Ok(_)) => None,
-        Some(Err(why)) => Some(why),
-        None => Some("no result".into()),
-    }
+    ucx_figure(rt, Test::Lat, 8, plan).err()
 }
 
 fn small_messages(c: &mut Criterion) {

@@ -1331,20 +1331,12 @@ impl Receiver {
         let Some(held) = self.local.remove(i) else {
             return Err(Error::Closed);
         };
-        let item = held.resolve(self.tag, &self.keep);
         if i < self.free {
             self.free -= 1;
-            return item;
+        } else {
+            self.charge(&held);
         }
-        if let Ok(m) = &item {
-            let c = cost(m.data.len());
-            if m.data.len() >= SETTLE_AT_ONCE {
-                self.disp.settle(self.tag, c);
-            } else {
-                self.handed += c;
-            }
-        }
-        item
+        held.resolve(self.tag, &self.keep)
     }
 }
 
@@ -1565,19 +1557,25 @@ impl Receiver {
         if self.free > 0 {
             // Handed over inline: never charged.
             self.free -= 1;
-            return Some(item);
+        } else {
+            self.charge(&item);
         }
-        let len = match &item {
+        Some(item)
+    }
+
+    /// Note the cost of `item`, taken out of `local` and charged to the
+    /// budgets, for the next refill (a large message's at once).
+    fn charge(&mut self, item: &Held) {
+        let len = match item {
             Held::Item(Ok(m)) => m.data.len(),
             Held::Kept { len, .. } => *len as usize,
-            Held::Item(Err(_)) => return Some(item),
+            Held::Item(Err(_)) => return,
         };
         if len >= SETTLE_AT_ONCE {
             self.disp.settle(self.tag, cost(len));
         } else {
             self.handed += cost(len);
         }
-        Some(item)
     }
 
     /// [`next_local`](Self::next_local) as a message in a buffer of its own.
