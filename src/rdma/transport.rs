@@ -1601,6 +1601,12 @@ impl Transport for RdmaTransport {
                         for e in &cqe[..n] {
                             self.on_completion(&mut st, e, &mut lost);
                         }
+                        if n < cqe.len() {
+                            // The queue is drained: reading it again costs
+                            // the provider's progress (a system call on
+                            // tcp) on the path of every message.
+                            break;
+                        }
                     }
                     Read::Error(e) => {
                         work += 1;
