@@ -69,7 +69,7 @@ impl Completion {
             }
         };
         if let Some(w) = waker {
-            w.wake();
+            crate::core::progress::wake(w);
         }
     }
 

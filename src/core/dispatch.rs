@@ -808,7 +808,7 @@ impl Dispatcher {
             self.enqueue(q, msg)
         };
         if let Some(w) = w {
-            w.wake();
+            crate::core::progress::wake(w);
         }
     }
 
@@ -825,7 +825,7 @@ impl Dispatcher {
         let r = f(&mut o);
         let Offers { tags, wake, .. } = o;
         drop(tags);
-        wake.into_iter().for_each(Waker::wake);
+        wake.into_iter().for_each(crate::core::progress::wake);
         r
     }
 

@@ -14,6 +14,24 @@ use crate::config::ProgressMode;
 use crate::core::fabric::Core;
 use crate::transport::Transport;
 
+thread_local! {
+    /// Tasks woken on this thread by deliveries and completions (see
+    /// [`wake`]): the progress task compares it around a poll.
+    static WOKEN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Wake `w`, the waiter of a delivered message or a finished operation,
+/// and count it for this thread's progress task (see [`drive`]).
+pub(crate) fn wake(w: std::task::Waker) {
+    WOKEN.with(|c| c.set(c.get().wrapping_add(1)));
+    w.wake();
+}
+
+/// The count [`wake`] keeps for this thread.
+fn woken() -> u64 {
+    WOKEN.with(std::cell::Cell::get)
+}
+
 /// How recent an inline poll by a receiver makes the progress task stand back.
 const STAND_BACK: Duration = Duration::from_micros(50);
 
@@ -112,6 +130,7 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
         if core.is_closed() {
             break;
         }
+        let before = woken();
         let work = t.progress();
         let now = Instant::now();
         if now.duration_since(last_check) >= cfg.heartbeat {
@@ -124,7 +143,13 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
             core.dispatcher.note_work();
             last_work = now;
             streak += 1;
-            if streak % 32 == 0 {
+            // Let the tasks this work woke (a receiver, the waiter of an
+            // operation) run before polling again: on a current-thread
+            // runtime they share this thread, and the answer one of them
+            // sends must not wait for another poll, let alone for the
+            // arming before a park. (Each yield costs the runtime an I/O
+            // poll, so work that woke nobody yields only now and then.)
+            if woken() != before || streak % 32 == 0 {
                 tokio::task::yield_now().await;
             }
             continue;
