@@ -22,7 +22,7 @@ const RDMA: [(&str, &str); 4] = [
 
 /// The eager limit of the tests' ranks (`BTL_RDMA_EAGER`'s default) less
 /// the 32-byte frame header: the largest eager message.
-const EAGER_PAYLOAD: usize = 8192 - 32;
+const EAGER_PAYLOAD: usize = 16384 - 32;
 
 fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
     let env: Vec<(&str, &str)> = RDMA.iter().chain(extra).copied().collect();

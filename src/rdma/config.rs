@@ -22,7 +22,12 @@ pub struct RdmaConfig {
     pub addr: Option<String>,
     /// Largest message sent eagerly into the receiver's pre-posted
     /// buffers (header included); larger ones go by rendezvous, read by
-    /// the receiver with RDMA read. Default 8 KiB. Env: `BTL_RDMA_EAGER`.
+    /// the receiver with RDMA read. Default 16 KiB: the largest message
+    /// `ofi_rxm` sends eagerly itself (its buffers' size); a bigger frame
+    /// would take rxm's own rendezvous over memory we never registered,
+    /// the slowest path of all, and at 8 KiB messages of 8-16 KiB paid our
+    /// rendezvous (a read and a `Fin`) where rxm needs none. Env:
+    /// `BTL_RDMA_EAGER`.
     pub eager: usize,
     /// Eager buffers each sender may fill at a receiver before the
     /// receiver returns credits (a receiver that does not read holds its
@@ -42,7 +47,7 @@ impl Default for RdmaConfig {
         RdmaConfig {
             provider: None,
             addr: None,
-            eager: 8 << 10,
+            eager: 16 << 10,
             credits: 128,
             peer_timeout: Duration::from_secs(5),
         }
