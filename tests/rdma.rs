@@ -86,14 +86,17 @@ fn rank_main() {
     });
 }
 
-/// Around the eager limit, and the rendezvous sizes.
-const SIZES: [usize; 11] = [
+/// Around the eager limit, the limit of two pieces, and the rendezvous
+/// sizes.
+const SIZES: [usize; 13] = [
     0,
     1,
     8,
     EAGER_PAYLOAD - 1,
     EAGER_PAYLOAD,
     EAGER_PAYLOAD + 1,
+    2 * EAGER_PAYLOAD,
+    2 * EAGER_PAYLOAD + 1,
     64 << 10,
     1 << 20,
     (1 << 20) + 7,
@@ -104,12 +107,26 @@ const SIZES: [usize; 11] = [
 async fn sizes(f: Fabric) {
     if f.rank() == 0 {
         let ep = f.endpoint(1).unwrap();
-        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, EAGER_PAYLOAD]).await;
+        send_sizes(
+            &ep,
+            3,
+            &SIZES,
+            &[0, 1, 100, EAGER_PAYLOAD, EAGER_PAYLOAD + 1],
+        )
+        .await;
     } else {
-        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, EAGER_PAYLOAD]).await;
+        expect_sizes(
+            &f,
+            0,
+            3,
+            &SIZES,
+            &[0, 1, 100, EAGER_PAYLOAD, EAGER_PAYLOAD + 1],
+        )
+        .await;
     }
     let s = f.stats();
     println!("rendezvous={}", s.rdma.rendezvous);
+    println!("in_pieces={}", s.rdma.in_pieces);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -335,8 +352,16 @@ fn rdma_sizes_between_processes() {
     need_rdma!();
     let outs = job(2, "sizes", &[]).wait(Duration::from_secs(120));
     assert_ok(&outs);
+    // 2 * EAGER_PAYLOAD + 1, 64 KiB, 1 MiB, 1 MiB + 7 and 16 MiB are read
+    // by the receiver; EAGER_PAYLOAD + 1 (sent twice: once inline) and
+    // 2 * EAGER_PAYLOAD go in two eager pieces.
     let rdv: u64 = value(&outs[0], "rendezvous").unwrap().parse().unwrap();
-    assert!(rdv >= 5, "the large messages went by rendezvous ({rdv})");
+    assert_eq!(rdv, 5, "the large messages went by rendezvous");
+    let pieces: u64 = value(&outs[0], "in_pieces").unwrap().parse().unwrap();
+    assert_eq!(
+        pieces, 3,
+        "the messages of two eager buffers went in pieces"
+    );
 }
 
 #[test]

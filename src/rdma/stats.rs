@@ -11,6 +11,10 @@ pub struct RdmaStats {
     /// Messages too large for an eager buffer, sent by rendezvous (the
     /// receiver read them with RDMA read).
     pub rendezvous: u64,
+    /// Messages a little too large for an eager buffer (up to two
+    /// buffers' worth), sent eagerly in two pieces instead of by
+    /// rendezvous.
+    pub in_pieces: u64,
     /// Times a sender waited for its receiver to return credits.
     pub credit_waits: u64,
     /// Operations posted again after the provider cancelled them (it

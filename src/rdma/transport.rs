@@ -87,6 +87,7 @@ struct Counters {
     writes: AtomicU64,
     reads: AtomicU64,
     rendezvous: AtomicU64,
+    in_pieces: AtomicU64,
     credit_waits: AtomicU64,
     reposts: AtomicU64,
     foreign: AtomicU64,
@@ -164,12 +165,66 @@ struct Out {
 /// A sequenced frame that arrived, in its peer's order.
 enum In {
     Ready(Kind, u64, Bytes),
+    /// A piece of a message; the pieces that follow it, in the next
+    /// sequence numbers, end with a `Ready`.
+    Piece(Kind, u64, Bytes),
     /// A rendezvous message not yet read.
     Announced(Kind, u64, wire::Rts),
     /// A rendezvous message being read.
     Reading,
     /// A rendezvous message read (its bytes count in `PeerState::ahead`).
     Fetched(Kind, u64, Bytes),
+}
+
+/// Eager buffers a message may be sent in, as pieces, before it goes by
+/// rendezvous instead. A read rendezvous costs two more one-way trips
+/// (the read's request and its data) and a `Fin`; pieces cost one trip
+/// and a copy of the message on each side. Two pieces win (on
+/// `tcp;ofi_rxm` at 16 KiB eager, a 16 KiB message takes 0.63x the time
+/// and streams 1.45x as fast as by rendezvous); three and four lose to one
+/// read of the whole (32-48 KiB streams at 0.65-0.8x).
+const PIECES: usize = 2;
+
+/// A message in pieces at the front of a peer's arrivals.
+enum Pieces {
+    /// All its `n` pieces are in: `len` bytes in all.
+    Whole {
+        kind: Kind,
+        tag: u64,
+        n: u32,
+        len: usize,
+    },
+    /// A piece is still to come.
+    Incomplete,
+    /// The peer broke the protocol.
+    Bad(String),
+}
+
+/// The message in pieces starting at `ps.expect`, as far as it arrived;
+/// longer than `window` frames, it can never be complete.
+fn pieces(ps: &PeerState, window: u32) -> Pieces {
+    let mut at = ps.expect;
+    let mut len = 0usize;
+    let mut first: Option<(Kind, u64)> = None;
+    for n in 1..=window {
+        let (kind, tag, d, last) = match ps.arrived.get(&at) {
+            Some(In::Piece(k, t, d)) => (*k, *t, d, false),
+            Some(In::Ready(k, t, d)) => (*k, *t, d, true),
+            Some(_) => {
+                return Pieces::Bad("it announced a rendezvous inside a message in pieces".into())
+            }
+            None => return Pieces::Incomplete,
+        };
+        if *first.get_or_insert((kind, tag)) != (kind, tag) {
+            return Pieces::Bad("the pieces of one message name different tags".into());
+        }
+        len = len.saturating_add(d.len());
+        if last {
+            return Pieces::Whole { kind, tag, n, len };
+        }
+        at = at.wrapping_add(1);
+    }
+    Pieces::Bad(format!("it sent a message in more than {window} pieces"))
 }
 
 /// Bytes of rendezvous messages a receiver reads ahead of delivering them
@@ -707,6 +762,35 @@ impl RdmaTransport {
             self.push(&mut st, peer);
             return Ok((!done.is_done()).then_some(done));
         }
+        if let Some(n) = self.pieces_for(data.len()) {
+            // In pieces: consecutive eager frames, all but the last of
+            // type `Part`, posted as credits allow; the send completes
+            // when the last is posted.
+            let mut st = lock(&self.st);
+            self.check_alive(peer)?;
+            bump(&self.counters.in_pieces);
+            let piece = data.len().div_ceil(n);
+            let count = data.len().div_ceil(piece);
+            let ps = &mut st.peers[peer.rank as usize];
+            if !ps.queue.is_empty() || ps.credits < count as u32 {
+                bump(&self.counters.credit_waits);
+            }
+            let done = Completion::new();
+            for (i, chunk) in data.chunks(piece).enumerate() {
+                let last = i + 1 == count;
+                let typ = if last { Type::Eager } else { Type::Part };
+                let mut frame = Vec::with_capacity(wire::HEADER + chunk.len());
+                self.header(ps, typ, kind, tag).encode(&mut frame);
+                frame.extend_from_slice(chunk);
+                ps.queue.push_back(Out {
+                    frame,
+                    sequenced: true,
+                    done: last.then(|| done.clone()),
+                });
+            }
+            self.push(&mut st, peer);
+            return Ok((!done.is_done()).then_some(done));
+        }
         // Rendezvous: the peer reads the message from where it is.
         let mut st = lock(&self.st);
         self.check_alive(peer)?;
@@ -920,11 +1004,16 @@ impl RdmaTransport {
                 return;
             }
             match body {
-                Body::Eager(data) => {
+                Body::Eager(data) | Body::Part(data) => {
                     let mut v = self.core.buffers().take(data.len());
                     v.extend_from_slice(data);
                     let b = self.core.buffers().freeze(v);
-                    ps.arrived.insert(h.seq, In::Ready(kind, h.tag, b));
+                    let item = if matches!(body, Body::Part(_)) {
+                        In::Piece(kind, h.tag, b)
+                    } else {
+                        In::Ready(kind, h.tag, b)
+                    };
+                    ps.arrived.insert(h.seq, item);
                 }
                 Body::Rts(rts) => {
                     let len = usize::try_from(rts.len).unwrap_or(usize::MAX);
@@ -1013,29 +1102,57 @@ impl RdmaTransport {
     /// have room; return credits owed.
     fn deliver(&self, st: &mut State, out: &mut Vec<(Rank, Kind, u64, Bytes)>) {
         let half = (self.config.credits / 2).max(1);
+        let window = 2 * self.config.credits;
+        let mut bad = Vec::new();
         for p in self.peer_list() {
             let r = p.rank as usize;
             let ps = &mut st.peers[r];
-            while let Some(In::Ready(kind, tag, data) | In::Fetched(kind, tag, data)) =
-                ps.arrived.get(&ps.expect)
-            {
-                if *kind == Kind::User && !self.core.has_room(*tag, data.len()) {
+            loop {
+                let (kind, tag, n, len) = match ps.arrived.get(&ps.expect) {
+                    Some(In::Ready(k, t, d) | In::Fetched(k, t, d)) => (*k, *t, 1, d.len()),
+                    Some(In::Piece(..)) => match pieces(ps, window) {
+                        Pieces::Whole { kind, tag, n, len } => (kind, tag, n, len),
+                        Pieces::Incomplete => break,
+                        Pieces::Bad(why) => {
+                            bad.push((p.rank, why));
+                            break;
+                        }
+                    },
+                    _ => break,
+                };
+                if kind == Kind::User && !self.core.has_room(tag, len) {
                     break;
                 }
-                let item = ps.arrived.remove(&ps.expect);
-                if let Some(In::Fetched(_, _, data)) = &item {
-                    ps.ahead = ps.ahead.saturating_sub(data.len());
-                }
-                if let Some(In::Ready(kind, tag, data) | In::Fetched(kind, tag, data)) = item {
-                    if kind == Kind::Bye {
-                        // It closed in order: its silence from now on is
-                        // no loss.
-                        p.left.store(true, Ordering::Release);
+                let data = match ps.arrived.remove(&ps.expect) {
+                    Some(In::Ready(_, _, d)) => d,
+                    Some(In::Fetched(_, _, d)) => {
+                        ps.ahead = ps.ahead.saturating_sub(d.len());
+                        d
                     }
-                    out.push((p.rank, kind, tag, data));
+                    Some(In::Piece(_, _, first)) => {
+                        // One message again, in a buffer of its own.
+                        let mut v = self.core.buffers().take(len);
+                        v.extend_from_slice(&first);
+                        for i in 1..n {
+                            if let Some(In::Piece(_, _, d) | In::Ready(_, _, d)) =
+                                ps.arrived.remove(&ps.expect.wrapping_add(i))
+                            {
+                                v.extend_from_slice(&d);
+                            }
+                        }
+                        self.core.buffers().freeze(v)
+                    }
+                    // Not there: `get` just found it.
+                    _ => break,
+                };
+                if kind == Kind::Bye {
+                    // It closed in order: its silence from now on is
+                    // no loss.
+                    p.left.store(true, Ordering::Release);
                 }
-                ps.expect = ps.expect.wrapping_add(1);
-                ps.owed += 1;
+                out.push((p.rank, kind, tag, data));
+                ps.expect = ps.expect.wrapping_add(n);
+                ps.owed += n;
             }
             // Returned in the next frame, unless none can leave soon (none
             // queued, or the queue waits for credits of the peer's: both
@@ -1045,6 +1162,21 @@ impl RdmaTransport {
                 ps.ctrl.push_back(f);
             }
         }
+        st.lose_later.extend(bad);
+    }
+
+    /// How many eager buffers a message of `len` bytes goes in as pieces,
+    /// if it does: more than one, at most [`PIECES`], and at most half the
+    /// credits (all its pieces must fit in the window, with the credits of
+    /// what came before them still unreturned, or neither side could move).
+    fn pieces_for(&self, len: usize) -> Option<usize> {
+        let room = self
+            .config
+            .eager
+            .checked_sub(wire::HEADER)
+            .filter(|r| *r > 0)?;
+        let n = len.div_ceil(room);
+        (n >= 2 && n <= PIECES && 2 * n <= self.config.credits as usize).then_some(n)
     }
 
     /// A completion: find its operation and finish it.
@@ -1322,6 +1454,7 @@ impl RdmaTransport {
             writes: g(&c.writes),
             reads: g(&c.reads),
             rendezvous: g(&c.rendezvous),
+            in_pieces: g(&c.in_pieces),
             credit_waits: g(&c.credit_waits),
             reposts: g(&c.reposts),
             foreign_messages: g(&c.foreign),
@@ -1747,6 +1880,46 @@ impl Transport for RdmaTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_in_pieces_is_whole_at_its_last_piece_and_of_one_tag() {
+        let b = |n: usize| Bytes::from(vec![7u8; n]);
+        let mut ps = PeerState {
+            expect: 10,
+            ..Default::default()
+        };
+        ps.arrived.insert(10, In::Piece(Kind::User, 3, b(5)));
+        assert!(matches!(pieces(&ps, 8), Pieces::Incomplete));
+        ps.arrived.insert(11, In::Ready(Kind::User, 3, b(2)));
+        assert!(matches!(
+            pieces(&ps, 8),
+            Pieces::Whole {
+                kind: Kind::User,
+                tag: 3,
+                n: 2,
+                len: 7
+            }
+        ));
+        // Pieces of one message naming two tags, or a rendezvous inside
+        // one: the peer broke the protocol.
+        ps.arrived.insert(11, In::Ready(Kind::User, 4, b(2)));
+        assert!(matches!(pieces(&ps, 8), Pieces::Bad(_)));
+        ps.arrived.insert(11, In::Reading);
+        assert!(matches!(pieces(&ps, 8), Pieces::Bad(_)));
+        // Across the wrap of the sequence numbers; a run longer than the
+        // window can never be whole.
+        let mut ps = PeerState {
+            expect: u32::MAX,
+            ..Default::default()
+        };
+        for i in 0..3u32 {
+            let at = u32::MAX.wrapping_add(i);
+            ps.arrived.insert(at, In::Piece(Kind::User, 1, b(1)));
+        }
+        assert!(matches!(pieces(&ps, 3), Pieces::Bad(_)));
+        ps.arrived.insert(2, In::Ready(Kind::User, 1, b(1)));
+        assert!(matches!(pieces(&ps, 4), Pieces::Whole { n: 4, len: 4, .. }));
+    }
 
     #[test]
     fn derived_keys_change_with_every_bit_of_the_id() {

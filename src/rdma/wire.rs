@@ -7,13 +7,16 @@
 //!  | ver | typ | kind | 0  | credits  | src rank |   seq    |  tag  | job |
 //! ```
 //!
-//! - `Eager`: the message's bytes follow.
+//! - `Eager`: the message's bytes follow (or the last piece of a message
+//!   sent in pieces).
+//! - `Part`: a piece of a message too large for one eager buffer; more
+//!   pieces follow, in the next sequence numbers, the last an `Eager`.
 //! - `Rts` (rendezvous): length, address, key and cookie of the sender's
 //!   registered message, which the receiver reads with RDMA read.
 //! - `Fin`: the receiver read the message with this cookie.
 //! - `Credit`, `Ping`: nothing (a `Ping` keeps a silent pair alive).
 //!
-//! `Eager` and `Rts` carry the sequence number the receiver orders by and
+//! `Eager`, `Part` and `Rts` carry the sequence number the receiver orders by and
 //! use one of the sender's credits; the others do neither. Decoding checks
 //! every field and length; the bytes come from the network.
 
@@ -42,6 +45,8 @@ pub(crate) enum Type {
     Credit = 3,
     /// A keepalive.
     Ping = 4,
+    /// A piece of a message; more follow.
+    Part = 5,
 }
 
 impl Type {
@@ -52,13 +57,14 @@ impl Type {
             2 => Type::Fin,
             3 => Type::Credit,
             4 => Type::Ping,
+            5 => Type::Part,
             _ => return None,
         })
     }
 
     /// Whether frames of this type are ordered and use a credit.
     pub(crate) fn sequenced(self) -> bool {
-        matches!(self, Type::Eager | Type::Rts)
+        matches!(self, Type::Eager | Type::Part | Type::Rts)
     }
 }
 
@@ -89,6 +95,7 @@ pub(crate) struct Rts {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Body<'a> {
     Eager(&'a [u8]),
+    Part(&'a [u8]),
     Rts(Rts),
     Fin { cookie: u64 },
     Empty,
@@ -187,6 +194,7 @@ pub(crate) fn decode(b: &[u8]) -> Result<(Header, Body<'_>), WireError> {
     };
     let body = match typ {
         Type::Eager => Body::Eager(body),
+        Type::Part if !body.is_empty() => Body::Part(body),
         Type::Rts if body.len() == RTS_BODY => Body::Rts(Rts {
             len: u64_at(body, 0),
             addr: u64_at(body, 8),
@@ -292,7 +300,7 @@ pub(crate) fn reencode(h: &Header, body: &Body<'_>) -> Vec<u8> {
     let mut v = Vec::new();
     h.encode(&mut v);
     match body {
-        Body::Eager(d) => v.extend_from_slice(d),
+        Body::Eager(d) | Body::Part(d) => v.extend_from_slice(d),
         Body::Rts(r) => r.encode(&mut v),
         Body::Fin { cookie } => v.extend_from_slice(&cookie.to_le_bytes()),
         Body::Empty => {}
@@ -351,6 +359,10 @@ mod tests {
         let (h, b) = decode(&f).unwrap();
         assert_eq!((h.typ, h.src, h.job, h.credits), (Type::Fin, 5, 7, 2));
         assert_eq!(b, Body::Fin { cookie: 99 });
+        let mut v = Vec::new();
+        header(Type::Part).encode(&mut v);
+        v.extend_from_slice(b"piece");
+        assert_eq!(decode(&v), Ok((header(Type::Part), Body::Part(b"piece"))));
         let mut c = control(Type::Credit, 1, 2, 3, None);
         Header::set_credits(&mut c, 11);
         assert_eq!(decode(&c).unwrap().0.credits, 11);
@@ -374,7 +386,11 @@ mod tests {
         let mut p = control(Type::Ping, 0, 0, 0, None);
         p.push(0);
         assert!(matches!(decode(&p), Err(WireError::BodyLength { .. })));
-        assert!(Type::Eager.sequenced() && Type::Rts.sequenced());
+        // A piece carries bytes.
+        let mut e = Vec::new();
+        header(Type::Part).encode(&mut e);
+        assert!(matches!(decode(&e), Err(WireError::BodyLength { .. })));
+        assert!(Type::Eager.sequenced() && Type::Part.sequenced() && Type::Rts.sequenced());
         assert!(!Type::Fin.sequenced() && !Type::Ping.sequenced());
     }
 }
