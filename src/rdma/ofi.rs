@@ -63,6 +63,7 @@ struct RawProv {
     inject_size: u64,
     progress: u32,
     wait_fd: u32,
+    iov_limit: u64,
 }
 
 extern "C" {
@@ -106,6 +107,15 @@ extern "C" {
         buf: *const c_void,
         len: usize,
         desc: *mut c_void,
+        dest: u64,
+        ctx: *mut c_void,
+    ) -> c_int;
+    fn abtl_sendv(
+        e: *mut RawEp,
+        hdr: *const c_void,
+        hlen: usize,
+        body: *const c_void,
+        blen: usize,
         dest: u64,
         ctx: *mut c_void,
     ) -> c_int;
@@ -201,6 +211,8 @@ pub(crate) struct Provider {
     pub(crate) max_msg: u64,
     /// Whether data moves only while the process calls into libfabric.
     pub(crate) manual_progress: bool,
+    /// Pieces of memory one send may gather.
+    pub(crate) iov_limit: u64,
 }
 
 fn c_str(p: *const c_char) -> String {
@@ -223,6 +235,7 @@ fn describe(info: *const RawInfo) -> Provider {
         inject_size: 0,
         progress: 0,
         wait_fd: 0,
+        iov_limit: 0,
     };
     // SAFETY: `info` is an entry of a live list (callers hold it), and
     // `raw` is a valid place for the shim to write.
@@ -235,6 +248,7 @@ fn describe(info: *const RawInfo) -> Provider {
         key_size: raw.mr_key_size,
         max_msg: raw.max_msg_size,
         manual_progress: raw.progress == consts().progress_manual,
+        iov_limit: raw.iov_limit,
     }
 }
 
@@ -499,6 +513,29 @@ impl Ep {
         ctx: *mut c_void,
     ) -> Result<(), PostError> {
         posted(abtl_send(self.p(), buf.cast(), len, desc, dest, ctx))
+    }
+
+    /// Post a send of `hdr` followed by `body` (gathered, not copied by
+    /// us) to `dest`; needs a provider whose `iov_limit` is 2 or more.
+    ///
+    /// # Safety
+    /// As [`post_send`](Self::post_send), for both pieces of memory.
+    pub(crate) unsafe fn post_sendv(
+        &self,
+        hdr: &[u8],
+        body: &[u8],
+        dest: u64,
+        ctx: *mut c_void,
+    ) -> Result<(), PostError> {
+        posted(abtl_sendv(
+            self.p(),
+            hdr.as_ptr().cast(),
+            hdr.len(),
+            body.as_ptr().cast(),
+            body.len(),
+            dest,
+            ctx,
+        ))
     }
 
     /// Post an RDMA write (`write`) or read of `buf..buf+len` to or from

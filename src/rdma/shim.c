@@ -70,6 +70,7 @@ struct abtl_prov {
     uint64_t inject_size;
     uint32_t progress;
     uint32_t wait_fd;
+    uint64_t iov_limit;
 };
 
 /*
@@ -165,8 +166,10 @@ void abtl_info_describe(const struct fi_info *info, struct abtl_prov *out)
     }
     if (info->ep_attr)
         out->max_msg_size = info->ep_attr->max_msg_size;
-    if (info->tx_attr)
+    if (info->tx_attr) {
         out->inject_size = info->tx_attr->inject_size;
+        out->iov_limit = info->tx_attr->iov_limit;
+    }
 }
 
 static void abtl_close_fid(struct fid *f)
@@ -333,6 +336,26 @@ int abtl_send(struct abtl_ep *e, const void *buf, size_t len, void *desc,
         .msg_iov = &iov,
         .desc = &desc,
         .iov_count = 1,
+        .addr = (fi_addr_t)dest,
+        .context = ctx,
+    };
+    return (int)fi_sendmsg(e->ep, &msg, FI_COMPLETION);
+}
+
+/* Send a header and a body that lie apart as one message (no copy of the
+ * body into a frame); completes when both left our buffers. */
+int abtl_sendv(struct abtl_ep *e, const void *hdr, size_t hlen,
+               const void *body, size_t blen, uint64_t dest, void *ctx)
+{
+    struct iovec iov[2] = {
+        {.iov_base = (void *)hdr, .iov_len = hlen},
+        {.iov_base = (void *)body, .iov_len = blen},
+    };
+    void *desc[2] = {NULL, NULL};
+    struct fi_msg msg = {
+        .msg_iov = iov,
+        .desc = desc,
+        .iov_count = 2,
         .addr = (fi_addr_t)dest,
         .context = ctx,
     };

@@ -114,12 +114,14 @@ fn ctx_ptr(c: &mut Ctx) -> *mut std::ffi::c_void {
 /// A posted operation, kept (with the memory it touches) until its
 /// completion is read.
 enum Op {
-    /// A receive buffer.
-    Recv { buf: Box<[u8]>, ctx: Ctx },
-    /// A frame sent to `peer`.
+    /// A receive buffer: empty, the provider writing an eager frame into
+    /// its spare capacity.
+    Recv { buf: Vec<u8>, ctx: Ctx },
+    /// A frame sent to `peer` (its body, if apart, in `body`).
     Send {
         peer: Rank,
         frame: Vec<u8>,
+        body: Option<Bytes>,
         ctx: Ctx,
     },
     /// A put or get.
@@ -156,6 +158,8 @@ struct FetchOp {
 /// A frame waiting to be posted.
 struct Out {
     frame: Vec<u8>,
+    /// The body, sent from where it lies after `frame` (the header).
+    body: Option<Bytes>,
     /// Uses a credit (and has its sequence number).
     sequenced: bool,
     /// Completes when posted (eager sends).
@@ -227,6 +231,15 @@ fn pieces(ps: &PeerState, window: u32) -> Pieces {
     Pieces::Bad(format!("it sent a message in more than {window} pieces"))
 }
 
+/// An eager body at least this large is sent from where it lies, gathered
+/// after its header, rather than copied into a frame.
+const SEND_IN_PLACE: usize = 1024;
+
+/// An eager body at least this large keeps the buffer it arrived in
+/// (another is posted in its place) rather than being copied out: the
+/// copy costs more than taking a recycled buffer.
+const KEEP_BUFFER: usize = 4096;
+
 /// Bytes of rendezvous messages a receiver reads ahead of delivering them
 /// (per sender): beyond it, a message is read only once those before it are
 /// delivered, so a receiver that stops reading holds its senders back
@@ -285,7 +298,7 @@ struct State {
     ops: HashMap<usize, Op>,
     next_cookie: u64,
     /// Receive buffers whose repost the provider refused for now.
-    unposted: Vec<(Box<[u8]>, Ctx)>,
+    unposted: Vec<(Vec<u8>, Ctx)>,
     /// Peers to declare lost once the lock is released (found where
     /// `lose` cannot run).
     lose_later: Vec<(Rank, String)>,
@@ -428,6 +441,9 @@ pub(crate) struct RdmaTransport {
     job: u64,
     /// Remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`).
     virt_addr: bool,
+    /// The provider gathers a send from two pieces of memory (eager
+    /// bodies then go without a copy into the frame).
+    gather: bool,
     /// The provider picks keys (`FI_MR_PROV_KEY`).
     prov_key: bool,
     /// Peers by rank.
@@ -487,6 +503,7 @@ impl RdmaTransport {
         Ok(Arc::new(RdmaTransport {
             job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(29),
             virt_addr: mr_mode & c.mr_virt_addr != 0,
+            gather: ep.provider.iov_limit >= 2,
             prov_key: mr_mode & c.mr_prov_key != 0,
             config,
             ep,
@@ -545,21 +562,25 @@ impl RdmaTransport {
         let n = (peers * (self.config.credits as usize + 4)).clamp(16, MAX_POSTED);
         let mut st = lock(&self.st);
         for _ in 0..n {
-            let buf = vec![0u8; self.config.eager].into_boxed_slice();
+            let buf = self.core.buffers().take(self.config.eager);
             self.repost(&mut st, buf, new_ctx());
         }
     }
 
     /// Post a receive buffer (again).
-    fn repost(&self, st: &mut State, mut buf: Box<[u8]>, mut ctx: Ctx) {
+    fn repost(&self, st: &mut State, mut buf: Vec<u8>, mut ctx: Ctx) {
+        buf.clear();
+        let room = self.config.eager.min(buf.capacity());
         let p = ctx_ptr(&mut ctx);
-        // SAFETY: the buffer and the context move into `st.ops` (boxed:
-        // their addresses do not change) and stay there until the
-        // receive's completion is read; at shutdown they go to the
-        // endpoint's graveyard, freed only after the endpoint is closed.
+        // SAFETY: the buffer (its heap allocation, `room` bytes of
+        // capacity, which no Vec operation touches while it sits in
+        // `st.ops`) and the context (boxed) move into `st.ops` and stay
+        // there until the receive's completion is read; at shutdown they
+        // go to the endpoint's graveyard, freed only after the endpoint is
+        // closed.
         let r = unsafe {
             self.ep
-                .post_recv(buf.as_mut_ptr(), buf.len(), std::ptr::null_mut(), p)
+                .post_recv(buf.as_mut_ptr(), room, std::ptr::null_mut(), p)
         };
         match r {
             Ok(()) => {
@@ -575,29 +596,34 @@ impl RdmaTransport {
         }
     }
 
-    /// Post `frame` to `peer` now. `Err(frame)`: the provider refused it for
-    /// now.
+    /// Post `frame` (followed by `body`, if any) to `peer` now. `Err`:
+    /// the provider refused it for now.
     fn post_frame(
         &self,
         st: &mut State,
         peer: &Peer,
         mut frame: Vec<u8>,
-    ) -> std::result::Result<(), Vec<u8>> {
+        body: Option<Bytes>,
+    ) -> std::result::Result<(), (Vec<u8>, Option<Bytes>)> {
         let ps = &mut st.peers[peer.rank as usize];
         Header::set_credits(&mut frame, ps.owed);
         let mut ctx = st.spare.pop().unwrap_or_else(new_ctx);
         let p = ctx_ptr(&mut ctx);
         // SAFETY: `frame` (a Vec whose heap buffer does not move when the
-        // Vec does) and the context go into `st.ops` until the send's
-        // completion is read (or the endpoint's graveyard at shutdown).
+        // Vec does), `body` (a `Bytes`, whose bytes never move) and the
+        // context go into `st.ops` until the send's completion is read (or
+        // the endpoint's graveyard at shutdown).
         let r = unsafe {
-            self.ep.post_send(
-                frame.as_ptr(),
-                frame.len(),
-                std::ptr::null_mut(),
-                peer.addr,
-                p,
-            )
+            match &body {
+                Some(b) => self.ep.post_sendv(&frame, b, peer.addr, p),
+                None => self.ep.post_send(
+                    frame.as_ptr(),
+                    frame.len(),
+                    std::ptr::null_mut(),
+                    peer.addr,
+                    p,
+                ),
+            }
         };
         match r {
             Ok(()) => {
@@ -609,6 +635,7 @@ impl RdmaTransport {
                     Op::Send {
                         peer: peer.rank,
                         frame,
+                        body,
                         ctx,
                     },
                 );
@@ -622,7 +649,7 @@ impl RdmaTransport {
                         ofi::strerror(code)
                     );
                 }
-                Err(frame)
+                Err((frame, body))
             }
         }
     }
@@ -640,7 +667,7 @@ impl RdmaTransport {
             st.peers[r].backoff_until = None;
         }
         while let Some(f) = st.peers[r].ctrl.pop_front() {
-            if let Err(f) = self.post_frame(st, peer, f) {
+            if let Err((f, _)) = self.post_frame(st, peer, f, None) {
                 st.peers[r].ctrl.push_front(f);
                 self.backlog.store(true, Ordering::Relaxed);
                 return n;
@@ -657,7 +684,7 @@ impl RdmaTransport {
                 break;
             };
             let sequenced = out.sequenced;
-            match self.post_frame(st, peer, out.frame) {
+            match self.post_frame(st, peer, out.frame, out.body) {
                 Ok(()) => {
                     if sequenced {
                         st.peers[r].credits -= 1;
@@ -667,9 +694,10 @@ impl RdmaTransport {
                     }
                     n += 1;
                 }
-                Err(frame) => {
+                Err((frame, body)) => {
                     st.peers[r].queue.push_front(Out {
                         frame,
+                        body,
                         sequenced,
                         done: out.done,
                     });
@@ -734,25 +762,25 @@ impl RdmaTransport {
             let mut st = lock(&self.st);
             self.check_alive(peer)?;
             let ps = &mut st.peers[peer.rank as usize];
-            let mut frame = Vec::with_capacity(wire::HEADER + data.len());
-            self.header(ps, Type::Eager, kind, tag).encode(&mut frame);
-            frame.extend_from_slice(&data);
+            let h = self.header(ps, Type::Eager, kind, tag);
+            let (mut frame, mut body) = self.frame(h, data);
             let free = ps.queue.is_empty() && ps.credits > 0 && ps.backoff_until.is_none();
             if free {
                 // Nothing ahead of it and a credit in hand: post it now,
                 // with no completion to wait on.
-                match self.post_frame(&mut st, peer, frame) {
+                match self.post_frame(&mut st, peer, frame, body) {
                     Ok(()) => {
                         st.peers[peer.rank as usize].credits -= 1;
                         return Ok(None);
                     }
-                    Err(f) => frame = f,
+                    Err((f, b)) => (frame, body) = (f, b),
                 }
             }
             let ps = &mut st.peers[peer.rank as usize];
             let done = Completion::new();
             ps.queue.push_back(Out {
                 frame,
+                body,
                 sequenced: true,
                 done: Some(done.clone()),
             });
@@ -776,14 +804,15 @@ impl RdmaTransport {
                 bump(&self.counters.credit_waits);
             }
             let done = Completion::new();
-            for (i, chunk) in data.chunks(piece).enumerate() {
+            for i in 0..count {
                 let last = i + 1 == count;
                 let typ = if last { Type::Eager } else { Type::Part };
-                let mut frame = Vec::with_capacity(wire::HEADER + chunk.len());
-                self.header(ps, typ, kind, tag).encode(&mut frame);
-                frame.extend_from_slice(chunk);
+                let chunk = data.slice(i * piece..data.len().min((i + 1) * piece));
+                let h = self.header(ps, typ, kind, tag);
+                let (frame, body) = self.frame(h, chunk);
                 ps.queue.push_back(Out {
                     frame,
+                    body,
                     sequenced: true,
                     done: last.then(|| done.clone()),
                 });
@@ -839,6 +868,7 @@ impl RdmaTransport {
         );
         ps.queue.push_back(Out {
             frame,
+            body: None,
             sequenced: true,
             done: None,
         });
@@ -942,11 +972,13 @@ impl RdmaTransport {
     }
 
     /// Handle one received frame in `buf[..len]` from address `src`.
+    /// A frame received into `frame`. A large eager body keeps the buffer
+    /// (taken, leaving `frame` without capacity) instead of being copied.
     fn on_receive(
         &self,
         st: &mut State,
         src: u64,
-        frame: &[u8],
+        frame: &mut Vec<u8>,
         lost: &mut Vec<(Rank, String, Loss)>,
     ) {
         let Some(rank) = self.by_addr.get().and_then(|m| m.get(&src)).copied() else {
@@ -954,7 +986,7 @@ impl RdmaTransport {
             tracing::debug!("rdma: dropped a message from an address not in this job");
             return;
         };
-        let (h, body) = match wire::decode(frame) {
+        let (h, body) = match wire::decode(frame.as_slice()) {
             Ok(x) => x,
             Err(e) => {
                 bump(&self.counters.foreign);
@@ -1005,10 +1037,18 @@ impl RdmaTransport {
             }
             match body {
                 Body::Eager(data) | Body::Part(data) => {
-                    let mut v = self.core.buffers().take(data.len());
-                    v.extend_from_slice(data);
-                    let b = self.core.buffers().freeze(v);
-                    let item = if matches!(body, Body::Part(_)) {
+                    let piece = matches!(body, Body::Part(_));
+                    let b = if data.len() >= KEEP_BUFFER && 2 * data.len() >= frame.capacity() {
+                        // The posted buffer becomes the message's (it is at
+                        // most twice the message, as a pooled one would be).
+                        let buf = std::mem::take(frame);
+                        self.core.buffers().freeze(buf).slice(wire::HEADER..)
+                    } else {
+                        let mut v = self.core.buffers().take(data.len());
+                        v.extend_from_slice(data);
+                        self.core.buffers().freeze(v)
+                    };
+                    let item = if piece {
                         In::Piece(kind, h.tag, b)
                     } else {
                         In::Ready(kind, h.tag, b)
@@ -1165,6 +1205,21 @@ impl RdmaTransport {
         st.lose_later.extend(bad);
     }
 
+    /// An eager frame of `h` and `data`: one buffer, or (a body worth not
+    /// copying, and a provider that gathers) the header alone with the
+    /// body sent from where it lies.
+    fn frame(&self, h: Header, data: Bytes) -> (Vec<u8>, Option<Bytes>) {
+        if self.gather && data.len() >= SEND_IN_PLACE {
+            let mut frame = Vec::with_capacity(wire::HEADER);
+            h.encode(&mut frame);
+            return (frame, Some(data));
+        }
+        let mut frame = Vec::with_capacity(wire::HEADER + data.len());
+        h.encode(&mut frame);
+        frame.extend_from_slice(&data);
+        (frame, None)
+    }
+
     /// How many eager buffers a message of `len` bytes goes in as pieces,
     /// if it does: more than one, at most [`PIECES`], and at most half the
     /// credits (all its pieces must fit in the window, with the credits of
@@ -1190,9 +1245,17 @@ impl RdmaTransport {
             Op::Recv { .. } | Op::Send { .. } => {}
         }
         match op {
-            Op::Recv { buf, ctx } => {
-                let n = (e.len as usize).min(buf.len());
-                self.on_receive(st, e.src, &buf[..n], lost);
+            Op::Recv { mut buf, ctx } => {
+                let n = (e.len as usize).min(self.config.eager.min(buf.capacity()));
+                // SAFETY: the receive completed successfully: the provider
+                // wrote the completion's `len` bytes at the start of the
+                // buffer, posted with room for `eager.min(capacity)`.
+                unsafe { buf.set_len(n) };
+                self.on_receive(st, e.src, &mut buf, lost);
+                if buf.capacity() == 0 {
+                    // The message kept the buffer: post another.
+                    buf = self.core.buffers().take(self.config.eager);
+                }
                 self.repost(st, buf, ctx);
             }
             Op::Send { peer, ctx, .. } => {
@@ -1268,19 +1331,22 @@ impl RdmaTransport {
                     st.unposted.push((buf, ctx));
                 }
             }
-            Op::Send { peer, frame, .. } => {
+            Op::Send {
+                peer, frame, body, ..
+            } => {
                 let ps = &mut st.peers[peer as usize];
                 ps.in_flight = ps.in_flight.saturating_sub(1);
                 if !closing && !is_lost(peer) {
                     // Sent again (the receiver drops a copy that did
                     // arrive); it used its credit already.
                     bump(&self.counters.reposts);
-                    let sequenced = wire::decode(&frame).is_ok_and(|(h, _)| h.typ.sequenced());
+                    let sequenced = wire::sequenced(&frame);
                     if sequenced {
                         ps.credits += 1;
                     }
                     ps.queue.push_front(Out {
                         frame,
+                        body,
                         sequenced,
                         done: None,
                     });
@@ -1514,15 +1580,16 @@ impl Link for RdmaLink {
         let mut frame = Vec::with_capacity(wire::HEADER + data.len());
         self.t.header(ps, Type::Eager, kind, tag).encode(&mut frame);
         frame.extend_from_slice(data);
-        match self.t.post_frame(&mut st, &self.peer, frame) {
+        match self.t.post_frame(&mut st, &self.peer, frame, None) {
             Ok(()) => {
                 st.peers[r].credits -= 1;
                 Ok(true)
             }
-            Err(frame) => {
+            Err((frame, _)) => {
                 // It has its sequence number: it must go, in order.
                 st.peers[r].queue.push_back(Out {
                     frame,
+                    body: None,
                     sequenced: true,
                     done: None,
                 });

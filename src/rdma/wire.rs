@@ -68,6 +68,14 @@ impl Type {
     }
 }
 
+/// Whether an encoded frame (its header, at least) is of a sequenced type.
+pub(crate) fn sequenced(frame: &[u8]) -> bool {
+    frame
+        .get(1)
+        .and_then(|b| Type::from_u8(*b))
+        .is_some_and(Type::sequenced)
+}
+
 /// The fixed header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
