@@ -120,6 +120,19 @@ pub(crate) fn watchdog(
         .map(drop)
 }
 
+/// Wait a while for a receiver polling progress inline: until it stops
+/// (it notifies `cold` then), the fabric closes, or the timer wheel's next
+/// tick (about 1 ms), whichever comes first.
+async fn stand_back(core: &Core) {
+    let closing = core.closing.clone();
+    let cold = core.dispatcher.cold.clone();
+    tokio::select! {
+        _ = tokio::time::sleep(STAND_BACK) => {}
+        _ = cold.notified() => {}
+        _ = closing.notified() => {}
+    }
+}
+
 /// Drive `t` until the fabric closes.
 pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat>) {
     let cfg = core.config.clone();
@@ -129,6 +142,22 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
     loop {
         if core.is_closed() {
             break;
+        }
+        if core.dispatcher.inline_polling(STAND_BACK) {
+            // A receiver is polling progress itself: it finds what this
+            // task would, and hands it over without a queue. Stand back
+            // rather than race it for each message (what this task found
+            // would be queued, in a buffer each), checking the peers on
+            // time still.
+            let now = Instant::now();
+            if now.duration_since(last_check) >= cfg.heartbeat {
+                t.check_peers();
+                core.expire_answers(cfg.answer_timeout);
+                beat.touch();
+                last_check = now;
+            }
+            stand_back(&core).await;
+            continue;
         }
         let before = woken();
         let work = t.progress();
@@ -162,15 +191,8 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
         if hot {
             if core.dispatcher.inline_polling(STAND_BACK) {
                 // A receiver is polling progress itself on its own thread:
-                // spinning here too would only compete for the core. Check
-                // back soon (the timer wheel's 1 ms tick).
-                let closing = core.closing.clone();
-                let cold = core.dispatcher.cold.clone();
-                tokio::select! {
-                    _ = tokio::time::sleep(STAND_BACK) => {}
-                    _ = cold.notified() => {}
-                    _ = closing.notified() => {}
-                }
+                // spinning here too would only compete for the core.
+                stand_back(&core).await;
             } else {
                 // Spin on progress a while before handing the thread back:
                 // each yield costs the runtime an I/O poll (epoll_wait).
