@@ -42,6 +42,7 @@ fn rank_main() {
             "kill" => kill(f).await,
             "parking" => parking(f).await,
             "whole" => whole_and_dropped(f).await,
+            "registered" => registered(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -182,6 +183,74 @@ async fn putget(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Rank 1 registers part of a device allocation it holds (its own
+/// region's memory, reached by `device_ptr`, as memory from another
+/// allocator would be) at an offset in it; rank 0 puts into and gets from
+/// that part, and nowhere else.
+async fn registered(f: Fabric) {
+    const WHOLE: usize = 1 << 20;
+    const AT: usize = 65_536 + 4096;
+    const PART: usize = 8192;
+    let me = f.rank();
+    let peer = 1 - me;
+    let ep = f.endpoint(peer).unwrap();
+    if me == 1 {
+        let whole = f.alloc_device_region(0, WHOLE).unwrap();
+        let base = whole
+            .device_ptr()
+            .expect("a device region has a device address");
+        assert_eq!(f.register(vec![0u8; 8]).device_ptr(), None);
+        // SAFETY: inside `whole`'s allocation, which outlives `part` (both
+        // live to the end of this function; the barrier below comes after
+        // every operation of the peer's).
+        let part = unsafe { f.register_device(base + AT as u64, PART) }.unwrap();
+        assert_eq!(part.memory(), MemoryKind::Device(0));
+        assert_eq!(part.len(), PART);
+        assert_eq!(part.device_ptr(), Some(base + AT as u64));
+        // Past the allocation's end, and host memory: refused.
+        // SAFETY: refused before anything could reach the memory.
+        let past = unsafe { f.register_device(base + WHOLE as u64 - 8, 16) };
+        assert!(matches!(past, Err(Error::Config(_))), "{past:?}");
+        let host = [0u8; 64];
+        // SAFETY: as above.
+        let e = unsafe { f.register_device(host.as_ptr() as u64, 64) }.unwrap_err();
+        assert!(e.to_string().contains("not device memory"), "{e}");
+        part.write(0, &pattern(PART, 5)).unwrap();
+        exchange_keys(&f, &part.remote_key()).await;
+        f.receiver(8).unwrap().recv().await.unwrap();
+        // The put landed in the part, at its place in the allocation, and
+        // nothing around it moved.
+        let mut got = vec![0u8; PART + 2];
+        whole.read(AT - 1, &mut got).unwrap();
+        assert_eq!(got[0], 0, "before the part");
+        assert_eq!(got[PART + 1], 0, "after the part");
+        assert!(got[1..=PART] == pattern(PART, 6)[..], "the put");
+        drop(part);
+        // The allocation is still the fabric's: usable after the part went.
+        whole.write(0, b"still here").unwrap();
+    } else {
+        let local = f.alloc_device_region(0, PART).unwrap();
+        let theirs = exchange_keys(&f, &local.remote_key()).await;
+        assert_eq!(theirs.len(), PART as u64);
+        ep.get(&local, 0..PART, &theirs, 0).await.unwrap();
+        let mut got = vec![0u8; PART];
+        local.read(0, &mut got).unwrap();
+        assert!(got == pattern(PART, 5)[..], "the get of the part");
+        local.write(0, &pattern(PART, 6)).unwrap();
+        ep.put(&local, 0..PART, &theirs, 0).await.unwrap();
+        // One byte past the part: refused, though the allocation goes on.
+        let e = ep
+            .put(&local, 0..16, &theirs, PART as u64 - 8)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        println!("direct_puts={}", f.stats().direct_puts);
+        ep.send(8, &b"put"[..]).await.unwrap();
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 async fn kill(f: Fabric) {
     let region = f.alloc_device_region(0, 16 << 20).unwrap();
     let theirs = exchange_keys(&f, &region.remote_key()).await;
@@ -317,6 +386,20 @@ fn device_regions_put_and_get_between_processes_through_the_double() {
     assert_eq!(n("direct_puts"), SIZES.len() as u64 + 1);
     assert_eq!(n("staged"), 2);
     assert_eq!(n("forged_refused"), 1);
+}
+
+#[test]
+fn registered_device_memory_is_reached_at_its_offset_in_the_allocation() {
+    // VMM descriptors through the owner's server, then legacy handles.
+    for faults in ["copy-delay-ms:1", "copy-delay-ms:1,no-vmm"] {
+        let outs = job(2, "registered", faults).wait(Duration::from_secs(60));
+        assert_ok(&outs);
+        assert_eq!(
+            value(&outs[0], "direct_puts").as_deref(),
+            Some("1"),
+            "{faults}"
+        );
+    }
 }
 
 #[test]

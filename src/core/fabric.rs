@@ -937,6 +937,46 @@ impl Fabric {
         ))
     }
 
+    /// Register `len` bytes of device memory at `ptr`, allocated by the
+    /// caller (through the CUDA driver, cudarc, or a framework's
+    /// allocator), as a region: same-node peers put into and get from it
+    /// as from one of [`alloc_device_region`](Self::alloc_device_region)'s,
+    /// by one GPU copy through CUDA IPC. The range may be part of a larger
+    /// allocation (a caching allocator's block): peers map the whole
+    /// allocation and reach only the range. The fabric never frees the
+    /// memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory this process allocated, and
+    /// it must stay allocated while the region, any clone of it, or any
+    /// operation on it lives: peers write into it and read from it
+    /// through the GPU, at any time until then.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when no transport of this fabric has device
+    /// memory (see [`alloc_device_region`](Self::alloc_device_region)),
+    /// or when `ptr..ptr + len` is not device memory of this process
+    /// (host memory, a range past its allocation's end);
+    /// [`Error::Access`] when the allocation can be shared with no other
+    /// process (pool memory from `cudaMallocAsync`, a VMM allocation made
+    /// without a POSIX-fd handle type).
+    pub unsafe fn register_device(&self, ptr: u64, len: usize) -> Result<MemoryRegion> {
+        let id = crate::sys::os::random_bytes::<16>();
+        for t in self.transports.iter() {
+            if let Some(made) = t.register_device(ptr, len, &id) {
+                let (mem, handle) = made?;
+                return Ok(self
+                    .core
+                    .rma
+                    .regions
+                    .add_device(self.core.rank, id, mem, handle));
+            }
+        }
+        Err(Error::Config(
+            "no transport of this fabric has device memory (smcuda needs a GPU and the `cuda` feature; btl-info says why not)".into(),
+        ))
+    }
+
     /// A snapshot of the fabric's counters, every transport's included.
     pub fn stats(&self) -> Stats {
         let mut s = self.core.counters.snapshot();

@@ -268,6 +268,8 @@ pub(crate) trait DeviceMemory: Send + Sync {
     fn len(&self) -> usize;
     /// The device it lives on.
     fn device(&self) -> u32;
+    /// Its device address (as the CUDA driver API names it).
+    fn ptr(&self) -> u64;
     /// Copy `dst.len()` bytes at `offset` out to the host (blocking).
     fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
     /// Copy `src` in at `offset` from the host (blocking).
@@ -424,6 +426,13 @@ impl MemoryRegion {
     /// Whether the region has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The device address of a region in GPU memory (a `CUdeviceptr`:
+    /// where kernels and CUDA copies of this process reach its first
+    /// byte); `None` for host memory. The memory stays allocated while
+    /// the region or a clone of it lives.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.inner.device.as_ref().map(|d| d.ptr())
     }
     /// The key peers use to reach this region.
     pub fn remote_key(&self) -> RemoteKey {

@@ -462,6 +462,75 @@ impl Gpu for Cuda {
         }
     }
 
+    fn adopt(&self, ptr: u64, len: u64) -> Result<DeviceAlloc, GpuError> {
+        let PtrInfo::Device {
+            device,
+            base,
+            len: whole,
+            kind,
+            ..
+        } = self.classify(ptr)?
+        else {
+            return Err(GpuError::BadPointer(format!(
+                "{ptr:#x} is host memory, not device memory"
+            )));
+        };
+        if !matches!(ptr.checked_add(len), Some(end) if end <= base + whole) {
+            return Err(GpuError::BadPointer(format!(
+                "{len} bytes at {ptr:#x} run past the end of their allocation ({whole} bytes at {base:#x})"
+            )));
+        }
+        self.bind(device)?;
+        match kind {
+            Some(AllocKind::Vmm) => {
+                let mut handle: cu::CUmemGenericAllocationHandle = 0;
+                guarded("cuMemRetainAllocationHandle", || {
+                    check(
+                        // SAFETY: valid out-pointer; `base` is mapped
+                        // device memory (classified above). The handle
+                        // taken is given back by `release`.
+                        unsafe {
+                            cu::cuMemRetainAllocationHandle(&mut handle, base as *mut c_void)
+                        },
+                        "cuMemRetainAllocationHandle",
+                    )
+                })?;
+                let token = self.token();
+                lock(&self.vmm).insert(token, (handle, whole as usize));
+                Ok(DeviceAlloc {
+                    device,
+                    ptr: base,
+                    len: whole,
+                    kind: AllocKind::Vmm,
+                    token,
+                })
+            }
+            Some(AllocKind::Legacy) => Ok(DeviceAlloc {
+                device,
+                ptr: base,
+                len: whole,
+                kind: AllocKind::Legacy,
+                token: 0,
+            }),
+            None => Err(GpuError::Refused(
+                "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)".into(),
+            )),
+        }
+    }
+
+    fn release(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        if a.kind == AllocKind::Legacy {
+            return Ok(());
+        }
+        let (handle, _) = lock(&self.vmm)
+            .remove(&a.token)
+            .ok_or_else(|| GpuError::BadPointer(format!("no allocation {}", a.token)))?;
+        self.bind(a.device)?;
+        // SAFETY: the reference `adopt` retained, released once (the
+        // token is gone from the table); the mapping stays its owner's.
+        check(unsafe { cu::cuMemRelease(handle) }, "cuMemRelease")
+    }
+
     fn export(&self, a: &DeviceAlloc) -> Result<MemHandle, GpuError> {
         self.bind(a.device)?;
         match a.kind {

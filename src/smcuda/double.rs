@@ -460,6 +460,34 @@ impl Gpu for GpuDouble {
         }
     }
 
+    fn adopt(&self, ptr: u64, len: u64) -> Result<DeviceAlloc, GpuError> {
+        // Only this process's own allocations: a peer's memory mapped here
+        // is not the caller's to offer.
+        let st = lock(&self.state);
+        st.allocs
+            .iter()
+            .find(|(_, m)| m.holds(ptr, len.max(1)))
+            .map(|(token, m)| DeviceAlloc {
+                device: m.device,
+                ptr: m.base(),
+                len: m.len(),
+                kind: m.kind,
+                token: *token,
+            })
+            .ok_or_else(|| {
+                GpuError::BadPointer(format!(
+                    "{len} bytes at {ptr:#x} are not device memory this process allocated"
+                ))
+            })
+    }
+
+    fn release(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        match lock(&self.state).allocs.get(&a.token) {
+            Some(m) if m.base() == a.ptr => Ok(()),
+            _ => Err(GpuError::BadPointer(format!("no allocation {}", a.token))),
+        }
+    }
+
     fn export(&self, a: &DeviceAlloc) -> Result<MemHandle, GpuError> {
         if self.faults.export {
             return Err(GpuError::Refused("export refused (injected)".into()));

@@ -163,6 +163,18 @@ pub(crate) trait Gpu: Send + Sync {
     /// its importers unmap it too).
     fn free(&self, a: DeviceAlloc) -> Result<(), GpuError>;
 
+    /// The allocation `ptr..ptr + len` lies in, made by the caller through
+    /// another allocator (`cuMemAlloc`, or `cuMemCreate` with a POSIX-fd
+    /// handle type): described as [`alloc`](Self::alloc) describes its
+    /// own, so that it is exported alike, and given back with
+    /// [`release`](Self::release), never [`free`](Self::free). Refused
+    /// for memory that can be shared neither way (pool memory, say).
+    fn adopt(&self, ptr: u64, len: u64) -> Result<DeviceAlloc, GpuError>;
+
+    /// Let go of an allocation [`adopt`](Self::adopt) described, without
+    /// freeing it (its owner does).
+    fn release(&self, a: DeviceAlloc) -> Result<(), GpuError>;
+
     /// Export an allocation for a peer.
     fn export(&self, a: &DeviceAlloc) -> Result<MemHandle, GpuError>;
 

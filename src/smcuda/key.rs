@@ -26,9 +26,9 @@ use crate::sm::share;
 use crate::Rank;
 
 /// Bytes of a VMM handle.
-const VMM_LEN: usize = 77;
+const VMM_LEN: usize = 85;
 /// Bytes of a legacy handle.
-const LEGACY_LEN: usize = 105;
+const LEGACY_LEN: usize = 113;
 
 /// How the allocation is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,11 @@ pub(crate) struct Handle {
     pub(crate) len: u64,
     /// Its buffer id.
     pub(crate) buffer_id: u64,
+    /// Where the region starts in the allocation (a region registered
+    /// over part of an allocation the user made; 0 for one the fabric
+    /// allocated): the peer maps the whole allocation and reaches the
+    /// region at this offset in it.
+    pub(crate) offset: u64,
     /// How it is reached.
     pub(crate) route: Route,
 }
@@ -92,6 +97,7 @@ impl Handle {
         b.extend_from_slice(&self.base.to_le_bytes());
         b.extend_from_slice(&self.len.to_le_bytes());
         b.extend_from_slice(&self.buffer_id.to_le_bytes());
+        b.extend_from_slice(&self.offset.to_le_bytes());
         match &self.route {
             Route::Vmm { pid, server, id } => {
                 b.extend_from_slice(&pid.to_le_bytes());
@@ -115,24 +121,25 @@ impl Handle {
         if b.len() != want {
             return Err(HandleError::Length(b.len()));
         }
-        let (base, len) = (u64_at(b, 17), u64_at(b, 25));
-        if len == 0 || base.checked_add(len).is_none() {
+        let (base, len, offset) = (u64_at(b, 17), u64_at(b, 25), u64_at(b, 41));
+        if len == 0 || base.checked_add(len).is_none() || offset > len {
             return Err(HandleError::Extent);
         }
         let route = if kind == 1 {
             Route::Vmm {
-                pid: u32::from_le_bytes(b[41..45].try_into().expect("4 bytes")),
-                server: b[45..61].try_into().expect("16 bytes"),
-                id: b[61..77].try_into().expect("16 bytes"),
+                pid: u32::from_le_bytes(b[49..53].try_into().expect("4 bytes")),
+                server: b[53..69].try_into().expect("16 bytes"),
+                id: b[69..85].try_into().expect("16 bytes"),
             }
         } else {
-            Route::Legacy(b[41..105].try_into().expect("64 bytes"))
+            Route::Legacy(b[49..113].try_into().expect("64 bytes"))
         };
         Ok(Handle {
             device: b[1..17].try_into().expect("16 bytes"),
             base,
             len,
             buffer_id: u64_at(b, 33),
+            offset,
             route,
         })
     }
@@ -183,6 +190,7 @@ pub(crate) fn export(
             base: a.ptr,
             len: a.len,
             buffer_id,
+            offset: 0,
             route,
         },
         _served: served,
@@ -267,6 +275,7 @@ mod tests {
                 base: 0x7000_0000,
                 len: 4096,
                 buffer_id: 11,
+                offset: 512,
                 route,
             };
             let b = h.encode();
@@ -283,8 +292,11 @@ mod tests {
             let mut wraps = b.clone();
             wraps[17..25].copy_from_slice(&u64::MAX.to_le_bytes());
             assert_eq!(Handle::decode(&wraps), Err(HandleError::Extent));
+            let mut past = b.clone();
+            past[41..49].copy_from_slice(&4097u64.to_le_bytes());
+            assert_eq!(Handle::decode(&past), Err(HandleError::Extent));
         }
-        assert_eq!(Handle::decode(&[3; 77]), Err(HandleError::Kind(3)));
+        assert_eq!(Handle::decode(&[3; VMM_LEN]), Err(HandleError::Kind(3)));
     }
 
     #[test]

@@ -42,7 +42,7 @@ use crate::transport::{Kind, Link, Loss, Native, OneSided, Peer, Transport};
 use crate::{Error, Rank, Result};
 
 /// The key handle's version.
-const HANDLE_VERSION: u16 = 1;
+const HANDLE_VERSION: u16 = 2;
 /// Mapped peer allocations kept for reuse.
 const CACHE_ENTRIES: usize = 256;
 
@@ -57,10 +57,15 @@ pub(crate) struct SmcudaAddr {
     pub(crate) caps: Vec<u8>,
 }
 
-/// Device memory of ours behind a region.
+/// Device memory of ours behind a region: an allocation of the fabric's,
+/// or part of one the user made and registered.
 struct DeviceMem {
     gpu: Arc<dyn Gpu>,
     alloc: Option<DeviceAlloc>,
+    /// Where the region starts in `alloc` (0 for the fabric's own).
+    at: u64,
+    /// The user's allocation (`Gpu::adopt`): released, not freed.
+    adopted: bool,
     /// Stops serving its descriptor when dropped (before the memory goes).
     _exported: Exported,
     len: usize,
@@ -73,16 +78,19 @@ impl DeviceMemory for DeviceMem {
     fn device(&self) -> u32 {
         self.alloc.as_ref().map_or(0, |a| a.device)
     }
+    fn ptr(&self) -> u64 {
+        self.alloc.as_ref().map_or(0, |a| a.ptr + self.at)
+    }
     fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
         let a = self.alloc.as_ref().ok_or("freed")?;
         self.gpu
-            .download(dst, a.ptr + offset)
+            .download(dst, a.ptr + self.at + offset)
             .map_err(|e| format!("reading device memory: {e}"))
     }
     fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String> {
         let a = self.alloc.as_ref().ok_or("freed")?;
         self.gpu
-            .upload(a.ptr + offset, src)
+            .upload(a.ptr + self.at + offset, src)
             .map_err(|e| format!("writing device memory: {e}"))
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -93,7 +101,11 @@ impl DeviceMemory for DeviceMem {
 impl Drop for DeviceMem {
     fn drop(&mut self) {
         if let Some(a) = self.alloc.take() {
-            if let Err(e) = self.gpu.free(a) {
+            if self.adopted {
+                if let Err(e) = self.gpu.release(a) {
+                    tracing::warn!("smcuda: letting go of registered device memory: {e}");
+                }
+            } else if let Err(e) = self.gpu.free(a) {
                 tracing::warn!("smcuda: freeing device memory: {e}");
             }
         }
@@ -225,12 +237,15 @@ impl SmcudaTransport {
         };
         let len = local.len as u64;
         // The key's own bounds were checked by the initiator; these are
-        // the allocation's, which only the handle knows.
+        // the allocation's, which only the handle knows. From here on
+        // `offset` is in the peer's allocation, not its region.
+        let region_at = offset;
+        let offset = h.offset.saturating_add(region_at);
         if !matches!(offset.checked_add(len), Some(end) if end <= h.len) {
             return Err(Error::Access(AccessError::OutOfBounds {
-                offset,
-                end: offset.saturating_add(len),
-                len: h.len,
+                offset: region_at,
+                end: region_at.saturating_add(len),
+                len: h.len.saturating_sub(h.offset),
             }));
         }
         if len == 0 {
@@ -263,12 +278,12 @@ impl SmcudaTransport {
         // What the driver mapped bounds the copy too.
         if !matches!(offset.checked_add(len), Some(end) if end <= mapping.len()) {
             return Err(Error::Access(AccessError::OutOfBounds {
-                offset,
-                end: offset.saturating_add(len),
-                len: mapping.len(),
+                offset: region_at,
+                end: region_at.saturating_add(len),
+                len: mapping.len().saturating_sub(h.offset),
             }));
         }
-        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + local.offset);
+        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + mine.at + local.offset);
         let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
         let stream = self.stream(device)?;
         let event = self.event(device)?;
@@ -464,6 +479,42 @@ impl Transport for SmcudaTransport {
             let mem = DeviceMem {
                 gpu: self.gpu.clone(),
                 alloc: Some(a),
+                at: 0,
+                adopted: false,
+                _exported: exported,
+                len,
+            };
+            Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
+        })();
+        Some(made)
+    }
+
+    fn register_device(
+        &self,
+        ptr: u64,
+        len: usize,
+        id: &KeyId,
+    ) -> Option<Result<(Box<dyn DeviceMemory>, KeyHandle)>> {
+        let made = (|| {
+            let a = self
+                .gpu
+                .adopt(ptr, len as u64)
+                .map_err(|e| Self::gpu_error("registering device memory", e))?;
+            let at = ptr - a.ptr;
+            let mut exported = match key::export(&*self.gpu, &a, *id, self.core.job_tag()) {
+                Ok(x) => x,
+                Err(e) => {
+                    let _ = self.gpu.release(a);
+                    return Err(e);
+                }
+            };
+            exported.handle.offset = at;
+            let handle = KeyHandle::new("smcuda", HANDLE_VERSION, exported.handle.encode());
+            let mem = DeviceMem {
+                gpu: self.gpu.clone(),
+                alloc: Some(a),
+                at,
+                adopted: true,
                 _exported: exported,
                 len,
             };

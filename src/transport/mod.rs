@@ -391,6 +391,24 @@ pub(crate) trait Transport: Send + Sync {
         None
     }
 
+    /// Offer `len` bytes of device memory at `ptr`, which the user
+    /// allocated and keeps allocated, for a region with key id `id`, if
+    /// this transport has device memory: the memory (never freed by the
+    /// transport) and the key's handle. `None` (the default): it has none.
+    fn register_device(
+        &self,
+        _ptr: u64,
+        _len: usize,
+        _id: &crate::core::region::KeyId,
+    ) -> Option<
+        Result<(
+            Box<dyn crate::core::region::DeviceMemory>,
+            crate::core::region::KeyHandle,
+        )>,
+    > {
+        None
+    }
+
     /// The concrete transport, for accessors of one transport's own
     /// (`Fabric::udp_stats`).
     fn as_any(&self) -> &dyn std::any::Any;
