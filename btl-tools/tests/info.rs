@@ -100,3 +100,47 @@ fn routes_follow_the_preference_order_and_the_allowed_transports() {
     assert_eq!(route(&v, "same node"), ("udp".into(), "udp".into()));
     assert_eq!(route(&v, "other node"), ("udp".into(), "udp".into()));
 }
+
+/// Device memory's route per kind of peer: `smcuda` on the node where a
+/// GPU layer opens (the test double here), host-staged elsewhere.
+#[test]
+fn device_memory_routes_name_smcuda_on_the_node_only() {
+    let device = |v: &serde_json::Value, peer: &str| {
+        v["routes"]
+            .as_array()
+            .expect("a route list")
+            .iter()
+            .find(|r| r["peer"] == peer)
+            .unwrap_or_else(|| panic!("no route for {peer}: {v}"))["device_memory"]
+            .clone()
+    };
+    let out = Command::new(BTL_INFO)
+        .arg("--json")
+        .env("BTL_SMCUDA_GPU", "test-double")
+        .output()
+        .expect("btl-info starts");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(device(&v, "same node"), "smcuda");
+    assert_eq!(device(&v, "other node"), serde_json::Value::Null);
+    let text = Command::new(BTL_INFO)
+        .env("BTL_SMCUDA_GPU", "test-double")
+        .output()
+        .expect("btl-info starts");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.trim_start().starts_with("other node")
+                && l.contains("staged through the host")),
+        "{text}"
+    );
+    // No GPU layer: nothing carries device memory anywhere.
+    let out = Command::new(BTL_INFO)
+        .arg("--json")
+        .env("BTL_SMCUDA_GPU", "none-such")
+        .output()
+        .expect("btl-info starts");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    for peer in ["this rank", "same node", "other node"] {
+        assert_eq!(device(&v, peer), serde_json::Value::Null, "{peer}");
+    }
+}

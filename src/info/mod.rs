@@ -55,6 +55,10 @@ pub struct RouteInfo {
     /// (the messages' one unless another carries them natively; `None`
     /// when nothing reaches it).
     pub one_sided: Option<String>,
+    /// The transport that carries put and get between device memory
+    /// (`smcuda`: one GPU copy), if a usable one reaches it; `None`: such
+    /// operations take the host-staged path over `one_sided`.
+    pub device_memory: Option<String>,
 }
 
 /// Routes per kind of peer, as a fabric opened with `config` here would
@@ -87,10 +91,15 @@ pub fn routes(config: &Config) -> Vec<RouteInfo> {
             .iter()
             .find(|e| e.one_sided)
             .map(|e| e.name.to_string());
+        let device_memory = reach
+            .iter()
+            .find(|e| e.device_memory)
+            .map(|e| e.name.to_string());
         RouteInfo {
             peer: peer.to_string(),
             one_sided: native.or_else(|| messages.clone()),
             messages,
+            device_memory,
         }
     })
     .collect()

@@ -76,14 +76,22 @@ fn render_text(r: &Report) -> String {
         yes_no(h.cma.ok),
         h.cma.detail
     ));
-    out.push("\nroutes (messages, one-sided on host memory):".to_string());
+    out.push(
+        "\nroutes (messages, one-sided on host memory, put/get between device memory):".to_string(),
+    );
     for r in &h.routes {
         let name = |t: &Option<String>| t.clone().unwrap_or_else(|| "none".into());
+        let device = match (&r.device_memory, &r.one_sided) {
+            (Some(t), _) => t.clone(),
+            (None, Some(t)) => format!("staged through the host over {t}"),
+            (None, None) => "none".into(),
+        };
         out.push(format!(
-            "  {:<11} {:<6} {}",
+            "  {:<11} {:<6} {:<6} {}",
             r.peer,
             name(&r.messages),
-            name(&r.one_sided)
+            name(&r.one_sided),
+            device
         ));
     }
 
