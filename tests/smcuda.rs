@@ -216,7 +216,7 @@ async fn registered(f: Fabric) {
         let e = unsafe { f.register_device(host.as_ptr() as u64, 64) }.unwrap_err();
         assert!(e.to_string().contains("not device memory"), "{e}");
         part.write(0, &pattern(PART, 5)).unwrap();
-        exchange_keys(&f, &part.remote_key()).await;
+        let theirs = exchange_keys(&f, &part.remote_key()).await;
         f.receiver(8).unwrap().recv().await.unwrap();
         // The put landed in the part, at its place in the allocation, and
         // nothing around it moved.
@@ -225,6 +225,10 @@ async fn registered(f: Fabric) {
         assert_eq!(got[0], 0, "before the part");
         assert_eq!(got[PART + 1], 0, "after the part");
         assert!(got[1..=PART] == pattern(PART, 6)[..], "the put");
+        // The part as the local side: a put from it copies from its place.
+        whole.write(AT, &pattern(PART, 7)).unwrap();
+        ep.put(&part, 0..PART, &theirs, 0).await.unwrap();
+        ep.send(9, &b"put back"[..]).await.unwrap();
         drop(part);
         // The allocation is still the fabric's: usable after the part went.
         whole.write(0, b"still here").unwrap();
@@ -246,6 +250,9 @@ async fn registered(f: Fabric) {
         assert!(matches!(e, Error::Access(_)), "{e}");
         println!("direct_puts={}", f.stats().direct_puts);
         ep.send(8, &b"put"[..]).await.unwrap();
+        f.receiver(9).unwrap().recv().await.unwrap();
+        local.read(0, &mut got).unwrap();
+        assert!(got == pattern(PART, 7)[..], "the put from the part");
     }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
