@@ -66,6 +66,7 @@ fn both_handle_kinds_pass_on_the_test_double() {
         assert_eq!(m["ordered"], true);
         assert_eq!(m["new_buffer_id"], true);
         assert_eq!(m["realloc_read_new"], true);
+        assert_eq!(m["registered"], true);
         assert_eq!(m["bandwidth"].as_array().unwrap().len(), 2, "1 and 4 MiB");
     }
     let _ = std::fs::remove_file(json);

@@ -101,6 +101,11 @@ pub struct ModeReport {
     pub same_address: bool,
     /// A get after reallocation read the new contents.
     pub realloc_read_new: bool,
+    /// A range inside the owner's buffer, registered as memory the user
+    /// allocated (`Fabric::register_device`'s path: the allocation
+    /// described, exported whole, the range's offset in the handle), was
+    /// reached at its offset by a put and a get.
+    pub registered: bool,
     /// Bandwidth from 1 MiB up.
     pub bandwidth: Vec<Bandwidth>,
     /// What the mapping cache did: hits, opens, stale entries dropped,
@@ -263,6 +268,12 @@ struct Owned {
     _exported: Exported,
 }
 
+/// Where the initiator reaches a range registered in the owner's buffer
+/// (request `A`).
+const REGISTERED_AT: u64 = 4096 + 64;
+/// Bytes of that range.
+const REGISTERED_LEN: u64 = 65_536;
+
 fn owner_loop(
     gpu: &Arc<dyn Gpu>,
     opts: &Options,
@@ -271,10 +282,48 @@ fn owner_loop(
 ) -> Result<(), String> {
     let stream = gpu.stream(opts.device).map_err(|e| e.to_string())?;
     let mut owned: Option<Owned> = None;
+    // A range of `owned` registered as the user's memory (request `A`):
+    // let go of before `owned` is freed.
+    let mut adopted: Option<(DeviceAlloc, Exported)> = None;
     let err = |s: &Socket, e: String| send(s, format!("E{e}").as_bytes(), None);
     loop {
         let (msg, _) = recv(conn)?;
+        if matches!(msg[0], b'M' | b'R' | b'Q') {
+            if let Some((a, _exported)) = adopted.take() {
+                let _ = gpu.release(a);
+            }
+        }
         match msg[0] {
+            b'A' => {
+                let Some(o) = &owned else {
+                    err(conn, "no buffer".into())?;
+                    continue;
+                };
+                let ptr = o.alloc.ptr + REGISTERED_AT;
+                let made = gpu
+                    .adopt(ptr, REGISTERED_LEN)
+                    .map_err(|e| e.to_string())
+                    .and_then(|a| {
+                        let id = crate::sys::os::random_bytes::<16>();
+                        match key::export(&**gpu, &a, id, opts.job_tag) {
+                            Ok(x) => Ok((a, x)),
+                            Err(e) => {
+                                let _ = gpu.release(a);
+                                Err(e.to_string())
+                            }
+                        }
+                    });
+                match made {
+                    Ok((a, mut exported)) => {
+                        exported.handle.offset = ptr - a.ptr;
+                        let mut b = vec![b'M', 0];
+                        b.extend(exported.handle.encode());
+                        send(conn, &b, None)?;
+                        adopted = Some((a, exported));
+                    }
+                    Err(e) => err(conn, e)?,
+                }
+            }
             b'M' | b'R' => {
                 let kind = if msg.get(1) == Some(&1) {
                     AllocKind::Legacy
@@ -313,16 +362,27 @@ fn owner_loop(
             }
             b'C' | b'F' => {
                 let (n, seed) = (u64_at(&msg, 1)? as usize, *msg.get(9).unwrap_or(&0));
+                // Where in the buffer, if not at its start.
+                let at = if msg.len() >= 18 {
+                    u64_at(&msg, 10)?
+                } else {
+                    0
+                };
                 let Some(o) = &owned else {
                     err(conn, "no buffer".into())?;
                     continue;
                 };
+                if !matches!(at.checked_add(n as u64), Some(end) if end <= o.alloc.len) {
+                    err(conn, format!("{n} bytes at {at} are outside the buffer"))?;
+                    continue;
+                }
                 let want = pattern(seed, n);
                 let r = if msg[0] == b'F' {
-                    gpu.upload(o.alloc.ptr, &want).map_err(|e| e.to_string())
+                    gpu.upload(o.alloc.ptr + at, &want)
+                        .map_err(|e| e.to_string())
                 } else {
                     let mut got = vec![0u8; n];
-                    gpu.download(&mut got, o.alloc.ptr)
+                    gpu.download(&mut got, o.alloc.ptr + at)
                         .map_err(|e| e.to_string())
                         .and_then(|_| match got.iter().zip(&want).position(|(a, b)| a != b) {
                             None => Ok(()),
@@ -466,9 +526,15 @@ fn fetch(
 }
 
 fn ask(conn: &Socket, req: u8, n: u64, seed: u8) -> Result<(), String> {
+    ask_at(conn, req, n, seed, 0)
+}
+
+/// [`ask`] about `n` bytes `at` bytes into the owner's buffer.
+fn ask_at(conn: &Socket, req: u8, n: u64, seed: u8, at: u64) -> Result<(), String> {
     let mut b = vec![req];
     b.extend_from_slice(&n.to_le_bytes());
     b.push(seed);
+    b.extend_from_slice(&at.to_le_bytes());
     send(conn, &b, None)?;
     let (msg, _) = recv(conn)?;
     match msg[0] {
@@ -536,6 +602,49 @@ fn initiate(
             return Err(format!("a get of {n} bytes read wrong bytes"));
         }
         m.sizes.push(n);
+    }
+
+    // A range of the owner's buffer registered as the user's own memory:
+    // the handle names the whole allocation and the range's offset in it.
+    if len >= REGISTERED_AT + REGISTERED_LEN {
+        send(conn, &[b'A'], None)?;
+        let (msg, _) = recv(conn)?;
+        if msg[0] == b'E' {
+            return Err(format!(
+                "registering a range of the owner's buffer: {}",
+                String::from_utf8_lossy(&msg[1..])
+            ));
+        }
+        let h = Handle::decode(msg.get(2..).unwrap_or_default())
+            .map_err(|e| format!("the registered range's key: {e}"))?;
+        if h.offset != REGISTERED_AT || h.len != len {
+            return Err(format!(
+                "the registered range's key names {} bytes at offset {}, not the {len}-byte buffer at {REGISTERED_AT}",
+                h.len, h.offset
+            ));
+        }
+        let part = key::open(gpu, &mut cache, 0, &h, opts.job_tag, opts.device)
+            .map_err(|e| format!("importing the registered range: {e}"))?;
+        let n = REGISTERED_LEN;
+        gpu.upload(local.ptr, &pattern(0x33, n as usize))
+            .map_err(ge)?;
+        gpu.copy(s, part.ptr() + h.offset, local.ptr, n)
+            .map_err(ge)?;
+        gpu.record(done, s).map_err(ge)?;
+        wait(&**gpu, done)?;
+        ask_at(conn, b'C', n, 0x33, REGISTERED_AT)
+            .map_err(|e| format!("a put into the registered range: {e}"))?;
+        ask_at(conn, b'F', n, 0x34, REGISTERED_AT)?;
+        gpu.copy(s, local.ptr, part.ptr() + h.offset, n)
+            .map_err(ge)?;
+        gpu.record(done, s).map_err(ge)?;
+        wait(&**gpu, done)?;
+        let mut got = vec![0u8; n as usize];
+        gpu.download(&mut got, local.ptr).map_err(ge)?;
+        if got != pattern(0x34, n as usize) {
+            return Err("a get from the registered range read wrong bytes".into());
+        }
+        m.registered = true;
     }
 
     // Ordering: the copy waits on the owner's event behind its fills.

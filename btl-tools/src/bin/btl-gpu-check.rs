@@ -61,11 +61,12 @@ fn summary(r: &Report) -> String {
             Some(why) => s += &format!("{}: skipped: {why}\n", m.mode),
             None => {
                 s += &format!(
-                    "{}: {} sizes up to {} B checked; ordered: {}; realloc: new buffer id {}, same address {}, read new bytes {}; cache hits/opens/stale/remapped {:?}\n",
+                    "{}: {} sizes up to {} B checked; ordered: {}; registered range: {}; realloc: new buffer id {}, same address {}, read new bytes {}; cache hits/opens/stale/remapped {:?}\n",
                     m.mode,
                     m.sizes.len(),
                     m.sizes.last().copied().unwrap_or(0),
                     m.ordered,
+                    m.registered,
                     m.new_buffer_id,
                     m.same_address,
                     m.realloc_read_new,
