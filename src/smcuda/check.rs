@@ -607,7 +607,7 @@ fn initiate(
     // A range of the owner's buffer registered as the user's own memory:
     // the handle names the whole allocation and the range's offset in it.
     if len >= REGISTERED_AT + REGISTERED_LEN {
-        send(conn, &[b'A'], None)?;
+        send(conn, b"A", None)?;
         let (msg, _) = recv(conn)?;
         if msg[0] == b'E' {
             return Err(format!(
