@@ -512,7 +512,9 @@ impl Gpu for Cuda {
                 kind: AllocKind::Legacy,
                 token: 0,
             }),
-            None => Err(GpuError::Refused(super::gpu::NOT_SHAREABLE.into())),
+            None => Err(GpuError::Refused(
+                "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)".into(),
+            )),
         }
     }
 

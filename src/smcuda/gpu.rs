@@ -100,10 +100,6 @@ pub(crate) enum PtrInfo {
     },
 }
 
-/// Why [`Gpu::adopt`] refuses memory [`Gpu::classify`] knows no way to
-/// share.
-pub(crate) const NOT_SHAREABLE: &str = "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)";
-
 /// An exported allocation, as it travels to a peer.
 #[derive(Debug)]
 pub(crate) enum MemHandle {
