@@ -948,9 +948,14 @@ impl Fabric {
     ///
     /// # Safety
     /// `ptr..ptr + len` must be device memory this process allocated, and
-    /// it must stay allocated while the region, any clone of it, or any
-    /// operation on it lives: peers write into it and read from it
-    /// through the GPU, at any time until then.
+    /// it must stay allocated, and not be handed out again by the
+    /// allocator it came from, while the region, any clone of it, any
+    /// operation on it, or any peer that holds its key lives: peers write
+    /// into it and read from it through the GPU, and keep the allocation
+    /// mapped, without asking this process. A peer that honours the key
+    /// reaches only the range; one that forges the key's handle can reach
+    /// the whole allocation the range lies in, so register memory only
+    /// where every rank of the job may see that allocation.
     ///
     /// # Errors
     /// [`Error::Config`] when no transport of this fabric has device

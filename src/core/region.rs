@@ -3,7 +3,11 @@
 //!
 //! A key names a region by a 128-bit random id, never by an address; the
 //! owner looks the id up in its own table and checks the range on every
-//! access, so a forged or stale key reaches nothing. Beside the id and the
+//! access, so a forged or stale key reaches nothing (except on device
+//! memory, which the GPU copies without the owner's CPU: there the
+//! transport's handle is checked by the initiator, and a peer that forges
+//! one reaches the whole allocation it names; see
+//! `Fabric::register_device`). Beside the id and the
 //! bounds, a key carries one packed, versioned handle per transport that
 //! registered the region (`sm`: what a same-node peer needs to map a
 //! fabric-allocated region), which only that transport reads.

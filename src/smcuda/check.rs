@@ -299,6 +299,9 @@ fn owner_loop(
                     err(conn, "no buffer".into())?;
                     continue;
                 };
+                if let Some((a, _exported)) = adopted.take() {
+                    let _ = gpu.release(a);
+                }
                 let ptr = o.alloc.ptr + REGISTERED_AT;
                 let made = gpu
                     .adopt(ptr, REGISTERED_LEN)

@@ -428,6 +428,7 @@ impl Gpu for Cuda {
                     len: size as u64,
                     kind,
                     token,
+                    adopted: false,
                 })
             }
             AllocKind::Legacy => {
@@ -442,12 +443,18 @@ impl Gpu for Cuda {
                     len: len as u64,
                     kind,
                     token: 0,
+                    adopted: false,
                 })
             }
         }
     }
 
     fn free(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        if a.adopted {
+            return Err(GpuError::BadPointer(
+                "the user's memory is released, not freed".into(),
+            ));
+        }
         self.bind(a.device)?;
         match a.kind {
             AllocKind::Vmm => {
@@ -475,7 +482,8 @@ impl Gpu for Cuda {
                 "{ptr:#x} is host memory, not device memory"
             )));
         };
-        if !matches!(ptr.checked_add(len), Some(end) if end <= base + whole) {
+        if !matches!(ptr.checked_add(len), Some(end) if base.checked_add(whole).is_some_and(|top| ptr >= base && end <= top))
+        {
             return Err(GpuError::BadPointer(format!(
                 "{len} bytes at {ptr:#x} run past the end of their allocation ({whole} bytes at {base:#x})"
             )));
@@ -503,6 +511,7 @@ impl Gpu for Cuda {
                     len: whole,
                     kind: AllocKind::Vmm,
                     token,
+                    adopted: true,
                 })
             }
             Some(AllocKind::Legacy) => Ok(DeviceAlloc {
@@ -511,6 +520,7 @@ impl Gpu for Cuda {
                 len: whole,
                 kind: AllocKind::Legacy,
                 token: 0,
+                adopted: true,
             }),
             None => Err(GpuError::Refused(
                 "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)".into(),
@@ -519,6 +529,11 @@ impl Gpu for Cuda {
     }
 
     fn release(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        if !a.adopted {
+            return Err(GpuError::BadPointer(
+                "memory of our own is freed, not released".into(),
+            ));
+        }
         if a.kind == AllocKind::Legacy {
             return Ok(());
         }

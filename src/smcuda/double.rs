@@ -444,12 +444,18 @@ impl Gpu for GpuDouble {
             len: mem.len(),
             kind,
             token,
+            adopted: false,
         };
         st.allocs.insert(token, mem);
         Ok(a)
     }
 
     fn free(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        if a.adopted {
+            return Err(GpuError::BadPointer(
+                "the user's memory is released, not freed".into(),
+            ));
+        }
         let mut st = lock(&self.state);
         match st.allocs.get(&a.token) {
             Some(m) if m.device == a.device && m.kind == a.kind && m.base() == a.ptr => {
@@ -473,6 +479,7 @@ impl Gpu for GpuDouble {
                 len: m.len(),
                 kind: m.kind,
                 token: *token,
+                adopted: true,
             })
             .ok_or_else(|| {
                 GpuError::BadPointer(format!(
@@ -482,6 +489,11 @@ impl Gpu for GpuDouble {
     }
 
     fn release(&self, a: DeviceAlloc) -> Result<(), GpuError> {
+        if !a.adopted {
+            return Err(GpuError::BadPointer(
+                "memory of our own is freed, not released".into(),
+            ));
+        }
         match lock(&self.state).allocs.get(&a.token) {
             Some(m) if m.base() == a.ptr => Ok(()),
             _ => Err(GpuError::BadPointer(format!("no allocation {}", a.token))),
@@ -939,8 +951,28 @@ mod tests {
             len: b.len,
             kind: b.kind,
             token: b.token,
+            adopted: false,
         };
         assert!(matches!(two.free(forged), Err(GpuError::BadPointer(_))));
+        // The user's memory is released, never freed; ours the reverse.
+        let mine = two.alloc(0, 8192, AllocKind::Vmm).unwrap();
+        let theirs = two.adopt(mine.ptr + 4096, 100).unwrap();
+        assert_eq!((theirs.ptr, theirs.len), (mine.ptr, mine.len));
+        assert!(theirs.adopted && !mine.adopted);
+        assert!(two.adopt(mine.ptr + 8100, 100).is_err(), "past the end");
+        let again = two.adopt(mine.ptr, 1).unwrap();
+        assert!(matches!(two.free(again), Err(GpuError::BadPointer(_))));
+        two.release(theirs).unwrap();
+        let own = DeviceAlloc {
+            device: mine.device,
+            ptr: mine.ptr,
+            len: mine.len,
+            kind: mine.kind,
+            token: mine.token,
+            adopted: false,
+        };
+        assert!(matches!(two.release(own), Err(GpuError::BadPointer(_))));
+        two.free(mine).unwrap();
         two.free(b).unwrap();
     }
 }

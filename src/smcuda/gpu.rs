@@ -61,8 +61,9 @@ pub(crate) enum AllocKind {
     Legacy,
 }
 
-/// Device memory this process allocated. Given back with
-/// [`Gpu::free`]; the implementation's token names it.
+/// Device memory this process allocated ([`Gpu::alloc`], given back with
+/// [`Gpu::free`]) or the user did ([`Gpu::adopt`], given back with
+/// [`Gpu::release`]: `adopted`); the implementation's token names it.
 #[derive(Debug)]
 pub(crate) struct DeviceAlloc {
     /// The device it lives on.
@@ -76,6 +77,10 @@ pub(crate) struct DeviceAlloc {
     /// The implementation's own handle (VMM: the generic allocation
     /// handle; the test double: its table slot).
     pub(crate) token: u64,
+    /// The user's memory, described by [`Gpu::adopt`]: never freed here
+    /// ([`Gpu::free`] refuses it, as [`Gpu::release`] refuses memory
+    /// [`Gpu::alloc`] made).
+    pub(crate) adopted: bool,
 }
 
 /// What [`Gpu::classify`] learns about an address.

@@ -64,10 +64,9 @@ struct DeviceMem {
     alloc: Option<DeviceAlloc>,
     /// Where the region starts in `alloc` (0 for the fabric's own).
     at: u64,
-    /// The user's allocation (`Gpu::adopt`): released, not freed.
-    adopted: bool,
-    /// Stops serving its descriptor when dropped (before the memory goes).
-    _exported: Exported,
+    /// Serves its descriptor; taken and dropped first, before the memory
+    /// is freed or let go of.
+    exported: Option<Exported>,
     len: usize,
 }
 
@@ -100,8 +99,9 @@ impl DeviceMemory for DeviceMem {
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
+        drop(self.exported.take());
         if let Some(a) = self.alloc.take() {
-            if self.adopted {
+            if a.adopted {
                 if let Err(e) = self.gpu.release(a) {
                     tracing::warn!("smcuda: letting go of registered device memory: {e}");
                 }
@@ -480,8 +480,7 @@ impl Transport for SmcudaTransport {
                 gpu: self.gpu.clone(),
                 alloc: Some(a),
                 at: 0,
-                adopted: false,
-                _exported: exported,
+                exported: Some(exported),
                 len,
             };
             Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
@@ -514,8 +513,7 @@ impl Transport for SmcudaTransport {
                 gpu: self.gpu.clone(),
                 alloc: Some(a),
                 at,
-                adopted: true,
-                _exported: exported,
+                exported: Some(exported),
                 len,
             };
             Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
