@@ -921,20 +921,7 @@ impl Fabric {
     /// memory (`smcuda` needs a GPU and the `cuda` feature: `btl-info`
     /// says why not), or when the device refuses the allocation.
     pub fn alloc_device_region(&self, device: u32, len: usize) -> Result<MemoryRegion> {
-        let id = crate::sys::os::random_bytes::<16>();
-        for t in self.transports.iter() {
-            if let Some(made) = t.alloc_device(device, len, &id) {
-                let (mem, handle) = made?;
-                return Ok(self
-                    .core
-                    .rma
-                    .regions
-                    .add_device(self.core.rank, id, mem, handle));
-            }
-        }
-        Err(Error::Config(
-            "no transport of this fabric has device memory (smcuda needs a GPU and the `cuda` feature; btl-info says why not)".into(),
-        ))
+        self.device_region(|t, id| t.alloc_device(device, len, id))
     }
 
     /// Register `len` bytes of device memory at `ptr`, allocated by the
@@ -966,9 +953,21 @@ impl Fabric {
     /// process (pool memory from `cudaMallocAsync`, a VMM allocation made
     /// without a POSIX-fd handle type).
     pub unsafe fn register_device(&self, ptr: u64, len: usize) -> Result<MemoryRegion> {
+        self.device_region(|t, id| t.register_device(ptr, len, id))
+    }
+
+    /// A device region from the first transport with device memory that
+    /// `make` gets one from (under a fresh key id).
+    fn device_region(
+        &self,
+        make: impl Fn(
+            &dyn crate::transport::Transport,
+            &crate::core::region::KeyId,
+        ) -> Option<crate::transport::DeviceMade>,
+    ) -> Result<MemoryRegion> {
         let id = crate::sys::os::random_bytes::<16>();
         for t in self.transports.iter() {
-            if let Some(made) = t.register_device(ptr, len, &id) {
+            if let Some(made) = make(&**t, &id) {
                 let (mem, handle) = made?;
                 return Ok(self
                     .core

@@ -133,6 +133,17 @@ async fn stand_back(core: &Core) {
     }
 }
 
+/// Check `t`'s peers and expire unanswered operations when a heartbeat
+/// has passed since `last_check`, and note the check on `beat`.
+fn heartbeat(t: &dyn Transport, core: &Core, beat: &Beat, last_check: &mut Instant, now: Instant) {
+    if now.duration_since(*last_check) >= core.config.heartbeat {
+        t.check_peers();
+        core.expire_answers(core.config.answer_timeout);
+        beat.touch();
+        *last_check = now;
+    }
+}
+
 /// Drive `t` until the fabric closes.
 pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat>) {
     let cfg = core.config.clone();
@@ -149,25 +160,14 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
             // rather than race it for each message (what this task found
             // would be queued, in a buffer each), checking the peers on
             // time still.
-            let now = Instant::now();
-            if now.duration_since(last_check) >= cfg.heartbeat {
-                t.check_peers();
-                core.expire_answers(cfg.answer_timeout);
-                beat.touch();
-                last_check = now;
-            }
+            heartbeat(&*t, &core, &beat, &mut last_check, Instant::now());
             stand_back(&core).await;
             continue;
         }
         let before = woken();
         let work = t.progress();
         let now = Instant::now();
-        if now.duration_since(last_check) >= cfg.heartbeat {
-            t.check_peers();
-            core.expire_answers(cfg.answer_timeout);
-            beat.touch();
-            last_check = now;
-        }
+        heartbeat(&*t, &core, &beat, &mut last_check, now);
         if work > 0 {
             core.dispatcher.note_work();
             last_work = now;

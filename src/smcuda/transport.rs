@@ -310,6 +310,39 @@ impl SmcudaTransport {
         Ok(Native::Posted(done))
     }
 
+    /// Offer `len` bytes `at` bytes into allocation `a` to the peers under
+    /// key id `id`: the region's memory and its key's handle. On failure
+    /// `a` is given back (freed if ours, let go of if the user's).
+    fn offer(
+        &self,
+        a: DeviceAlloc,
+        at: u64,
+        len: usize,
+        id: &KeyId,
+    ) -> Result<(Box<dyn DeviceMemory>, KeyHandle)> {
+        let mut exported = match key::export(&*self.gpu, &a, *id, self.core.job_tag()) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = if a.adopted {
+                    self.gpu.release(a)
+                } else {
+                    self.gpu.free(a)
+                };
+                return Err(e);
+            }
+        };
+        exported.handle.offset = at;
+        let handle = KeyHandle::new("smcuda", HANDLE_VERSION, exported.handle.encode());
+        let mem = DeviceMem {
+            gpu: self.gpu.clone(),
+            alloc: Some(a),
+            at,
+            exported: Some(exported),
+            len,
+        };
+        Ok((Box::new(mem), handle))
+    }
+
     /// From now on, operations with `peer` take the host-staged path.
     fn stage(&self, peer: Rank, why: String) {
         tracing::warn!(
@@ -462,29 +495,12 @@ impl Transport for SmcudaTransport {
         device: u32,
         len: usize,
         id: &KeyId,
-    ) -> Option<Result<(Box<dyn DeviceMemory>, KeyHandle)>> {
-        let made = (|| {
-            let a = self
-                .gpu
-                .alloc(device, len as u64, self.kind)
-                .map_err(|e| Self::gpu_error("allocating device memory", e))?;
-            let exported = match key::export(&*self.gpu, &a, *id, self.core.job_tag()) {
-                Ok(x) => x,
-                Err(e) => {
-                    let _ = self.gpu.free(a);
-                    return Err(e);
-                }
-            };
-            let handle = KeyHandle::new("smcuda", HANDLE_VERSION, exported.handle.encode());
-            let mem = DeviceMem {
-                gpu: self.gpu.clone(),
-                alloc: Some(a),
-                at: 0,
-                exported: Some(exported),
-                len,
-            };
-            Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
-        })();
+    ) -> Option<crate::transport::DeviceMade> {
+        let made = self
+            .gpu
+            .alloc(device, len as u64, self.kind)
+            .map_err(|e| Self::gpu_error("allocating device memory", e))
+            .and_then(|a| self.offer(a, 0, len, id));
         Some(made)
     }
 
@@ -493,31 +509,15 @@ impl Transport for SmcudaTransport {
         ptr: u64,
         len: usize,
         id: &KeyId,
-    ) -> Option<Result<(Box<dyn DeviceMemory>, KeyHandle)>> {
-        let made = (|| {
-            let a = self
-                .gpu
-                .adopt(ptr, len as u64)
-                .map_err(|e| Self::gpu_error("registering device memory", e))?;
-            let at = ptr - a.ptr;
-            let mut exported = match key::export(&*self.gpu, &a, *id, self.core.job_tag()) {
-                Ok(x) => x,
-                Err(e) => {
-                    let _ = self.gpu.release(a);
-                    return Err(e);
-                }
-            };
-            exported.handle.offset = at;
-            let handle = KeyHandle::new("smcuda", HANDLE_VERSION, exported.handle.encode());
-            let mem = DeviceMem {
-                gpu: self.gpu.clone(),
-                alloc: Some(a),
-                at,
-                exported: Some(exported),
-                len,
-            };
-            Ok((Box::new(mem) as Box<dyn DeviceMemory>, handle))
-        })();
+    ) -> Option<crate::transport::DeviceMade> {
+        let made = self
+            .gpu
+            .adopt(ptr, len as u64)
+            .map_err(|e| Self::gpu_error("registering device memory", e))
+            .and_then(|a| {
+                let at = ptr - a.ptr;
+                self.offer(a, at, len, id)
+            });
         Some(made)
     }
 

@@ -80,6 +80,13 @@ pub(crate) struct Peer<'a> {
     pub(crate) addr: &'a [u8],
 }
 
+/// What a transport with device memory makes for a region: the memory and
+/// the key's handle (see [`Transport::alloc_device`]).
+pub(crate) type DeviceMade = Result<(
+    Box<dyn crate::core::region::DeviceMemory>,
+    crate::core::region::KeyHandle,
+)>;
+
 /// What a message is for, as the core sees it. Travels in every
 /// transport's frame header; a transport may carry kinds of its own beside
 /// these (numbers from 64 up), which never reach the core (`sm`'s
@@ -382,12 +389,7 @@ pub(crate) trait Transport: Send + Sync {
         _device: u32,
         _len: usize,
         _id: &crate::core::region::KeyId,
-    ) -> Option<
-        Result<(
-            Box<dyn crate::core::region::DeviceMemory>,
-            crate::core::region::KeyHandle,
-        )>,
-    > {
+    ) -> Option<DeviceMade> {
         None
     }
 
@@ -400,12 +402,7 @@ pub(crate) trait Transport: Send + Sync {
         _ptr: u64,
         _len: usize,
         _id: &crate::core::region::KeyId,
-    ) -> Option<
-        Result<(
-            Box<dyn crate::core::region::DeviceMemory>,
-            crate::core::region::KeyHandle,
-        )>,
-    > {
+    ) -> Option<DeviceMade> {
         None
     }
 
