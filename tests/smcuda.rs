@@ -43,9 +43,34 @@ fn rank_main() {
             "parking" => parking(f).await,
             "whole" => whole_and_dropped(f).await,
             "registered" => registered(f).await,
+            "unshareable" => unshareable(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
+}
+
+/// Each rank's device memory is of a kind no process can share (pool
+/// memory, on a real GPU): registering it is refused with the reason, and
+/// the fabric's own device regions still go between the ranks.
+async fn unshareable(f: Fabric) {
+    let peer = 1 - f.rank();
+    let ep = f.endpoint(peer).unwrap();
+    let own = f.alloc_device_region(0, 4096).unwrap();
+    let base = own.device_ptr().unwrap();
+    // SAFETY: refused before anything could reach the memory.
+    let e = unsafe { f.register_device(base, 4096) }.unwrap_err();
+    assert!(matches!(e, Error::Access(_)), "{e:?}");
+    assert!(e.to_string().contains("neither"), "{e}");
+    let theirs = exchange_keys(&f, &own.remote_key()).await;
+    let local = f.register(vec![f.rank() as u8 + 1; 4096]);
+    ep.put(&local, 0..4096, &theirs, 0).await.unwrap();
+    f.barrier().await.unwrap();
+    let mut got = vec![0u8; 4096];
+    own.read(0, &mut got).unwrap();
+    assert!(got.iter().all(|&b| b == peer as u8 + 1), "the peer's put");
+    println!("own_put=ok");
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
 }
 
 /// Sizes of the puts and gets, and where each lands in the 64 MiB region
@@ -406,6 +431,15 @@ fn registered_device_memory_is_reached_at_its_offset_in_the_allocation() {
             Some("1"),
             "{faults}"
         );
+    }
+}
+
+#[test]
+fn memory_shareable_neither_way_is_refused_with_the_reason() {
+    let outs = job(2, "unshareable", "unshareable").wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for o in &outs {
+        assert_eq!(value(o, "own_put").as_deref(), Some("ok"));
     }
 }
 

@@ -1,13 +1,16 @@
 //! The cache of peers' allocations mapped into this process.
 //!
 //! Opening a peer's IPC handle costs about 100 µs on a real driver, so a
-//! mapping is kept after its operation, keyed by the owner's rank and the
-//! allocation's base. A hit needs the same length *and* the same buffer
-//! id: a buffer freed and allocated again at the same address has a new
-//! id, so it never reaches the old mapping; and the same handle identity
-//! (the VMM id the owner serves it under, or a digest of the legacy
-//! handle), so a key forged from a real one by changing its id is not
-//! served from a mapping the real key opened. Entries are shared (`Arc`):
+//! mapping is kept after its operation, keyed by the owner's rank, the
+//! allocation's base and the handle identity (the VMM id the owner serves
+//! it under, or a digest of the legacy handle): a key forged from a real
+//! one by changing its id is not served from a mapping the real key
+//! opened, and several regions the owner registered inside one allocation
+//! (each exported under an id of its own) each keep their entry. A hit
+//! also needs the same length and buffer id: a buffer freed and allocated
+//! again at the same address has a new id, so it never reaches the old
+//! mapping, and a miss drops every entry at that base whose length or
+//! buffer id differs, since that memory is gone. Entries are shared (`Arc`):
 //! an operation holds its mapping until its copy is done, and the bound
 //! on the number of entries evicts the least recently used entry that no
 //! operation holds, never one in use (an evicted entry in use is unmapped
@@ -44,14 +47,13 @@ pub(crate) struct CacheCounts {
 struct Slot<M> {
     len: u64,
     buffer_id: u64,
-    handle: [u8; 16],
     map: Arc<M>,
     used: u64,
 }
 
 /// Mappings of peers' allocations (see the module's documentation).
 pub(crate) struct Cache<M> {
-    entries: HashMap<(Rank, u64), Slot<M>>,
+    entries: HashMap<(Rank, u64, [u8; 16]), Slot<M>>,
     limit: usize,
     tick: u64,
     counts: CacheCounts,
@@ -83,25 +85,31 @@ impl<M> Cache<M> {
         mut open: impl FnMut() -> Result<M, GpuError>,
     ) -> Result<Arc<M>, GpuError> {
         self.tick += 1;
-        if let Some(s) = self.entries.get_mut(&(owner, base)) {
-            if s.len == len && s.buffer_id == buffer_id && s.handle == handle {
+        if let Some(s) = self.entries.get_mut(&(owner, base, handle)) {
+            if s.len == len && s.buffer_id == buffer_id {
                 s.used = self.tick;
                 self.counts.hits += 1;
                 return Ok(s.map.clone());
             }
-            self.entries.remove(&(owner, base));
-            self.counts.stale += 1;
         }
+        // A miss: whatever this owner mapped at `base` under another
+        // length or buffer id is memory that no longer exists.
+        let before = self.entries.len();
+        self.entries.retain(|&(o, b, _), s| {
+            o != owner || b != base || (s.len == len && s.buffer_id == buffer_id)
+        });
+        self.counts.stale += (before - self.entries.len()) as u64;
         let m = match open() {
             Err(GpuError::AlreadyMapped) => {
                 self.counts.remapped += 1;
                 let end = base.saturating_add(len);
-                self.entries
-                    .retain(|&(o, b), s| o != owner || b >= end || b.saturating_add(s.len) <= base);
+                self.entries.retain(|&(o, b, _), s| {
+                    o != owner || b >= end || b.saturating_add(s.len) <= base
+                });
                 match open() {
                     Err(GpuError::AlreadyMapped) => {
                         self.entries
-                            .retain(|&(o, _), s| o != owner || Arc::strong_count(&s.map) > 1);
+                            .retain(|&(o, _, _), s| o != owner || Arc::strong_count(&s.map) > 1);
                         open()?
                     }
                     other => other?,
@@ -112,11 +120,10 @@ impl<M> Cache<M> {
         self.counts.opens += 1;
         let map = Arc::new(m);
         self.entries.insert(
-            (owner, base),
+            (owner, base, handle),
             Slot {
                 len,
                 buffer_id,
-                handle,
                 map: map.clone(),
                 used: self.tick,
             },
@@ -148,7 +155,7 @@ impl<M> Cache<M> {
     /// Drop every entry of `owner` (it left or was lost); mappings still
     /// held by operations go when those do.
     pub(crate) fn forget(&mut self, owner: Rank) {
-        self.entries.retain(|&(o, _), _| o != owner);
+        self.entries.retain(|&(o, _, _), _| o != owner);
     }
 
     /// Entries held now.
@@ -222,6 +229,33 @@ mod tests {
         assert_eq!(longer.1, 5);
         let k = c.counts();
         assert_eq!((k.hits, k.opens, k.stale), (1, 5, 3));
+    }
+
+    #[test]
+    fn regions_registered_inside_one_allocation_keep_an_entry_each() {
+        let unmaps = Arc::new(AtomicUsize::new(0));
+        let mut c = Cache::new(8);
+        // Two regions of one allocation, exported under two ids: used in
+        // turn, each opens once and hits from then on.
+        for round in 0..3 {
+            for (id, handle) in [(1, [1; 16]), (2, [2; 16])] {
+                let m = c
+                    .get_or_open(1, 0x1000, 1 << 20, 7, handle, opener(&unmaps, id))
+                    .unwrap();
+                assert_eq!(m.1, id, "round {round}: each region its own mapping");
+            }
+        }
+        let k = c.counts();
+        assert_eq!((k.hits, k.opens, k.stale), (4, 2, 0));
+        assert_eq!(unmaps.load(Ordering::Relaxed), 0);
+        // The allocation freed and another made at the same address: both
+        // old entries go on the first miss.
+        drop(
+            c.get_or_open(1, 0x1000, 1 << 20, 8, [3; 16], opener(&unmaps, 3))
+                .unwrap(),
+        );
+        assert_eq!(unmaps.load(Ordering::Relaxed), 2);
+        assert_eq!((c.len(), c.counts().stale), (1, 2));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use cudarc::driver::sys as cu;
 
 use super::gpu::{
     AllocKind, Bell, DeviceAlloc, DeviceInfo, Event, Gpu, GpuError, Imported, MemHandle, PtrInfo,
-    Stream,
+    Stream, UNSHAREABLE,
 };
 use crate::sys::sync::lock;
 
@@ -522,9 +522,7 @@ impl Gpu for Cuda {
                 token: 0,
                 adopted: true,
             }),
-            None => Err(GpuError::Refused(
-                "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)".into(),
-            )),
+            None => Err(GpuError::Refused(UNSHAREABLE.into())),
         }
     }
 

@@ -22,7 +22,10 @@
 //! `AlreadyMapped`), `copy-delay-ms:N` (every copy and fill waits N ms
 //! on its stream first), `event` (queries fail), `skip-wait` (a stream
 //! does not wait on the events it is told to: the broken ordering a GPU
-//! check must catch), `devices:N` (N devices, default 1).
+//! check must catch), `unshareable` (allocations are reported as
+//! shareable neither by descriptor nor by legacy IPC, as pool memory is,
+//! so registering them is refused; the fabric's own allocations still
+//! export), `devices:N` (N devices, default 1).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -35,7 +38,7 @@ use std::time::Duration;
 
 use super::gpu::{
     AllocKind, Bell, DeviceAlloc, DeviceInfo, Event, Gpu, GpuError, Imported, MemHandle, PtrInfo,
-    Stream,
+    Stream, UNSHAREABLE,
 };
 use crate::sys::shm::SharedMem;
 use crate::sys::sync::lock;
@@ -52,6 +55,7 @@ pub(crate) struct Faults {
     pub(crate) copy_delay: Duration,
     pub(crate) event: bool,
     pub(crate) skip_wait: bool,
+    pub(crate) unshareable: bool,
     pub(crate) devices: u32,
 }
 
@@ -79,6 +83,7 @@ impl Faults {
                 "import" => f.import = true,
                 "event" => f.event = true,
                 "skip-wait" => f.skip_wait = true,
+                "unshareable" => f.unshareable = true,
                 "already-mapped" => f.already_mapped = num()?.min(u32::MAX as u64) as u32,
                 "copy-delay-ms" => f.copy_delay = Duration::from_millis(num()?),
                 "devices" => f.devices = num()?.clamp(1, 16) as u32,
@@ -411,7 +416,7 @@ impl Gpu for GpuDouble {
                 base: m.base(),
                 len: m.len(),
                 buffer_id: m.buffer_id,
-                kind: Some(m.kind),
+                kind: (!self.faults.unshareable).then_some(m.kind),
             },
             Err(_) => PtrInfo::Host,
         })
@@ -469,6 +474,9 @@ impl Gpu for GpuDouble {
     fn adopt(&self, ptr: u64, len: u64) -> Result<DeviceAlloc, GpuError> {
         // Only this process's own allocations: a peer's memory mapped here
         // is not the caller's to offer.
+        if self.faults.unshareable {
+            return Err(GpuError::Refused(UNSHAREABLE.into()));
+        }
         let st = lock(&self.state);
         st.allocs
             .iter()

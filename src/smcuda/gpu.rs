@@ -12,6 +12,10 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+/// Why device memory the user allocated cannot be registered: the driver
+/// offers no way to share it with another process.
+pub(crate) const UNSHAREABLE: &str = "the allocation can be shared neither as a POSIX file descriptor nor by legacy IPC (pool memory, or a VMM allocation made without a shareable handle type)";
+
 /// What went wrong in a GPU call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum GpuError {
