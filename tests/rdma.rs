@@ -20,9 +20,10 @@ const RDMA: [(&str, &str); 4] = [
     ("BTL_RDMA_PEER_TIMEOUT_MS", "1000"),
 ];
 
-/// The eager limit of the tests' ranks (`BTL_RDMA_EAGER`'s default) less
-/// the 32-byte frame header: the largest eager message.
-const EAGER_PAYLOAD: usize = 16384 - 32;
+/// The eager limit of the tests' ranks (`BTL_RDMA_EAGER`'s default, 16 KiB
+/// and the 32-byte frame header) less the header: the largest eager
+/// message.
+const EAGER_PAYLOAD: usize = 16384;
 
 fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
     let env: Vec<(&str, &str)> = RDMA.iter().chain(extra).copied().collect();
@@ -362,6 +363,22 @@ fn rdma_sizes_between_processes() {
         pieces, 3,
         "the messages of two eager buffers went in pieces"
     );
+}
+
+#[test]
+fn rdma_frames_stay_within_the_users_lower_rxm_eager_limit() {
+    need_rdma!();
+    // rxm sends frames of 16 KiB at most eagerly here: a 16 KiB message
+    // and its header no longer fit one, so what sat at the limit goes in
+    // pieces and two full buffers' worth by rendezvous.
+    let outs =
+        job(2, "sizes", &[("FI_OFI_RXM_EAGER_LIMIT", "16384")]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    assert_eq!(n("rendezvous"), 6, "2 * EAGER_PAYLOAD went by rendezvous");
+    // EAGER_PAYLOAD - 1, EAGER_PAYLOAD and EAGER_PAYLOAD + 1, the last two
+    // also sent inline.
+    assert_eq!(n("in_pieces"), 5, "EAGER_PAYLOAD - 1 and up went in pieces");
 }
 
 #[test]

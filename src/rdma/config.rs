@@ -20,14 +20,16 @@ pub struct RdmaConfig {
     /// IP address, `127.0.0.1` for a job on one host). Default: the
     /// provider's choice. Env: `BTL_RDMA_ADDR`.
     pub addr: Option<String>,
-    /// Largest message sent eagerly into the receiver's pre-posted
-    /// buffers (header included); larger ones go by rendezvous, read by
-    /// the receiver with RDMA read. Default 16 KiB: the largest message
-    /// `ofi_rxm` sends eagerly itself (its buffers' size); a bigger frame
-    /// would take rxm's own rendezvous over memory we never registered,
-    /// the slowest path of all, and at 8 KiB messages of 8-16 KiB paid our
-    /// rendezvous (a read and a `Fin`) where rxm needs none. Env:
-    /// `BTL_RDMA_EAGER`.
+    /// Largest frame sent eagerly into the receiver's pre-posted buffers:
+    /// a message and the transport's 32-byte header. Larger messages go in
+    /// two frames, or by rendezvous, read by the receiver with RDMA read.
+    /// Default 16 KiB + 32 B, so a 16 KiB message goes in one frame. Over
+    /// `ofi_rxm` this is also rxm's own eager limit and buffer size
+    /// (`FI_OFI_RXM_EAGER_LIMIT`, `FI_OFI_RXM_BUFFER_SIZE`, set to it
+    /// unless the user set them, before libfabric starts): a frame above
+    /// rxm's limit would take its segmented or rendezvous path, the
+    /// slowest of all, so where the user's rxm limit is lower, frames are
+    /// kept within it. All ranks must agree on it. Env: `BTL_RDMA_EAGER`.
     pub eager: usize,
     /// Eager buffers each sender may fill at a receiver before the
     /// receiver returns credits (a receiver that does not read holds its
@@ -47,7 +49,7 @@ impl Default for RdmaConfig {
         RdmaConfig {
             provider: None,
             addr: None,
-            eager: 16 << 10,
+            eager: (16 << 10) + crate::rdma::wire::HEADER,
             credits: 128,
             peer_timeout: Duration::from_secs(5),
         }
@@ -55,7 +57,7 @@ impl Default for RdmaConfig {
 }
 
 /// Smallest eager buffer: a header and a little data.
-const MIN_EAGER: usize = 256;
+pub(crate) const MIN_EAGER: usize = 256;
 /// Largest eager buffer.
 const MAX_EAGER: usize = 1 << 20;
 

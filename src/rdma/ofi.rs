@@ -301,9 +301,59 @@ impl InfoList {
     }
 }
 
+/// `ofi_rxm`'s sizes of its bounce buffers and of the largest message it
+/// sends eagerly (one copy into a buffer posted at the receiver; above it,
+/// segments or its own rendezvous). Over verbs the two must be equal.
+const RXM_SIZES: [&str; 2] = ["FI_OFI_RXM_BUFFER_SIZE", "FI_OFI_RXM_EAGER_LIMIT"];
+/// rxm's default of both.
+const RXM_DEFAULT: usize = 16384;
+
+/// Start libfabric with `ofi_rxm` sending frames of up to `frame` bytes
+/// eagerly, and return the largest frame it will send so.
+///
+/// rxm's default, 16 KiB, is exactly a 16 KiB message, which with the
+/// transport's header would go in two frames (or by rxm's slow path), so
+/// unless the user set them, both of [`RXM_SIZES`] are set to `frame`.
+/// Providers read their settings when libfabric starts, at the first
+/// `fi_getinfo` of the process: this runs once, before it (every list of
+/// providers comes through [`providers`]); what it returns reflects the
+/// user's own settings, and rxm's default if one does not parse.
+pub(crate) fn rxm_eager(frame: usize) -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        for var in RXM_SIZES {
+            if std::env::var_os(var).is_none() {
+                // Changing the environment races with C code reading it
+                // on another thread. This runs once, from the thread that
+                // opens the first fabric, before libfabric has started; a
+                // program whose other threads read the environment from C
+                // while it opens a fabric sets both variables itself.
+                std::env::set_var(var, frame.to_string());
+            }
+        }
+        RXM_SIZES
+            .iter()
+            .map(|v| {
+                std::env::var(v)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .unwrap_or(RXM_DEFAULT)
+            })
+            .min()
+            .unwrap_or(RXM_DEFAULT)
+    })
+}
+
 /// The providers that offer reliable datagrams with messages and RMA
-/// (only `prov` when given), bound to `node` when given.
-pub(crate) fn providers(prov: Option<&str>, node: Option<&str>) -> Result<Vec<Provider>, String> {
+/// (only `prov` when given), bound to `node` when given; libfabric starts
+/// with rxm's eager frames of `frame` bytes ([`rxm_eager`]) if this is
+/// the first call.
+pub(crate) fn providers(
+    prov: Option<&str>,
+    node: Option<&str>,
+    frame: usize,
+) -> Result<Vec<Provider>, String> {
+    rxm_eager(frame);
     let list = InfoList::get(prov, node)?;
     Ok(list.entries().into_iter().map(|i| describe(i)).collect())
 }

@@ -351,7 +351,7 @@ type Surveyed = (ofi::Provider, std::result::Result<u32, String>);
 /// The providers libfabric offers here, each with whether it would be
 /// chosen and why not: (name, domain, Ok(rank) or Err(why)).
 pub(crate) fn survey(cfg: &RdmaConfig) -> std::result::Result<Vec<Surveyed>, String> {
-    let all = ofi::providers(None, cfg.addr.as_deref())?;
+    let all = ofi::providers(None, cfg.addr.as_deref(), cfg.eager)?;
     let mut seen = std::collections::HashSet::new();
     Ok(all
         .into_iter()
@@ -471,8 +471,22 @@ pub(crate) struct RdmaTransport {
 impl RdmaTransport {
     /// Open the endpoint. Must run inside a tokio runtime.
     pub(crate) fn open(core: Arc<Core>) -> Result<Arc<RdmaTransport>> {
-        let config = core.config().rdma.clone();
+        let mut config = core.config().rdma.clone();
         let prov = choose(&config).map_err(|e| Error::Config(format!("rdma: {e}")))?;
+        if prov.contains("ofi_rxm") {
+            // Frames rxm would not send eagerly take its slowest path:
+            // keep them within its limit (which the user may have set
+            // lower than ours).
+            let limit = ofi::rxm_eager(config.eager);
+            if limit < config.eager {
+                tracing::debug!(
+                    "rdma: eager frames of {} bytes, ofi_rxm's eager limit, not {}",
+                    limit.max(super::config::MIN_EAGER),
+                    config.eager
+                );
+                config.eager = limit.max(super::config::MIN_EAGER);
+            }
+        }
         let ep = Ep::open(&prov, config.addr.as_deref(), CQ_SIZE)
             .map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let c = ofi::consts();
@@ -500,6 +514,8 @@ impl RdmaTransport {
             provider: prov.clone(),
             fabric: ep.provider.fabric.clone(),
             name,
+            eager: config.eager as u32,
+            credits: config.credits,
         };
         tracing::debug!(
             provider = %prov,
@@ -1700,6 +1716,14 @@ impl Transport for RdmaTransport {
             let mut st = lock(&self.st);
             for p in peers {
                 let a = decode_addr(p.rank, p.addr)?;
+                // A sender fills the receiver's buffers by its own idea of
+                // their size and number: the two must agree.
+                if (a.eager, a.credits) != (self.me.eager, self.me.credits) {
+                    return Err(Error::Config(format!(
+                        "rdma: rank {} posts {} eager buffers of {} bytes per sender, this rank {} of {}: give every rank the same BTL_RDMA_EAGER, BTL_RDMA_CREDITS and FI_OFI_RXM_EAGER_LIMIT",
+                        p.rank, a.credits, a.eager, self.me.credits, self.me.eager
+                    )));
+                }
                 let addr = self
                     .ep
                     .insert(&a.name)

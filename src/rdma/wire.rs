@@ -291,6 +291,10 @@ pub(crate) struct RdmaAddr {
     pub(crate) fabric: String,
     /// The endpoint's address, as `fi_av_insert` takes it.
     pub(crate) name: Vec<u8>,
+    /// The largest eager frame it posts buffers for.
+    pub(crate) eager: u32,
+    /// The eager buffers it posts for each sender.
+    pub(crate) credits: u32,
 }
 
 /// Decode a peer's `rdma` address.

@@ -14,7 +14,10 @@
 //!
 //! The provider and address are the ones the run's `rdma` transport is
 //! told to use (`BTL_RDMA_PROVIDER`, `BTL_RDMA_ADDR`), else `tcp;ofi_rxm`
-//! bound to 127.0.0.1. Its progress follows the run's progress mode:
+//! bound to 127.0.0.1. It runs in rank 0's environment, so with the
+//! `ofi_rxm` sizes the `rdma` transport set there (its eager frame, a
+//! message and its header): the same provider settings for both, which
+//! change nothing for the program's own sizes up to 16 KiB. Its progress follows the run's progress mode:
 //! Adaptive polls the completion queue for [`Config::spin`] after the last
 //! completion, then parks on the queue's wait fd (`fi_trywait`, `poll`),
 //! as the `rdma` transport's progress task does; BusyPoll never parks;
