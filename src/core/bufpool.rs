@@ -107,6 +107,37 @@ impl BufPool {
         Vec::with_capacity(class_bytes(c))
     }
 
+    /// An empty buffer with room for `len` bytes that, when newly
+    /// allocated, has no more: for buffers of one size many of which are
+    /// held at once (receives posted ahead), where rounding up to the next
+    /// class would double their memory (a 16 KiB message and its header
+    /// in a 32 KiB buffer). Such a buffer comes back to the class below
+    /// its size, and is looked for there first, among the few returned
+    /// last.
+    pub(crate) fn take_exact(&self, len: usize) -> Vec<u8> {
+        if let Some(below) = class_for_cap(len) {
+            let mut inner = lock(&self.inner);
+            let free = &mut inner.free[below];
+            let fits = free
+                .iter()
+                .rev()
+                .take(4)
+                .position(|v| v.capacity() >= len)
+                .map(|back| free.len() - 1 - back);
+            if let Some(i) = fits {
+                let mut v = free.swap_remove(i);
+                inner.kept -= v.capacity();
+                drop(inner);
+                v.clear();
+                return v;
+            }
+        }
+        if len.is_power_of_two() {
+            return self.take(len);
+        }
+        Vec::with_capacity(len)
+    }
+
     /// Hand `buf` to the user; pooled-size buffers come back here when dropped.
     pub(crate) fn freeze(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
         if buf.capacity() >= POOL_MIN {
@@ -193,6 +224,28 @@ mod tests {
         let below = pool.take(2 << 20);
         assert!(below.capacity() >= 2 << 20);
         assert_eq!(pool.kept(), (0, 0));
+    }
+
+    #[test]
+    fn exact_buffers_are_their_size_and_come_back_to_the_class_below() {
+        let pool = Arc::new(BufPool::default());
+        let len = (16 << 10) + 32;
+        let v = pool.take_exact(len);
+        assert_eq!(v.capacity(), len, "not rounded up to 32 KiB");
+        let ptr = v.as_ptr();
+        let plain = pool.take(16 << 10);
+        assert_eq!(plain.capacity(), 16 << 10);
+        drop(pool.freeze(v));
+        // A 16 KiB buffer returned after it is too small, and passed over.
+        drop(pool.freeze(plain));
+        let again = pool.take_exact(len);
+        assert_eq!(again.as_ptr(), ptr, "reused from the 16 KiB class");
+        assert!(again.is_empty());
+        // The class below serves ordinary takes too.
+        assert_eq!(pool.take(16 << 10).capacity(), 16 << 10);
+        assert_eq!(pool.kept(), (0, 0));
+        // Powers of two are plain takes.
+        assert_eq!(pool.take_exact(8 << 10).capacity(), 8 << 10);
     }
 
     #[test]

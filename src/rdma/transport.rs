@@ -586,7 +586,7 @@ impl RdmaTransport {
         let n = (peers * (self.config.credits as usize + 4)).clamp(16, MAX_POSTED);
         let mut st = lock(&self.st);
         for _ in 0..n {
-            let buf = self.core.buffers().take(self.config.eager);
+            let buf = self.core.buffers().take_exact(self.config.eager);
             self.repost(&mut st, buf, new_ctx());
         }
     }
@@ -1275,7 +1275,7 @@ impl RdmaTransport {
                 self.on_receive(st, e.src, &mut buf, lost);
                 if buf.capacity() == 0 {
                     // The message kept the buffer: post another.
-                    buf = self.core.buffers().take(self.config.eager);
+                    buf = self.core.buffers().take_exact(self.config.eager);
                 }
                 self.repost(st, buf, ctx);
             }
