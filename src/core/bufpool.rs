@@ -114,6 +114,7 @@ impl BufPool {
     /// in a 32 KiB buffer). Such a buffer comes back to the class below
     /// its size, and is looked for there first, among the few returned
     /// last.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn take_exact(&self, len: usize) -> Vec<u8> {
         if let Some(below) = class_for_cap(len) {
             let mut inner = lock(&self.inner);
