@@ -54,7 +54,8 @@ And so can libfabric itself: `--baseline ofi` compiles a small C program
 with `cc -O2 ... -lfabric` (apt-get install libfabric-dev) and runs it in
 two processes on the ranks' cores, on the provider and address the rdma
 transport is given (BTL_RDMA_PROVIDER, BTL_RDMA_ADDR; else tcp;ofi_rxm on
-127.0.0.1), with the same progress (poll the completion queue, then park
+127.0.0.1, which btl-perf started alone also gives its two ranks' rdma
+transport unless a hardware provider or an address is named), with the same progress (poll the completion queue, then park
 on its wait fd), for lat and bw (fi_send/fi_recv), msg_rate, put_lat and
 put_bw (fi_writemsg with FI_DELIVERY_COMPLETE), get_lat and get_bw
 (fi_readmsg). Its figures are what the rdma transport's are compared with.
@@ -270,6 +271,13 @@ fn launch_self(args: &Args) -> ExitCode {
         .prefix_output(false);
     if let Some(t) = &args.transport {
         job = job.env("BTL_TRANSPORTS", t);
+    }
+    // Both ranks are on this host: the rdma transport runs where the ofi
+    // baseline does, unless the run says where.
+    let set = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let (prov, addr) = (set("BTL_RDMA_PROVIDER"), set("BTL_RDMA_ADDR"));
+    for (k, v) in btl_tools::perf::ofi::local_rank_env(prov.as_deref(), addr.as_deref()) {
+        job = job.env(k, v);
     }
     if std::io::stdout().is_terminal() {
         job = job.env(TTY_VAR, "1");

@@ -63,6 +63,41 @@ pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
 /// The address bound when the run names none.
 pub const DEFAULT_ADDR: &str = "127.0.0.1";
 
+/// What btl-perf, starting its own two ranks on this host, tells their
+/// `rdma` transport when the run names no address (`provider` and `addr`:
+/// `BTL_RDMA_PROVIDER` and `BTL_RDMA_ADDR` as the run has them): the
+/// provider and address the `ofi` baseline falls back to, so that the
+/// transport and the baseline it is read against run on the same socket
+/// provider over loopback. Left to itself, the transport would bind the
+/// provider's pick of the host's addresses (an outside interface, whose
+/// figures are not the baseline's). A named hardware provider, or a named
+/// address, is left alone.
+pub fn local_rank_env(
+    provider: Option<&str>,
+    addr: Option<&str>,
+) -> Vec<(&'static str, &'static str)> {
+    if addr.is_some() {
+        return Vec::new();
+    }
+    match provider {
+        None => vec![
+            ("BTL_RDMA_PROVIDER", DEFAULT_PROVIDER),
+            ("BTL_RDMA_ADDR", DEFAULT_ADDR),
+        ],
+        Some(p) if socket_provider(p) => vec![("BTL_RDMA_ADDR", DEFAULT_ADDR)],
+        Some(_) => Vec::new(),
+    }
+}
+
+/// Whether `provider` (as `fi_info` names it, layered ones with `;`) runs
+/// over the host's sockets, so that loopback reaches it.
+fn socket_provider(provider: &str) -> bool {
+    matches!(
+        provider.split(';').next().map(str::trim),
+        Some("tcp" | "sockets" | "udp")
+    )
+}
+
 /// The Debian package with libfabric's headers and library link.
 const PACKAGE: &str = "libfabric-dev";
 
@@ -244,6 +279,30 @@ impl Program {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn local_ranks_get_the_baselines_loopback_unless_told_otherwise() {
+        let both = local_rank_env(None, None);
+        assert_eq!(
+            both,
+            vec![
+                ("BTL_RDMA_PROVIDER", DEFAULT_PROVIDER),
+                ("BTL_RDMA_ADDR", DEFAULT_ADDR)
+            ]
+        );
+        assert_eq!(
+            local_rank_env(Some("tcp;ofi_rxm"), None),
+            vec![("BTL_RDMA_ADDR", DEFAULT_ADDR)]
+        );
+        assert_eq!(
+            local_rank_env(Some("sockets"), None),
+            vec![("BTL_RDMA_ADDR", DEFAULT_ADDR)]
+        );
+        assert!(local_rank_env(Some("verbs;ofi_rxm"), None).is_empty());
+        assert!(local_rank_env(None, Some("10.0.0.1")).is_empty());
+        assert!(local_rank_env(Some("tcp;ofi_rxm"), Some("10.0.0.1")).is_empty());
+    }
+
     use super::*;
 
     #[test]
