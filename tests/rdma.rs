@@ -65,6 +65,9 @@ fn rank_main() {
     };
     let rt = rank_runtime();
     rt.block_on(async {
+        if scenario == "mismatch" {
+            return mismatch().await;
+        }
         let f = Fabric::from_env().await.expect("fabric from launcher env");
         for r in (0..f.size()).filter(|r| *r != f.rank()) {
             assert_eq!(f.transport_for(r), Some("rdma"));
@@ -379,6 +382,39 @@ fn rdma_frames_stay_within_the_users_lower_rxm_eager_limit() {
     // EAGER_PAYLOAD - 1, EAGER_PAYLOAD and EAGER_PAYLOAD + 1, the last two
     // also sent inline.
     assert_eq!(n("in_pieces"), 5, "EAGER_PAYLOAD - 1 and up went in pieces");
+}
+
+/// Ranks whose eager buffers differ: the fabric does not open.
+async fn mismatch() {
+    match Fabric::from_env().await {
+        Ok(_) => println!("opened"),
+        Err(e) => println!("refused={e}"),
+    }
+}
+
+#[test]
+fn rdma_ranks_that_disagree_on_eager_buffers_are_refused_at_start() {
+    need_rdma!();
+    // Rank 1 alone posts smaller buffers: each rank's sender would
+    // overrun the other's (or waste its room), so neither opens.
+    let wrap = |r: u32| -> Vec<String> {
+        if r == 1 {
+            vec!["env".into(), "BTL_RDMA_EAGER=8224".into()]
+        } else {
+            Vec::new()
+        }
+    };
+    let env: Vec<(&str, &str)> = RDMA.to_vec();
+    let outs = spawn_job_wrapped(2, "mismatch", &env, &wrap).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for (r, out) in outs.iter().enumerate() {
+        let why = value(out, "refused")
+            .unwrap_or_else(|| panic!("rank {r} opened: {}", String::from_utf8_lossy(&out.stdout)));
+        assert!(
+            why.contains("BTL_RDMA_EAGER") && why.contains("8224") && why.contains("16416"),
+            "rank {r}: {why}"
+        );
+    }
 }
 
 #[test]
