@@ -586,7 +586,13 @@ impl RdmaTransport {
         let n = (peers * (self.config.credits as usize + 4)).clamp(16, MAX_POSTED);
         let mut st = lock(&self.st);
         for _ in 0..n {
-            let buf = self.core.buffers().take_exact(self.config.eager);
+            let mut buf = self.core.buffers().take_exact(self.config.eager);
+            // Written once now, so that the pages are there before the
+            // provider copies into them: a freshly allocated buffer faults
+            // its pages in on its first message (a 16 KiB message, five
+            // faults), in the timed path of the first pass through the
+            // posted buffers, which are many (credits for every peer).
+            buf.resize(self.config.eager, 0);
             self.repost(&mut st, buf, new_ctx());
         }
     }
