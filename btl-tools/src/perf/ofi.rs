@@ -279,6 +279,7 @@ impl Program {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn local_ranks_get_the_baselines_loopback_unless_told_otherwise() {
@@ -302,8 +303,6 @@ mod tests {
         assert!(local_rank_env(None, Some("10.0.0.1")).is_empty());
         assert!(local_rank_env(Some("tcp;ofi_rxm"), Some("10.0.0.1")).is_empty());
     }
-
-    use super::*;
 
     #[test]
     fn setup_follows_the_rdma_settings_and_progress() {
