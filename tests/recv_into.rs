@@ -226,3 +226,61 @@ fn messages_queued_before_the_receive_come_whole_and_in_order() {
         futures::try_join!(a.close(), b.close()).unwrap();
     });
 }
+
+/// While a ping-pong's ranks take every message straight from the fast
+/// box (`recv_into`), their transports still serve the rest: a get of rank
+/// 0's registered memory by rank 1, which rank 0's progress answers over
+/// the control channel, completes within a few rounds. Both fabrics run on
+/// one thread, so every receive finds its message at once and nothing but
+/// the ping-pong's own polls makes progress; the get is polled once a
+/// round.
+#[test]
+fn a_get_is_served_while_a_ping_pong_takes_its_messages_directly() {
+    const LONG: u64 = 2_000;
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    runtime().block_on(async {
+        let ex = LocalExchange::new(2);
+        let (a, b) = futures::join!(fabric(&ex, 0), fabric(&ex, 1));
+        let window = a.register((0..4096).map(|i| i as u8).collect::<Vec<u8>>());
+        let key = window.remote_key();
+        let local = b.register(vec![0u8; 64]);
+        let (ea, eb) = (a.endpoint(1).unwrap(), b.endpoint(0).unwrap());
+        let (mut ra, mut rb) = (a.receiver(2).unwrap(), b.receiver(1).unwrap());
+        // A first get: the key's first use sets up its path, which is not
+        // what is measured here.
+        eb.get(&local, 0..64, &key, 0).await.unwrap();
+        let mut get = std::pin::pin!(eb.get(&local, 0..64, &key, 100));
+        let mut done_at = None;
+        let (mut ba, mut bb) = (Vec::with_capacity(64), Vec::with_capacity(64));
+        for i in 0..LONG {
+            let mut m = [0u8; 24];
+            m[..8].copy_from_slice(&i.to_le_bytes());
+            ea.send_inline(1, &m).await.unwrap();
+            take(&mut rb, &mut bb, true, i).await;
+            eb.send_inline(2, &bb).await.unwrap();
+            let src = ra.recv_into(&mut ba).await.unwrap();
+            assert_eq!((src, &ba[..8]), (1, &i.to_le_bytes()[..]));
+            if done_at.is_none() {
+                if let std::task::Poll::Ready(r) = futures::poll!(get.as_mut()) {
+                    r.unwrap();
+                    done_at = Some(i);
+                }
+            }
+        }
+        let done_at = done_at.expect("the get completed during the ping-pong");
+        println!("the get completed in round {done_at} of {LONG}");
+        // Served at rank 0's next progress call, which comes after a few
+        // direct takes however fast each finds its message.
+        assert!(
+            done_at <= 40,
+            "the get waited {done_at} rounds of the ping-pong"
+        );
+        drop((ra, rb));
+        let Ok(got) = local.try_into_vec() else {
+            panic!("the region is ours alone");
+        };
+        assert_eq!(got, (100..164).map(|i| i as u8).collect::<Vec<u8>>());
+        futures::try_join!(a.close(), b.close()).unwrap();
+        drop(window);
+    });
+}

@@ -195,11 +195,37 @@ fn kept(keep: &[u8], at: u32, len: u32) -> &[u8] {
 /// buffer may keep allocated between registrations.
 const KEEP_MAX: usize = 64 * 1024;
 
-/// Polls progress on every transport of a fabric, up to the given number of
-/// turns, until one does work; returns the work done. The fabric owns it;
-/// the dispatcher holds it weakly, and a receiver keeps the one it upgraded
-/// while its fabric is open (one upgrade per receiver, not one per poll).
-pub(crate) type Poller = Arc<dyn Fn(usize) -> usize + Send + Sync>;
+/// Progress on every transport of a fabric, as receivers run it inline.
+pub(crate) trait Progress: Send + Sync {
+    /// Poll every transport, up to `turns` turns, until one does work;
+    /// the work done.
+    fn turns(&self, turns: usize) -> usize;
+
+    /// Take the next message for `tag` into `buf` from a transport that
+    /// can hand it over without a progress turn (see
+    /// [`Transport::take_direct`](crate::transport::Transport::take_direct));
+    /// its sender. Default: none can.
+    fn take_direct(
+        &self,
+        _tag: Tag,
+        _queued: &AtomicUsize,
+        _buf: &mut Vec<u8>,
+        _looks: u32,
+    ) -> Option<Rank> {
+        None
+    }
+}
+
+impl<F: Fn(usize) -> usize + Send + Sync> Progress for F {
+    fn turns(&self, turns: usize) -> usize {
+        self(turns)
+    }
+}
+
+/// A fabric's [`Progress`]. The fabric owns it; the dispatcher holds it
+/// weakly, and a receiver keeps the one it upgraded while its fabric is
+/// open (one upgrade per receiver, not one per poll).
+pub(crate) type Poller = Arc<dyn Progress>;
 
 thread_local! {
     static INLINE: std::cell::RefCell<Option<Inline>> = const { std::cell::RefCell::new(None) };
@@ -344,7 +370,7 @@ pub(crate) struct Dispatcher {
     pub(crate) cold: Arc<Notify>,
     /// Set by a receiver poll that found nothing: try progress inline
     /// (see [`Poller`]).
-    progress_hook: OnceLock<Weak<dyn Fn(usize) -> usize + Send + Sync>>,
+    progress_hook: OnceLock<Weak<dyn Progress>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
     /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
     policy: Hot,
@@ -365,6 +391,13 @@ const SETTLE_AT_ONCE: usize = 64 * 1024;
 
 /// Progress polls a hot waiter makes per poll of its future.
 const INLINE_TURNS: usize = 16;
+
+/// Looks a receiver lending a buffer has a transport make for a direct
+/// take per poll (see [`Dispatcher::take_direct`]): each is a few loads
+/// of lines the sender writes, so a message that arrives meanwhile is seen
+/// at once and taken without a progress turn, which is most of a small
+/// ping-pong's hop. A spin of about a microsecond at most.
+const DIRECT_LOOKS: u32 = 64;
 
 /// What a waiting operation's future has seen of
 /// [`Dispatcher::progress_inline_for_op`] before its first poll.
@@ -573,18 +606,42 @@ impl Dispatcher {
         // One turn first, without the clock: a receiver whose message is
         // already there (a ping-pong's usual case) reads no clock at all
         // (a clock read is about 8% of a hop's software path).
-        if h(1) > 0 {
+        if h.turns(1) > 0 {
             self.policy.touch();
             // No fresh time for `stay_hot`: it reads the clock if needed.
             self.policy.polled.store(0, Ordering::Relaxed);
             return true;
         }
         let now = self.policy.poll_now();
-        if self.policy.is_hot(now) && h(INLINE_TURNS - 1) > 0 {
+        if self.policy.is_hot(now) && h.turns(INLINE_TURNS - 1) > 0 {
             self.policy.touch();
             return true;
         }
         false
+    }
+
+    /// Take the next message for `tag` into `buf` from a transport that
+    /// hands it over without a progress turn (the poller kept in `cache`,
+    /// as for [`progress_inline_with`](Self::progress_inline_with)). Unless
+    /// progress is interrupt-driven, the transport looks up to
+    /// [`DIRECT_LOOKS`] times while nothing else arrives.
+    fn take_direct(
+        &self,
+        cache: &mut Option<Poller>,
+        tag: Tag,
+        queued: &AtomicUsize,
+        buf: &mut Vec<u8>,
+    ) -> Option<Rank> {
+        if cache.is_none() {
+            *cache = self.poller();
+        }
+        let looks = match self.policy.mode {
+            ProgressMode::Interrupt => 1,
+            _ => DIRECT_LOOKS,
+        };
+        let src = cache.as_deref()?.take_direct(tag, queued, buf, looks)?;
+        self.policy.touch();
+        Some(src)
     }
 
     /// About to return `Pending`: while traffic is hot, have the task polled
@@ -1482,6 +1539,14 @@ impl Receiver {
                 Poll::Ready(Some(())) => Poll::Ready(me.next_local().map(Took::Item)),
                 _ => Poll::Ready(None),
             };
+        }
+        // A small message waiting at the head of a peer's stream goes
+        // straight into a lent buffer (see `Transport::take_direct`), with
+        // no registration and no progress turn. (`local` is empty here.)
+        if let (Some(buf), Some(queued)) = (lent.as_deref_mut(), me.queued.as_deref()) {
+            if let Some(src) = me.disp.take_direct(&mut me.poller, me.tag, queued, buf) {
+                return Poll::Ready(Some(Took::Lent(src)));
+            }
         }
         // Messages for our tag that our own progress finds come straight
         // to us (see `Inline`), without a second trip through the queue.

@@ -394,6 +394,51 @@ pub(crate) struct Route {
     pub(crate) gpu: Option<Arc<dyn Link>>,
 }
 
+/// The progress receivers run inline: every transport in turn, and the
+/// direct take of those that have one.
+struct FabricProgress {
+    all: Arc<Vec<Arc<dyn Transport>>>,
+    /// The transports whose `takes_direct` is true.
+    direct: Vec<Arc<dyn Transport>>,
+}
+
+impl crate::core::dispatch::Progress for FabricProgress {
+    fn turns(&self, turns: usize) -> usize {
+        for _ in 0..turns {
+            let work: usize = self.all.iter().map(|t| t.progress()).sum();
+            if work > 0 {
+                return work;
+            }
+            // No `pause` between turns: on some cores it takes tens of ns,
+            // a detection delay that costs an 8 B ping-pong about 10% (the
+            // poll itself, with its locked instructions, already spaces the
+            // loads of the watched lines; a bare spin on them is slower
+            // still). A poller idle for long yields to the OS instead
+            // (`Hot::spinning_idle`).
+        }
+        0
+    }
+
+    fn take_direct(
+        &self,
+        tag: Tag,
+        queued: &std::sync::atomic::AtomicUsize,
+        buf: &mut Vec<u8>,
+        looks: u32,
+    ) -> Option<Rank> {
+        // Several transports: each looks once per round.
+        let (rounds, each) = match self.direct.len() {
+            1 => (1, looks),
+            _ => (looks.max(1), 1),
+        };
+        (0..rounds).find_map(|_| {
+            self.direct
+                .iter()
+                .find_map(|t| t.take_direct(tag, queued, buf, each))
+        })
+    }
+}
+
 impl Fabric {
     /// The running transport of type `T`, for accessors of one transport's
     /// own (see `udp`'s).
@@ -713,22 +758,13 @@ impl Fabric {
         // forever); the fabric and, while it is open, each receiver that
         // used it hold it strongly. One list for all transports.
         let transports = Arc::new(transports);
-        let ts = transports.clone();
-        let poller: crate::core::dispatch::Poller = Arc::new(move |turns| {
-            for _ in 0..turns {
-                let work: usize = ts.iter().map(|t| t.progress()).sum();
-                if work > 0 {
-                    return work;
-                }
-                // No `pause` between turns: on some cores it takes tens
-                // of ns, a detection delay that costs an 8 B
-                // ping-pong about 10% (the poll itself, with its locked
-                // instructions, already spaces the loads of the watched
-                // lines; a bare spin on them is slower still). A poller
-                // idle for long yields to the OS instead
-                // (`Hot::spinning_idle`).
-            }
-            0
+        let poller: crate::core::dispatch::Poller = Arc::new(FabricProgress {
+            direct: transports
+                .iter()
+                .filter(|t| t.takes_direct())
+                .cloned()
+                .collect(),
+            all: transports.clone(),
         });
         core.dispatcher.set_progress_hook(&poller);
         let beats: Vec<_> = transports

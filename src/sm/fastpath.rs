@@ -6,6 +6,8 @@
 //! [`rendezvous`](super::rendezvous). The box's layout, push and peek are
 //! [`fbox`].
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use bytes::Bytes;
 
 use super::fbox;
@@ -15,6 +17,10 @@ use super::segment::CHANNELS;
 use super::tx::{TxState, USER};
 use super::{SmPeer, SmTransport};
 use crate::Result;
+
+/// Messages [`RxState::take_direct`] takes between two progress calls at
+/// most.
+const DIRECT_RUN: u32 = 16;
 
 impl TxState {
     /// Put a small user message (or, with `rndv`, a rendezvous
@@ -111,6 +117,91 @@ impl RxState {
             p.heard.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         (took, step)
+    }
+
+    /// Take the first message waiting in some sender's fast box into
+    /// `buf` if it is a user message for `tag` and nothing of that
+    /// sender's comes before it (see `Transport::take_direct`); its sender.
+    /// Looks at every sender's box up to `looks` times, under one lock,
+    /// and stops at the first sign of other work (another message at a
+    /// box's head, a fragment in a ring), which progress serves. After
+    /// [`DIRECT_RUN`] takes it takes none until the next progress call,
+    /// which serves the rest (control channels, returns).
+    pub(super) fn take_direct(
+        &mut self,
+        t: &SmTransport,
+        tag: u64,
+        queued: &AtomicUsize,
+        buf: &mut Vec<u8>,
+        looks: u32,
+    ) -> Option<crate::Rank> {
+        // Read under `rx`, which orders every delivery of ours: a message
+        // queued for the tag before this look is seen here, so none of a
+        // sender's is taken ahead of an earlier one in the queue.
+        if self.direct_run >= DIRECT_RUN || queued.load(Ordering::Relaxed) != 0 {
+            return None;
+        }
+        let peers = t.peer_list();
+        for _ in 0..looks.max(1) {
+            for p in peers.iter().flatten() {
+                let l = p.local as usize;
+                // Anything under way from this sender comes first, in
+                // progress.
+                if self.awaiting[l].is_some()
+                    || self.split[l].is_some()
+                    || self.blocked[l]
+                    || self.partial[l * CHANNELS + USER].is_some()
+                    || p.is_lost()
+                {
+                    return None;
+                }
+                let b = t.seg.fbox(p.local);
+                let st = &mut self.fb[l];
+                let found = match b.peek(st) {
+                    // A run of messages waiting is taken in one progress
+                    // call instead (under one lock, into the receiver's
+                    // kept buffer), which costs a stream less per message.
+                    Ok(Some(f)) if !f.rndv && f.tag == tag && !b.more_after(st, f.len) => f,
+                    Ok(None) => {
+                        let ring_empty = |ch: usize| {
+                            t.seg
+                                .inbound(p.local, ch)
+                                .looks_empty(&self.cons[l * CHANNELS + ch])
+                        };
+                        if ring_empty(USER) && ring_empty(CHANNELS - 1) {
+                            continue;
+                        }
+                        return None;
+                    }
+                    _ => return None,
+                };
+                buf.clear();
+                b.read_into(st, found.len, buf);
+                // After the copy, under `rx` (see the order argument in
+                // `fbox`).
+                b.consume(st, found.len);
+                self.direct_run += 1;
+                if !p.heard.load(Ordering::Relaxed) {
+                    p.heard.store(true, Ordering::Relaxed);
+                }
+                // Under `rx`, its only writer (see
+                // `SmCounters::fast_box_recvs`).
+                let c = &t.counters.fast_box_recvs;
+                c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+                // The doorbell: a sender asleep waiting for room is rung
+                // now. The fenced check that catches one arming meanwhile
+                // (`notify`) is left to the next progress call, which comes
+                // within `DIRECT_RUN` takes (or from the progress task), so
+                // a stream of direct takes pays no fence per message.
+                if t.peer_asleep(p) {
+                    t.notify(p);
+                } else {
+                    self.owed[l] = true;
+                }
+                return Some(p.rank);
+            }
+        }
+        None
     }
 
     /// Take up to `max` user messages from the sender's fast box under one

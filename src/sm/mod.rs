@@ -360,6 +360,12 @@ impl SmTransport {
         self.peers.get().map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// Whether `peer` armed its doorbell, without the fence of
+    /// [`notify`](Self::notify) (a hint: it may be arming now).
+    pub(crate) fn peer_asleep(&self, peer: &SmPeer) -> bool {
+        peer.seg.armed().load(Ordering::Relaxed) != 0
+    }
+
     /// After making data visible to `peer`, ring its doorbell if it sleeps.
     pub(crate) fn notify(&self, peer: &SmPeer) {
         // The protocol (and its loom model) lives in crate::sys::ring.
@@ -515,6 +521,26 @@ impl Transport for SmTransport {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    fn takes_direct(&self) -> bool {
+        true
+    }
+
+    fn take_direct(
+        &self,
+        tag: u64,
+        queued: &std::sync::atomic::AtomicUsize,
+        buf: &mut Vec<u8>,
+        looks: u32,
+    ) -> Option<Rank> {
+        // Our own sends wait on progress: look once only.
+        let looks = if self.tx_busy.load(Ordering::Relaxed) {
+            1
+        } else {
+            looks
+        };
+        try_lock(&self.rx)?.take_direct(self, tag, queued, buf, looks)
     }
 
     fn progress(&self) -> usize {

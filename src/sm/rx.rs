@@ -41,6 +41,12 @@ pub(crate) struct RxState {
     pub(super) offered: Vec<u64>,
     /// Fast-box messages taken in the current progress call.
     pub(super) fast: u64,
+    /// Messages taken directly (`take_direct`) since the last progress
+    /// call.
+    pub(super) direct_run: u32,
+    /// Per sender: a direct take left the doorbell check to the next
+    /// progress call.
+    pub(super) owed: Vec<bool>,
     /// Peers (local ranks) caught misbehaving, to be cut off once the rx
     /// lock is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
@@ -65,11 +71,14 @@ impl RxState {
             split: (0..n).map(|_| None).collect(),
             offered: vec![0; n],
             fast: 0,
+            direct_run: 0,
+            owed: vec![false; n],
             misbehaved: Vec::new(),
         }
     }
 
     pub(crate) fn progress(&mut self, t: &SmTransport) -> usize {
+        self.direct_run = 0;
         let mut work = 0;
         for p in t.peer_list().iter().flatten() {
             if p.is_lost() {
@@ -127,7 +136,7 @@ impl RxState {
                     }
                 }
             }
-            if returned > 0 {
+            if returned > 0 || std::mem::take(&mut self.owed[p.local as usize]) {
                 t.notify(p);
                 work += returned;
             }

@@ -414,6 +414,35 @@ pub(crate) trait Transport: Send + Sync {
     /// Returns the amount of work done (0 = nothing to do).
     fn progress(&self) -> usize;
 
+    /// Whether [`Transport::take_direct`] may find messages: only such
+    /// transports are asked. Default: no.
+    fn takes_direct(&self) -> bool {
+        false
+    }
+
+    /// Take the next message for `tag` straight into `buf` (cleared
+    /// first) when it is the first thing waiting from some peer on this
+    /// transport's small-message path and can be taken without the rest of
+    /// progress; its sender. It may look up to `looks` times while nothing
+    /// else is waiting (a spin cheaper than progress turns). `queued` is
+    /// the tag's queue length word, to be
+    /// read under the lock that orders this transport's deliveries: a
+    /// message may be taken only while it reads 0 (an earlier one from the
+    /// same peer may be queued). `None`: nothing such, and nothing changed;
+    /// the caller runs [`Transport::progress`] as usual. A transport must
+    /// still hand the rest of its work to `progress` now and then although
+    /// every look finds a message here (its control traffic, returns).
+    /// Default: `None`.
+    fn take_direct(
+        &self,
+        _tag: u64,
+        _queued: &std::sync::atomic::AtomicUsize,
+        _buf: &mut Vec<u8>,
+        _looks: u32,
+    ) -> Option<Rank> {
+        None
+    }
+
     /// Whether the progress task must keep polling although a poll found
     /// nothing (data of posted operations moves only while progress is
     /// called: a manual-progress NIC provider). Default: no.
