@@ -16,6 +16,7 @@ use super::rx::{RxState, Step};
 use super::segment::CHANNELS;
 use super::tx::{TxState, USER};
 use super::{SmPeer, SmTransport};
+use crate::sys::ring::Ring;
 use crate::Result;
 
 /// Messages [`RxState::take_direct`] takes between two progress calls at
@@ -36,11 +37,16 @@ impl TxState {
         data: &[u8],
     ) -> Result<Option<bool>> {
         let l = peer.local as usize;
-        let ring = peer.seg.inbound(t.seg.local_rank, USER);
-        match ring.drained(&mut self.prod[l * CHANNELS + USER]) {
-            Ok(true) => {}
-            Ok(false) => return Ok(None),
-            Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
+        let prod = &mut self.prod[l * CHANNELS + USER];
+        // The ring is looked at only when we pushed to it since it was last
+        // seen drained.
+        if !Ring::known_drained(prod) {
+            let ring = peer.seg.inbound(t.seg.local_rank, USER);
+            match ring.drained(prod) {
+                Ok(true) => {}
+                Ok(false) => return Ok(None),
+                Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
+            }
         }
         // A load and a plain store, no locked instruction (this is the
         // hot path of small sends; the flag is only a hint).
@@ -122,7 +128,8 @@ impl RxState {
     /// Take the first message waiting in some sender's fast box into
     /// `buf` if it is a user message for `tag` and nothing of that
     /// sender's comes before it (see `Transport::take_direct`); its sender.
-    /// Looks at every sender's box up to `looks` times, under one lock,
+    /// Makes up to `looks` looks at the senders' boxes (each box in turn)
+    /// under one lock,
     /// and stops at the first sign of other work (another message at a
     /// box's head, a fragment in a ring), which progress serves. After
     /// [`DIRECT_RUN`] takes it takes none until the next progress call,
@@ -142,7 +149,9 @@ impl RxState {
             return None;
         }
         let peers = t.peer_list();
-        for _ in 0..looks.max(1) {
+        // `looks` looks at one box each: fewer rounds with more senders.
+        let rounds = (looks as usize / peers.len().max(1)).max(1);
+        for _ in 0..rounds {
             for p in peers.iter().flatten() {
                 let l = p.local as usize;
                 // Anything under way from this sender comes first, in

@@ -166,6 +166,13 @@ impl Ring<'_> {
         self.head.store(st.head, Ordering::Release);
     }
 
+    /// Producer side: whether the consumer has taken everything we pushed,
+    /// by what we last saw of it and without looking at the ring
+    /// (`false` may be stale: then ask [`drained`](Self::drained)).
+    pub(crate) fn known_drained(st: &ProducerState) -> bool {
+        st.head_cache == st.tail
+    }
+
     /// Producer side: whether the consumer has taken everything we pushed.
     pub(crate) fn drained(&self, st: &mut ProducerState) -> Result<bool, Corrupt> {
         if st.head_cache != st.tail {
