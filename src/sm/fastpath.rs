@@ -23,6 +23,10 @@ use crate::Result;
 /// most.
 const DIRECT_RUN: u32 = 16;
 
+/// [`RxState::take_direct`] looks at the senders' rings in every this
+/// many of its rounds.
+const RING_LOOKS_EVERY: usize = 4;
+
 impl TxState {
     /// Put a small user message (or, with `rndv`, a rendezvous
     /// announcement) in the peer's fast box. `None`: the box may not be
@@ -151,7 +155,7 @@ impl RxState {
         let peers = t.peer_list();
         // `looks` looks at one box each: fewer rounds with more senders.
         let rounds = (looks as usize / peers.len().max(1)).max(1);
-        for _ in 0..rounds {
+        for round in 0..rounds {
             for p in peers.iter().flatten() {
                 let l = p.local as usize;
                 // Anything under way from this sender comes first, in
@@ -171,11 +175,14 @@ impl RxState {
                     // call instead (under one lock, into the receiver's
                     // kept buffer), which costs a stream less per message.
                     Ok(Some(f)) if !f.rndv && f.tag == tag && !b.more_after(st, f.len) => f,
+                    // The rings too, every few rounds (a look at the box
+                    // alone is quicker, so a message arriving there is
+                    // seen sooner).
+                    Ok(None) if round % RING_LOOKS_EVERY != 0 => continue,
                     Ok(None) => {
                         let ring_empty = |ch: usize| {
-                            t.seg
-                                .inbound(p.local, ch)
-                                .looks_empty(&self.cons[l * CHANNELS + ch])
+                            self.cons[l * CHANNELS + ch]
+                                .looks_empty(t.seg.inbound_tail(p.local, ch))
                         };
                         if ring_empty(USER) && ring_empty(CHANNELS - 1) {
                             continue;

@@ -367,6 +367,16 @@ impl Segment {
         self.ring_at(self.inbound_off(from, ch))
     }
 
+    /// The tail word alone of [`inbound`](Self::inbound)`(from, ch)`: what
+    /// a look for new fragments reads.
+    pub(crate) fn inbound_tail(&self, from: u32, ch: usize) -> &crate::sys::sync::AtomicU64 {
+        &self
+            .file
+            .raw_ref()
+            .atomics_u64(self.inbound_off(from, ch), 1)
+            .expect("ring offsets come from a validated layout and are in range")[0]
+    }
+
     /// Set by the owner when it cut local rank `from` off after a protocol
     /// error; `from` reads it and fails its own pending operations. Lives in
     /// the unused half of the tail's cache line of `from`'s user ring.

@@ -65,6 +65,16 @@ pub(crate) struct ConsumerState {
     head: u64,
 }
 
+impl ConsumerState {
+    /// Whether the ring whose tail word is `tail` looks empty right now
+    /// (a racy hint; [`Ring::looks_empty`] without building the ring).
+    pub(crate) fn looks_empty(&self, tail: &AtomicU64) -> bool {
+        // (The tail may lag what we took by one: see `peek`.)
+        let tail = tail.load(Ordering::Acquire);
+        tail == self.head || tail.wrapping_add(1) == self.head
+    }
+}
+
 impl Ring<'_> {
     fn cap(&self) -> u64 {
         self.slots.len() as u64
@@ -194,9 +204,7 @@ impl Ring<'_> {
 
     /// Whether the ring looks empty right now (a racy hint for parking).
     pub(crate) fn looks_empty(&self, st: &ConsumerState) -> bool {
-        // (The tail may lag what we took by one: see `peek`.)
-        let tail = self.tail.load(Ordering::Acquire);
-        tail == st.head || tail.wrapping_add(1) == st.head
+        st.looks_empty(self.tail)
     }
 }
 
