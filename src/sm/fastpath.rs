@@ -158,13 +158,15 @@ impl RxState {
         for round in 0..rounds {
             for p in peers.iter().flatten() {
                 let l = p.local as usize;
+                if p.is_lost() {
+                    continue;
+                }
                 // Anything under way from this sender comes first, in
                 // progress.
                 if self.awaiting[l].is_some()
                     || self.split[l].is_some()
                     || self.blocked[l]
                     || self.partial[l * CHANNELS + USER].is_some()
-                    || p.is_lost()
                 {
                     return None;
                 }

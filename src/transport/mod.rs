@@ -428,8 +428,8 @@ pub(crate) trait Transport: Send + Sync {
     /// the tag's queue length word, to be
     /// read under the lock that orders this transport's deliveries: a
     /// message may be taken only while it reads 0 (an earlier one from the
-    /// same peer may be queued). `None`: nothing such, and nothing changed;
-    /// the caller runs [`Transport::progress`] as usual. A transport must
+    /// same peer may be queued). `None`: nothing such was taken; the
+    /// caller runs [`Transport::progress`] as usual. A transport must
     /// still hand the rest of its work to `progress` now and then although
     /// every look finds a message here (its control traffic, returns).
     /// Default: `None`.
