@@ -1743,6 +1743,66 @@ mod tests {
         assert_eq!(d.total.load(Ordering::Relaxed), cost(10));
     }
 
+    /// A transport's direct take, as a test double: while the queue length
+    /// word it is shown reads 0 it hands out message `n` (one byte) from
+    /// rank 3, numbering them from 0; it refuses while anything is queued.
+    struct DirectDouble {
+        next: AtomicUsize,
+        refused: AtomicUsize,
+    }
+
+    impl Progress for DirectDouble {
+        fn turns(&self, _turns: usize) -> usize {
+            0
+        }
+        fn take_direct(
+            &self,
+            tag: Tag,
+            queued: &AtomicUsize,
+            buf: &mut Vec<u8>,
+            looks: u32,
+        ) -> Option<Rank> {
+            assert_eq!((tag, looks), (1, DIRECT_LOOKS));
+            if queued.load(Ordering::Relaxed) != 0 {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            buf.clear();
+            buf.push(self.next.fetch_add(1, Ordering::Relaxed) as u8);
+            Some(3)
+        }
+    }
+
+    /// `recv_into` takes what is queued for its tag first, then what a
+    /// transport hands over directly, into the lent buffer; `recv` never
+    /// asks for a direct take.
+    #[tokio::test]
+    async fn recv_into_takes_the_queue_first_then_direct_takes() {
+        let d = Dispatcher::new((1 << 20, 1 << 30), ProgressMode::BusyPoll, Duration::ZERO);
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        let double = Arc::new(DirectDouble {
+            next: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
+        });
+        let p: Poller = double.clone();
+        d.set_progress_hook(&p);
+        d.offers(|o| (100..102u8).all(|i| o.offer(0, 1, 1, move || Bytes::from(vec![i]))));
+        let mut buf = Vec::new();
+        for want in [(0, 100u8), (0, 101), (3, 0), (3, 1)] {
+            let src = rx.recv_into(&mut buf).await.unwrap();
+            assert_eq!((src, buf.as_slice()), (want.0, &[want.1][..]));
+        }
+        assert_eq!(double.refused.load(Ordering::Relaxed), 0);
+        // Queued again: the next `recv_into` takes it, not a direct one.
+        d.deliver(msg(7, 1));
+        assert_eq!(rx.recv_into(&mut buf).await.unwrap(), 0);
+        assert_eq!(buf, [7]);
+        assert_eq!(double.next.load(Ordering::Relaxed), 2);
+        assert!(futures::poll!(rx.next()).is_pending());
+        assert_eq!(double.next.load(Ordering::Relaxed), 2, "recv took directly");
+    }
+
     /// A message that finds its tag's queue holding one (queued by another
     /// thread's progress, say) is queued behind it, not handed over; and
     /// one registration takes at most a tag budget's worth inline, the
