@@ -145,6 +145,7 @@ impl Endpoint {
     ///
     /// The future borrows the endpoint as it borrows `data` (no reference
     /// count to take and drop per message).
+    #[inline]
     pub fn send_inline<'a>(&'a self, tag: Tag, data: &'a [u8]) -> SendInlineFuture<'a> {
         self.0.core.counters.add(Hot::Sends);
         SendInlineFuture {

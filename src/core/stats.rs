@@ -93,6 +93,14 @@ fn row() -> usize {
     if i != UNCLAIMED {
         return i;
     }
+    claim_row()
+}
+
+/// [`row`]'s first use on a thread: kept out of line, so that what the
+/// hot path inlines is a thread-local load and a compare.
+#[cold]
+#[inline(never)]
+fn claim_row() -> usize {
     let claimed = lock(&FREE_ROWS).pop().unwrap_or_else(|| {
         let n = NEXT_ROW.fetch_add(1, Ordering::Relaxed);
         n.min(ROWS)

@@ -32,6 +32,7 @@ impl TxState {
     /// announcement) in the peer's fast box. `None`: the box may not be
     /// used now (the pair's user ring still holds messages, which must
     /// arrive first); `Some(false)`: the box is full.
+    #[inline]
     pub(super) fn via_fbox(
         &mut self,
         t: &SmTransport,

@@ -10,7 +10,6 @@ use bytes::Bytes;
 
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
-use crate::sys::sync::lock;
 use crate::transport::{Kind as CoreKind, Link};
 use crate::{Rank, Result};
 
@@ -69,7 +68,7 @@ impl Link for SmLink {
     }
 
     fn has_queued(&self) -> bool {
-        lock(&self.t.tx).has_queued(self.peer.local)
+        self.t.tx.lock().has_queued(self.peer.local)
     }
 }
 

@@ -153,7 +153,7 @@ pub(crate) struct SmTransport {
     ringer: StdDatagram,
     /// Peers by local rank, set once at connect.
     pub(crate) peers: OnceLock<Vec<Option<Arc<SmPeer>>>>,
-    pub(crate) tx: Mutex<tx::TxState>,
+    pub(crate) tx: crate::sys::sync::SpinLock<tx::TxState>,
     /// `TxState::busy` as of the last change under `tx` (Release; progress
     /// loads it with Acquire to skip the send side, and its lock, when there
     /// is nothing to do).
@@ -227,7 +227,7 @@ impl SmTransport {
             bell: Doorbell::new()?,
             ringer: doorbell::ringer()?,
             peers: OnceLock::new(),
-            tx: Mutex::new(tx),
+            tx: crate::sys::sync::SpinLock::new(tx),
             tx_busy: AtomicBool::new(false),
             rx: Mutex::new(rx),
             maps: Mutex::new(HashMap::new()),
@@ -349,7 +349,7 @@ impl SmTransport {
 
     /// Run `f` on the send state, then publish whether it has work left.
     pub(crate) fn with_tx<R>(&self, f: impl FnOnce(&mut tx::TxState) -> R) -> R {
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         let r = f(&mut tx);
         self.tx_busy
             .store(tx.busy(), std::sync::atomic::Ordering::Release);
@@ -551,7 +551,7 @@ impl Transport for SmTransport {
             bad |= !rx.misbehaved.is_empty();
         }
         if self.tx_busy.load(std::sync::atomic::Ordering::Acquire) {
-            if let Some(mut tx) = try_lock(&self.tx) {
+            if let Some(mut tx) = self.tx.try_lock() {
                 work += tx.progress(self);
                 bad |= !tx.misbehaved.is_empty();
                 self.tx_busy
@@ -567,7 +567,7 @@ impl Transport for SmTransport {
     fn arm(&self) -> bool {
         crate::sys::ring::arm(self.seg.armed());
         let rx_idle = lock(&self.rx).looks_idle(self);
-        let tx_idle = lock(&self.tx).looks_idle(self);
+        let tx_idle = self.tx.lock().looks_idle(self);
         if rx_idle && tx_idle {
             true
         } else {
