@@ -69,6 +69,9 @@ pub(crate) const BOX_WORDS: usize = LEAD_WORDS + SLOTS * SLOT_WORDS;
 /// Bytes in one box.
 pub(crate) const BOX_BYTES: usize = BOX_WORDS * 8;
 
+/// Largest message of two slots (`FBox::push_two`).
+const TWO_SLOTS: usize = FIRST_WORDS * 8 + CONT_WORDS * 8;
+
 /// How many slots ahead of the next write a push prefetches for writing.
 const PREFETCH_AHEAD: u64 = 8;
 
@@ -97,6 +100,44 @@ fn head_mark(n: u64, kind: u64, len: usize) -> u64 {
 fn slots_for(len: usize) -> u64 {
     let rest = len.saturating_sub(FIRST_WORDS * 8);
     1 + rest.div_ceil(CONT_WORDS * 8) as u64
+}
+
+/// Store `bytes` into the first `ceil(len / 8)` of `words`, little-endian,
+/// the last word zero-padded (`words` has the room: callers size it by
+/// the slot layout; extra bytes would be dropped, never written past).
+#[inline]
+fn store_words(words: &[AtomicU64], bytes: &[u8]) {
+    for (word, b) in words.iter().zip(bytes.chunks(8)) {
+        let v = match <[u8; 8]>::try_from(b) {
+            Ok(whole) => u64::from_le_bytes(whole),
+            Err(_) => {
+                let mut last = [0u8; 8];
+                last[..b.len()].copy_from_slice(b);
+                u64::from_le_bytes(last)
+            }
+        };
+        word.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Append the first `len` bytes that [`store_words`] stored in `words` to
+/// `out` (whole words by fixed-size appends).
+#[inline]
+fn load_words(words: &[AtomicU64], len: usize, out: &mut Vec<u8>) {
+    let mut left = len;
+    for word in words {
+        if left == 0 {
+            break;
+        }
+        let b = word.load(Ordering::Relaxed).to_le_bytes();
+        if left >= 8 {
+            out.extend_from_slice(&b);
+            left -= 8;
+        } else {
+            out.extend_from_slice(&b[..left]);
+            left = 0;
+        }
+    }
 }
 
 /// A peer's counter or header is impossible (it scribbled on the box).
@@ -396,6 +437,9 @@ impl<'a> FBox<'a> {
         if data.len() <= FIRST_WORDS * 8 {
             return self.push_one(st, HEAD, tag, data, stream);
         }
+        if data.len() <= TWO_SLOTS && self.pos(st.next) + 2 <= self.slots {
+            return self.push_two(st, tag, data, stream);
+        }
         self.push_as(st, HEAD, tag, data, stream)
     }
 
@@ -423,17 +467,7 @@ impl<'a> FBox<'a> {
         let n = st.next;
         let slot = self.slot(n);
         slot[1].store(tag, Ordering::Relaxed);
-        for (word, bytes) in slot[SLOT_WORDS - FIRST_WORDS..].iter().zip(data.chunks(8)) {
-            let v = match <[u8; 8]>::try_from(bytes) {
-                Ok(whole) => u64::from_le_bytes(whole),
-                Err(_) => {
-                    let mut last = [0u8; 8];
-                    last[..bytes.len()].copy_from_slice(bytes);
-                    u64::from_le_bytes(last)
-                }
-            };
-            word.store(v, Ordering::Relaxed);
-        }
+        store_words(&slot[SLOT_WORDS - FIRST_WORDS..], data);
         st.next = n + 1;
         // Release pairs with the receiver's Acquire load in `peek`, as in
         // `push_as`.
@@ -442,6 +476,44 @@ impl<'a> FBox<'a> {
         if stream && self.free(st) > PREFETCH_AHEAD {
             self.raw
                 .prefetch_write(self.offset(st.next + PREFETCH_AHEAD, 0));
+        }
+        Ok(true)
+    }
+
+    /// [`FBox::push_as`] for a user message of 49 to [`TWO_SLOTS`] bytes
+    /// whose two slots fit before the end of the box (the caller checked):
+    /// no skip, and the payload stored as words, as in `push_one`.
+    #[inline]
+    fn push_two(
+        &self,
+        st: &mut Sender,
+        tag: u64,
+        data: &[u8],
+        stream: bool,
+    ) -> Result<bool, Corrupt> {
+        if st.next - st.consumed_cache + 2 > self.slots {
+            self.refresh(st)?;
+            if st.next - st.consumed_cache + 2 > self.slots {
+                return Ok(false);
+            }
+        }
+        let n = st.next;
+        let (first, rest) = data.split_at(data.len().min(FIRST_WORDS * 8));
+        let cont = self.slot(n + 1);
+        cont[0].store(mark(n + 1, CONT), Ordering::Relaxed);
+        store_words(&cont[1..], rest);
+        let head = self.slot(n);
+        head[1].store(tag, Ordering::Relaxed);
+        store_words(&head[SLOT_WORDS - FIRST_WORDS..], first);
+        st.next = n + 2;
+        // Release pairs with the receiver's Acquire load in `peek`: both
+        // slots' words are visible before the head mark.
+        head[0].store(head_mark(n, HEAD, data.len()), Ordering::Release);
+        if stream {
+            let free = self.free(st);
+            for i in PREFETCH_AHEAD..(PREFETCH_AHEAD + 2).min(free) {
+                self.raw.prefetch_write(self.offset(st.next + i, 0));
+            }
         }
         Ok(true)
     }
@@ -556,23 +628,10 @@ impl<'a> FBox<'a> {
     pub(crate) fn read_into(&self, st: &Receiver, len: usize, out: &mut Vec<u8>) {
         if len <= FIRST_WORDS * 8 {
             // The inverse of `push_one`: word loads, no copy call (the
-            // head mark's Acquire in `peek` ordered them).
+            // head mark's Acquire in `peek` ordered them). Longer messages
+            // read faster by the strided copy than word by word.
             out.reserve(len);
-            let slot = self.slot(st.next);
-            let mut left = len;
-            for word in &slot[SLOT_WORDS - FIRST_WORDS..] {
-                if left == 0 {
-                    break;
-                }
-                let bytes = word.load(Ordering::Relaxed).to_le_bytes();
-                if left >= 8 {
-                    out.extend_from_slice(&bytes);
-                    left -= 8;
-                } else {
-                    out.extend_from_slice(&bytes[..left]);
-                    left = 0;
-                }
-            }
+            load_words(&self.slot(st.next)[SLOT_WORDS - FIRST_WORDS..], len, out);
             return;
         }
         self.payload_into(st.next, len, out);

@@ -245,9 +245,19 @@ impl RawBuf {
         if !rest.is_empty() {
             // SAFETY: the last, shorter piece ends exactly at o + span.
             // (Only a piece that exists is addressed: with none left, `at`
-            // may already point past the span.)
+            // may already point past the span.) It is shorter than CHUNK,
+            // which is below 64 for every caller (checked below), and `src`
+            // does not overlap this range.
             unsafe {
-                std::ptr::copy_nonoverlapping(rest.as_ptr(), self.ptr.as_ptr().add(at), rest.len())
+                if CHUNK < 64 {
+                    copy::copy_short(rest.as_ptr(), self.ptr.as_ptr().add(at), rest.len())
+                } else {
+                    std::ptr::copy_nonoverlapping(
+                        rest.as_ptr(),
+                        self.ptr.as_ptr().add(at),
+                        rest.len(),
+                    )
+                }
             };
         }
         Ok(())
@@ -326,13 +336,18 @@ impl RawBuf {
         }
         if rest > 0 {
             // SAFETY: the last, shorter piece ends exactly at o + span and
-            // at dst + n.
+            // at dst + n; it is shorter than CHUNK (below 64 where
+            // `copy_short` is used) and the ranges do not overlap.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.ptr.as_ptr().add(at),
-                    dst.add(whole * CHUNK),
-                    rest,
-                )
+                if CHUNK < 64 {
+                    copy::copy_short(self.ptr.as_ptr().add(at), dst.add(whole * CHUNK), rest)
+                } else {
+                    std::ptr::copy_nonoverlapping(
+                        self.ptr.as_ptr().add(at),
+                        dst.add(whole * CHUNK),
+                        rest,
+                    )
+                }
             };
         }
     }
