@@ -10,7 +10,11 @@
 # smcuda, then runs btl-gpu-check (two processes: IPC handles, copies
 # with checksums from 8 B to 256 MiB, ordering behind a peer's event,
 # free and allocate again, bandwidth beside a local device-to-device
-# copy). The figures go to $OUT/gpu-check.json (or ./gpu-check.json).
+# copy), then the smcuda transport's own scenarios through the fabric
+# (tests/smcuda.rs on the driver: put/get with VMM descriptors, legacy
+# handles and BTL_SMCUDA_IPC=off through the host, registered memory,
+# dropped futures, an Interrupt-mode ping-pong, a peer killed). The
+# figures go to $OUT/gpu-check.json (or ./gpu-check.json).
 # BTL_GPU_BIN names another folder of binaries; BTL_SMCUDA_GPU=test-double
 # runs the same check on the test double (no GPU needed). Exit status:
 # that of btl-gpu-check (0: passed; 3: no GPU found).
@@ -26,6 +30,12 @@ if [ "${1:-}" = "--build" ]; then
     cp "target/release/$b" "$bin/$b"
     strip "$bin/$b"
   done
+  # The transport's test binary (it runs its ranks by starting itself).
+  tests=$(cargo test --release -p async-btl --features cuda --test smcuda --no-run 2>&1 |
+    sed -n 's/.*Executable tests\/smcuda.rs (\(.*\))$/\1/p')
+  [ -x "$tests" ] || { echo "gpu-check.sh: the smcuda test binary was not built" >&2; exit 2; }
+  cp "$tests" "$bin/smcuda-tests"
+  strip "$bin/smcuda-tests"
   ls -l "$bin"
   exit 0
 fi
@@ -51,8 +61,23 @@ echo "== btl-gpu-check"
 require=()
 [ "${BTL_SMCUDA_GPU:-cuda}" = "cuda" ] && require=(--require-gpu)
 set +e
-timeout -k 10 220 "$bin/btl-gpu-check" "${require[@]}" --json "$out/gpu-check.json" "$@"
+timeout -k 10 150 "$bin/btl-gpu-check" "${require[@]}" --json "$out/gpu-check.json" "$@"
 rc=$?
 set -e
 echo "gpu-check.sh: btl-gpu-check exited with $rc; figures in $out/gpu-check.json"
+# The transport's scenarios need the driver (the double has its own tests).
+if [ $rc -eq 0 ] && [ "${BTL_SMCUDA_GPU:-cuda}" = "cuda" ]; then
+  echo "== smcuda transport through the fabric"
+  if [ ! -x "$bin/smcuda-tests" ]; then
+    echo "gpu-check.sh: $bin/smcuda-tests is missing: build it with scripts/gpu-check.sh --build" >&2
+    exit 2
+  fi
+  set +e
+  BTL_SMCUDA_TEST_GPU=cuda timeout -k 10 150 "$bin/smcuda-tests" \
+    on_a_real_gpu_device_memory_goes_by_each_ipc_kind_and_through_the_host \
+    --exact --nocapture --test-threads=1
+  rc=$?
+  set -e
+  echo "gpu-check.sh: the smcuda transport scenarios exited with $rc"
+fi
 exit $rc

@@ -11,6 +11,28 @@ use std::time::Duration;
 use async_btl::{Error, Fabric, MemoryKind, RemoteKey};
 use common::*;
 
+/// `BTL_SMCUDA_TEST_GPU=cuda`: the test
+/// `on_a_real_gpu_device_memory_goes_by_each_ipc_kind_and_through_the_host`
+/// runs its scenarios on the CUDA driver (`scripts/gpu-check.sh` sets it on
+/// a machine with a GPU; `test-double` runs them on the double); unset,
+/// that test skips and says why.
+fn gpu_under_test() -> Option<String> {
+    std::env::var("BTL_SMCUDA_TEST_GPU")
+        .ok()
+        .filter(|v| !v.is_empty())
+}
+
+/// A job of `scenario` on the GPU under test, with `BTL_SMCUDA_IPC=ipc`.
+fn gpu_job(gpu: &str, scenario: &str, ipc: &str, extra: &[(&str, &str)]) -> Job {
+    let mut env = vec![
+        ("BTL_SMCUDA_GPU", gpu),
+        ("BTL_SMCUDA_IPC", ipc),
+        ("BTL_SMCUDA_DOUBLE_FAULTS", ""),
+    ];
+    env.extend_from_slice(extra);
+    spawn_job(2, scenario, &env)
+}
+
 /// Launch variables of every test: the test double, with copies that
 /// complete a little later than they are queued.
 fn job(n: u32, scenario: &str, faults: &str) -> Job {
@@ -150,7 +172,8 @@ async fn putget(f: Fabric) {
         // which refuses the forged one; a legacy handle is itself the
         // capability (the driver opens it for whoever holds it), so
         // there only the key's own id changed.
-        let legacy = std::env::var("BTL_SMCUDA_DOUBLE_FAULTS").is_ok_and(|f| f.contains("no-vmm"));
+        let legacy = std::env::var("BTL_SMCUDA_DOUBLE_FAULTS").is_ok_and(|f| f.contains("no-vmm"))
+            || std::env::var("BTL_SMCUDA_IPC").is_ok_and(|v| v == "legacy" || v == "off");
         assert_eq!(
             hits,
             if legacy { 1 } else { 2 },
@@ -294,10 +317,12 @@ async fn kill(f: Fabric) {
     }
     let ep = f.endpoint(1).unwrap();
     let src = f.alloc_device_region(0, 16 << 20).unwrap();
-    // Each copy takes the double's copy delay: the kill lands among them.
+    // Puts one after another until one fails (the double's copies each
+    // take its copy delay; a GPU's take microseconds): the kill lands
+    // among them.
     let start = std::time::Instant::now();
     let mut failed = None;
-    for _ in 0..200 {
+    while start.elapsed() < Duration::from_secs(25) {
         if let Err(e) = ep.put(&src, 0..(16 << 20), &theirs, 0).await {
             failed = Some(e);
             break;
@@ -466,6 +491,49 @@ fn refused_ipc_stages_every_operation_through_the_host() {
     assert!(log.contains("MIG"), "the reason is logged: {log}");
 }
 
+/// `putget` with `BTL_SMCUDA_IPC=off` passed, every operation staged.
+fn staged_by_choice(outs: &[std::process::Output]) {
+    assert_ok(outs);
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    assert_eq!(n("direct_puts"), 0);
+    // Every put and get, the implicit put, the two with host memory (the
+    // allocations are legacy: no forged-key pair, see `putget`).
+    assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 3);
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        log.contains("BTL_SMCUDA_IPC=off"),
+        "the reason is logged: {log}"
+    );
+}
+
+#[test]
+fn ipc_turned_off_stages_every_operation_and_a_bad_choice_is_named() {
+    let outs = spawn_job(
+        2,
+        "putget",
+        &[("BTL_SMCUDA_GPU", "test-double"), ("BTL_SMCUDA_IPC", "off")],
+    )
+    .wait(Duration::from_secs(90));
+    staged_by_choice(&outs);
+    let outs = spawn_job(
+        2,
+        "putget",
+        &[
+            ("BTL_SMCUDA_GPU", "test-double"),
+            ("BTL_SMCUDA_IPC", "sometimes"),
+        ],
+    )
+    .wait(Duration::from_secs(60));
+    for o in &outs {
+        assert!(!o.status.success());
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            log.contains("BTL_SMCUDA_IPC=sometimes") && log.contains("`legacy`"),
+            "{log}"
+        );
+    }
+}
+
 #[test]
 fn legacy_handles_carry_the_same_traffic() {
     // No VMM: allocations are legacy, and their handles travel in the key.
@@ -514,4 +582,69 @@ fn without_a_gpu_device_regions_say_why() {
         }
         f.close().await.unwrap();
     });
+}
+
+/// The transport's scenarios on a real GPU through the CUDA driver: put
+/// and get between device regions with VMM descriptors, with legacy
+/// handles, and with IPC turned off (every operation through the host);
+/// memory the user registered; whole 64 MiB regions and dropped futures;
+/// an Interrupt-mode ping-pong woken by host functions; a peer killed
+/// among the copies.
+#[test]
+fn on_a_real_gpu_device_memory_goes_by_each_ipc_kind_and_through_the_host() {
+    let Some(gpu) = gpu_under_test() else {
+        println!(
+            "skipped: needs an NVIDIA GPU and BTL_SMCUDA_TEST_GPU=cuda (scripts/gpu-check.sh sets it)"
+        );
+        return;
+    };
+    let cuda_job =
+        |scenario: &str, ipc: &str, extra: &[(&str, &str)]| gpu_job(&gpu, scenario, ipc, extra);
+    let count = |outs: &[std::process::Output], k: &str| -> u64 {
+        value(&outs[0], k).unwrap().parse().unwrap()
+    };
+    for ipc in ["auto", "legacy"] {
+        let outs = cuda_job("putget", ipc, &[]).wait(Duration::from_secs(90));
+        assert_ok(&outs);
+        assert_eq!(count(&outs, "direct_puts"), SIZES.len() as u64 + 1, "{ipc}");
+        assert_eq!(count(&outs, "staged"), 2, "{ipc}");
+        println!("putget {ipc}: ok");
+        let outs = cuda_job("registered", ipc, &[]).wait(Duration::from_secs(60));
+        assert_ok(&outs);
+        assert_eq!(
+            value(&outs[0], "direct_puts").as_deref(),
+            Some("1"),
+            "{ipc}"
+        );
+        println!("registered {ipc}: ok");
+    }
+    let outs = cuda_job("putget", "off", &[]).wait(Duration::from_secs(90));
+    staged_by_choice(&outs);
+    println!("putget off (staged): ok");
+    let outs = cuda_job("whole", "auto", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "dropped_ok").as_deref(), Some("1"));
+    println!("whole: ok");
+    let interrupt = [
+        ("BTL_PROGRESS", "interrupt"),
+        ("BTL_HEARTBEAT_MS", "120000"),
+    ];
+    let outs = cuda_job("parking", "auto", &interrupt).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    println!("parking: ok");
+    let job = cuda_job("kill", "auto", &[]);
+    let rank1 = job.children[1].id();
+    std::thread::sleep(Duration::from_millis(5000));
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &rank1.to_string()])
+        .status();
+    let outs = job.wait(Duration::from_secs(60));
+    assert!(
+        outs[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&outs[0].stderr)
+    );
+    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
+    assert!(ms < 30_000, "the put failed only after {ms} ms");
+    println!("kill: failed_after_ms={ms}");
 }

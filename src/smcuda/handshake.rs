@@ -149,6 +149,11 @@ pub(crate) fn decide(mine: &Caps, theirs: &Caps, reach: impl Fn(&[u8; 16]) -> bo
                 .into(),
         );
     }
+    if !theirs.vmm && !theirs.legacy {
+        return Verdict::Refuse(
+            "the peer offers no CUDA IPC (BTL_SMCUDA_IPC=off there, or no support)".into(),
+        );
+    }
     Verdict::Refuse("the ranks share no kind of CUDA IPC handle".into())
 }
 
@@ -440,6 +445,12 @@ mod tests {
             (caps(true, true, 1), mig, "MIG"),
             (caps(false, true, 1), caps(true, true, 2), "PID namespaces"),
             (caps(true, false, 1), caps(false, true, 1), "no kind"),
+            // The asker offers nothing (`BTL_SMCUDA_IPC=off` there).
+            (
+                caps(false, false, 1),
+                caps(true, true, 1),
+                "offers no CUDA IPC",
+            ),
         ] {
             let (mut a, mut b) = (Handshake::new(0, 1), Handshake::new(1, 0));
             run(&mut a, &ca, &mut b, &cb, false);

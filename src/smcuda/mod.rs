@@ -56,6 +56,40 @@ pub(crate) fn open_gpu() -> Result<Arc<dyn Gpu>, GpuError> {
     }
 }
 
+/// Which CUDA IPC `smcuda` offers its peers, from `BTL_SMCUDA_IPC`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IpcChoice {
+    /// VMM descriptors where every device has VMM, else legacy handles
+    /// (the default, `auto`).
+    Auto,
+    /// VMM descriptors only: a device without VMM is an error.
+    Vmm,
+    /// Legacy IPC handles only (allocations are `cuMemAlloc`'s).
+    Legacy,
+    /// No IPC: device memory goes through the host with every peer.
+    Off,
+}
+
+/// The variable that chooses [`IpcChoice`].
+pub(crate) const IPC_VAR: &str = "BTL_SMCUDA_IPC";
+
+/// `BTL_SMCUDA_IPC`: `auto` (or unset), `vmm`, `legacy` or `off`.
+pub(crate) fn ipc_choice() -> Result<IpcChoice, String> {
+    parse_ipc(&std::env::var(IPC_VAR).unwrap_or_default())
+}
+
+fn parse_ipc(v: &str) -> Result<IpcChoice, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(IpcChoice::Auto),
+        "vmm" => Ok(IpcChoice::Vmm),
+        "legacy" => Ok(IpcChoice::Legacy),
+        "off" => Ok(IpcChoice::Off),
+        _ => Err(format!(
+            "{IPC_VAR}={v}: expected `auto`, `vmm`, `legacy` or `off`"
+        )),
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda() -> Result<Arc<dyn Gpu>, GpuError> {
     Ok(Arc::new(cuda::Cuda::open()?))
@@ -71,6 +105,17 @@ fn open_cuda() -> Result<Arc<dyn Gpu>, GpuError> {
 /// What this host offers `smcuda`: its GPUs and what they support, or
 /// why there are none.
 fn probe() -> std::result::Result<String, String> {
+    let found = probe_gpu()?;
+    Ok(match ipc_choice()? {
+        IpcChoice::Auto => found,
+        IpcChoice::Vmm => format!("{found}; {IPC_VAR}=vmm: VMM descriptors only"),
+        IpcChoice::Legacy => format!("{found}; {IPC_VAR}=legacy: legacy IPC handles only"),
+        IpcChoice::Off => format!("{found}; {IPC_VAR}=off: device memory goes through the host"),
+    })
+}
+
+/// The GPUs `probe` reports.
+fn probe_gpu() -> std::result::Result<String, String> {
     #[cfg(feature = "cuda")]
     if matches!(
         std::env::var("BTL_SMCUDA_GPU").as_deref(),
@@ -105,8 +150,12 @@ static ENTRY: Entry = Entry {
     not_built: None,
     probe,
     open: |core, _job| match open_gpu() {
-        Ok(gpu) => Ok(Some(transport::SmcudaTransport::new(core.clone(), gpu)
-            as Arc<dyn crate::transport::Transport>)),
+        Ok(gpu) => {
+            let ipc = ipc_choice().map_err(crate::Error::Config)?;
+            let t = transport::SmcudaTransport::new(core.clone(), gpu, ipc)
+                .map_err(crate::Error::Config)?;
+            Ok(Some(t as Arc<dyn crate::transport::Transport>))
+        }
         Err(e) => {
             tracing::debug!("smcuda not opened: {e}");
             Ok(None)
@@ -118,6 +167,20 @@ static ENTRY: Entry = Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ipc_choice_reads_its_four_words_and_names_them_when_wrong() {
+        assert_eq!(parse_ipc(""), Ok(IpcChoice::Auto));
+        assert_eq!(parse_ipc(" Auto "), Ok(IpcChoice::Auto));
+        assert_eq!(parse_ipc("vmm"), Ok(IpcChoice::Vmm));
+        assert_eq!(parse_ipc("LEGACY"), Ok(IpcChoice::Legacy));
+        assert_eq!(parse_ipc("off"), Ok(IpcChoice::Off));
+        let e = parse_ipc("fast").unwrap_err();
+        assert!(
+            e.contains("BTL_SMCUDA_IPC=fast") && e.contains("`off`"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn the_probe_says_why_not_without_a_driver_and_never_panics() {

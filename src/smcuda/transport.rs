@@ -32,6 +32,7 @@ use super::cache::Cache;
 use super::gpu::{AllocKind, DeviceAlloc, Event, Gpu, GpuError, Mapping, Stream};
 use super::handshake::{decide, Caps, Msg, Verdict};
 use super::key::{self, Exported, Handle};
+use super::{IpcChoice, IPC_VAR};
 use crate::core::completion::Completion;
 use crate::core::fabric::Core;
 use crate::core::region::{DeviceMemory, KeyHandle, KeyId, RegionInner};
@@ -129,6 +130,8 @@ pub(crate) struct SmcudaTransport {
     core: Arc<Core>,
     gpu: Arc<dyn Gpu>,
     kind: AllocKind,
+    /// The IPC this rank offers (`BTL_SMCUDA_IPC`).
+    ipc: IpcChoice,
     streams: Mutex<HashMap<u32, Stream>>,
     cache: Mutex<Cache<Mapping>>,
     pending: Mutex<VecDeque<Pending>>,
@@ -141,17 +144,29 @@ pub(crate) struct SmcudaTransport {
 }
 
 impl SmcudaTransport {
-    /// The transport over `gpu`.
-    pub(crate) fn new(core: Arc<Core>, gpu: Arc<dyn Gpu>) -> Arc<SmcudaTransport> {
-        let kind = if gpu.devices().iter().all(|d| d.vmm) {
+    /// The transport over `gpu`, offering its peers the IPC `ipc` names
+    /// (an error when that is `vmm` and a device has no VMM).
+    pub(crate) fn new(
+        core: Arc<Core>,
+        gpu: Arc<dyn Gpu>,
+        ipc: IpcChoice,
+    ) -> std::result::Result<Arc<SmcudaTransport>, String> {
+        let all_vmm = gpu.devices().iter().all(|d| d.vmm);
+        if ipc == IpcChoice::Vmm && !all_vmm {
+            return Err(format!(
+                "smcuda: {IPC_VAR}=vmm, but a device here has no VMM (virtual memory management)"
+            ));
+        }
+        let kind = if all_vmm && matches!(ipc, IpcChoice::Auto | IpcChoice::Vmm) {
             AllocKind::Vmm
         } else {
             AllocKind::Legacy
         };
-        Arc::new(SmcudaTransport {
+        Ok(Arc::new(SmcudaTransport {
             core,
             gpu,
             kind,
+            ipc,
             streams: Mutex::new(HashMap::new()),
             cache: Mutex::new(Cache::new(CACHE_ENTRIES)),
             pending: Mutex::new(VecDeque::new()),
@@ -160,7 +175,7 @@ impl SmcudaTransport {
             bell: Arc::new(tokio::sync::Notify::new()),
             watches: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
-        })
+        }))
     }
 
     fn gpu_error(what: &str, e: GpuError) -> Error {
@@ -358,8 +373,8 @@ impl SmcudaTransport {
         Caps {
             ready: first.is_some(),
             device: first.map_or([0; 16], |d| d.uuid),
-            vmm: !devs.is_empty() && devs.iter().all(|d| d.vmm),
-            legacy: true,
+            vmm: self.kind == AllocKind::Vmm && self.ipc != IpcChoice::Off,
+            legacy: matches!(self.ipc, IpcChoice::Auto | IpcChoice::Legacy),
             mig: devs.iter().any(|d| d.mig),
             pidns: crate::sys::os::pid_namespace()
                 .chars()
@@ -465,6 +480,9 @@ impl Transport for SmcudaTransport {
             // Both ranks decide alike from both sides' capabilities, so
             // that a pair either uses IPC or stages through the host.
             match Msg::decode(&a.caps) {
+                Ok(Msg::Req(_)) if self.ipc == IpcChoice::Off => {
+                    self.stage(p.rank, format!("{IPC_VAR}=off on this rank"));
+                }
                 Ok(Msg::Req(theirs)) => {
                     if let Verdict::Refuse(why) =
                         decide(&self.caps(), &theirs, |u| self.reaches_device(u))
