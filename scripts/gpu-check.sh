@@ -11,7 +11,7 @@
 # with checksums from 8 B to 256 MiB, ordering behind a peer's event,
 # free and allocate again, bandwidth beside a local device-to-device
 # copy), then the smcuda transport's own scenarios through the fabric
-# (tests/smcuda.rs on the driver: put/get with VMM descriptors, legacy
+# (tests/smcuda.rs on the driver: put/get and lent sends with VMM descriptors, legacy
 # handles and BTL_SMCUDA_IPC=off through the host, registered memory,
 # dropped futures, an Interrupt-mode ping-pong, a peer killed). The
 # figures go to $OUT/gpu-check.json (or ./gpu-check.json).

@@ -15,7 +15,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// - the caller: [`Error::Misuse`], [`Error::Access`];
 /// - this process or node: [`Error::Exhausted`], [`Error::Os`];
 /// - the job set-up: [`Error::Config`], [`Error::Bootstrap`];
-/// - the lifecycle: [`Error::Closed`], [`Error::Timeout`].
+/// - the lifecycle: [`Error::Closed`], [`Error::Timeout`];
+/// - the receiver's choice: [`Error::Declined`].
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -72,6 +73,17 @@ pub enum Error {
     /// The fabric or endpoint was closed before the operation completed.
     #[error("the fabric is closed; open a new one to keep communicating")]
     Closed,
+    /// The receiver of a message whose bytes were lent
+    /// ([`Endpoint::send_region`](crate::Endpoint::send_region) of device
+    /// memory) did not take them: it dropped the message unread, took it
+    /// with a receive that takes only carried bytes, or its copy failed.
+    #[error("rank {rank} did not take the lent message ({why}): it must land such messages with Message::fetch_into or Receiver::recv_region")]
+    Declined {
+        /// The receiver.
+        rank: Rank,
+        /// What it said.
+        why: String,
+    },
     /// An operation did not complete in the configured time.
     #[error("timed out after {after:?} while {what}")]
     Timeout {

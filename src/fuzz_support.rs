@@ -935,3 +935,20 @@ pub fn smcuda_key_handle(b: &[u8]) -> Option<Vec<u8>> {
         .ok()
         .map(|h| h.encode())
 }
+
+/// Decode a lent message's announcement from rank `src` (what a peer's
+/// `send_region` of device memory sends in place of the bytes); its
+/// re-encoding if accepted.
+pub fn lent_announce(src: u32, b: &[u8]) -> Option<Vec<u8>> {
+    crate::core::lend::Announce::decode(src, b)
+        .ok()
+        .map(|a| a.encode())
+}
+
+/// Decode a receiver's answer to a lent message; its re-encoding if
+/// accepted.
+pub fn lent_answer(b: &[u8]) -> Option<Vec<u8>> {
+    crate::core::lend::Answer::decode(b)
+        .ok()
+        .map(|a| a.encode())
+}

@@ -138,7 +138,7 @@ mod transport;
 
 pub use crate::core::dispatch::{Message, Receiver};
 pub use crate::core::endpoint::{
-    AtomicFetch, Endpoint, Flush, Get, Put, SendFuture, SendInlineFuture, SendSink,
+    AtomicFetch, Endpoint, Flush, Get, Put, SendFuture, SendInlineFuture, SendRegion, SendSink,
 };
 pub use crate::core::fabric::{Fabric, FabricBuilder, MemoryKind};
 pub use crate::core::region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};

@@ -66,6 +66,8 @@ fn rank_main() {
             "whole" => whole_and_dropped(f).await,
             "registered" => registered(f).await,
             "unshareable" => unshareable(f).await,
+            "lent" => lent(f).await,
+            "lent_kill" => lent_kill(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -93,6 +95,144 @@ async fn unshareable(f: Fabric) {
     println!("own_put=ok");
     f.barrier().await.unwrap();
     f.close().await.unwrap();
+}
+
+/// Lengths of the device-memory messages of `lent`, each at its own
+/// offset in the sender's region.
+const LENT: [(usize, usize); 4] = [(8, 0), (4096, 64), (1 << 20, 1 << 16), (40 << 20, 4 << 20)];
+
+/// Rank 0 sends device memory to rank 1 with `send_region`, between
+/// carried messages on the same tag; rank 1 lands each where it chooses.
+/// Prints what the sender's futures said, for the parent to check.
+async fn lent(f: Fabric) {
+    const TAG: u64 = 11;
+    let me = f.rank();
+    let peer = 1 - me;
+    let ep = f.endpoint(peer).unwrap();
+    if me == 0 {
+        use futures::FutureExt;
+        let src = f.alloc_device_region(0, 48 << 20).unwrap();
+        // Each lent one between a carried one and an empty one, all in
+        // flight at once: they take their places at their first polls.
+        let mut sends = Vec::new();
+        for (i, &(n, at)) in LENT.iter().enumerate() {
+            src.write(at, &pattern(n, i as u64)).unwrap();
+            sends.push(ep.send(TAG, format!("carried {i}").into_bytes()).boxed());
+            sends.push(ep.send_region(TAG, &src, at..at + n).boxed());
+            sends.push(ep.send(TAG, Vec::new()).boxed());
+        }
+        for s in futures::future::join_all(sends).await {
+            s.unwrap();
+        }
+        // From host memory: carried, whatever the receiver does.
+        let host = f.register(pattern(3000, 40).to_vec());
+        ep.send_region(TAG, &host, 0..3000).await.unwrap();
+        // One the receiver drops unread, one it meets with recv_into, one
+        // too large for its first landing region.
+        src.write(0, &pattern(512, 41)).unwrap();
+        let direct = std::env::var("BTL_SMCUDA_IPC").as_deref() != Ok("off");
+        let dropped = ep.send_region(TAG, &src, 0..512).await;
+        let into = ep.send_region(TAG, &src, 0..512).await;
+        if direct {
+            let e = dropped.unwrap_err();
+            assert!(
+                matches!(&e, Error::Declined { rank: 1, why } if why.contains("dropped")),
+                "{e}"
+            );
+            let e = into.unwrap_err();
+            assert!(
+                matches!(&e, Error::Declined { why, .. } if why.contains("recv_into")),
+                "{e}"
+            );
+        } else {
+            dropped.unwrap();
+            into.unwrap();
+        }
+        ep.send_region(TAG, &src, 0..(2 << 20)).await.unwrap();
+        // One whose future and region handle go at once, once announced:
+        // the bytes stay alive for the receiver.
+        let lone = f.alloc_device_region(0, 1 << 20).unwrap();
+        lone.write(0, &pattern(1 << 20, 42)).unwrap();
+        let mut lone_send = ep.send_region(TAG, &lone, 0..(1 << 20));
+        let first = futures::poll!(&mut lone_send);
+        assert!(!direct || first.is_pending());
+        drop(lone_send);
+        drop(lone);
+        println!("lent_sends={}", f.stats().lent_sends);
+        println!("staged={}", f.stats().staged_device_ops);
+    } else {
+        let mut rx = f.receiver(TAG).unwrap();
+        let land = f.alloc_device_region(0, 48 << 20).unwrap();
+        let direct = std::env::var("BTL_SMCUDA_IPC").as_deref() != Ok("off");
+        for (i, &(n, _)) in LENT.iter().enumerate() {
+            let m = rx.recv().await.unwrap();
+            assert!(!m.is_lent());
+            assert_eq!(&m.data[..], format!("carried {i}").as_bytes());
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.is_lent(), direct, "message {i}");
+            assert_eq!(m.len(), n);
+            // Into device memory at an offset of ours.
+            assert_eq!(m.fetch_into(&land, 4096).await.unwrap(), n);
+            let mut got = vec![0u8; n];
+            land.read(4096, &mut got).unwrap();
+            assert!(got == pattern(n, i as u64)[..], "lent message {i}");
+            // Its empty twin sent behind it, to check the order.
+            let m = rx.recv().await.unwrap();
+            assert!(m.data.is_empty() && !m.is_lent());
+        }
+        // Carried from host memory, landed in device memory.
+        let (src, n) = rx.recv_region(&land, 0).await.unwrap();
+        assert_eq!((src, n), (0, 3000));
+        let mut got = vec![0u8; 3000];
+        land.read(0, &mut got).unwrap();
+        assert!(got == pattern(3000, 40)[..]);
+        if direct {
+            drop(rx.recv().await.unwrap());
+            let mut buf = Vec::new();
+            let e = rx.recv_into(&mut buf).await.unwrap_err();
+            assert!(e.to_string().contains("recv_into"), "{e}");
+        } else {
+            // Carried (staged): both land as bytes.
+            assert_eq!(rx.recv().await.unwrap().data.len(), 512);
+            let mut buf = Vec::new();
+            rx.recv_into(&mut buf).await.unwrap();
+            assert!(buf == pattern(512, 41)[..]);
+        }
+        // Too large for a 1 MiB region: left with the receiver.
+        let small = f.alloc_device_region(0, 1 << 20).unwrap();
+        let e = rx.recv_region(&small, 0).await.unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        assert_eq!(rx.probe().unwrap().map(|p| p.1), Some(2 << 20));
+        let (_, n) = rx.recv_region(&land, 0).await.unwrap();
+        assert_eq!(n, 2 << 20);
+        // The lone one, into host memory this time.
+        let host = f.register(vec![0u8; 1 << 20]);
+        let m = rx.recv().await.unwrap();
+        m.fetch_into(&host, 0).await.unwrap();
+        assert!(host.to_vec() == pattern(1 << 20, 42)[..], "the lone send");
+        let e = m.fetch_into(&host, 0).await;
+        assert!(!direct || e.is_err(), "a lent message is taken once");
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Rank 1 is killed holding a lent message unread: rank 0's future fails
+/// with `PeerLost`.
+async fn lent_kill(f: Fabric) {
+    let ep = f.endpoint(1 - f.rank()).unwrap();
+    if f.rank() == 1 {
+        let m = f.receiver(3).unwrap().recv().await.unwrap();
+        assert!(m.is_lent());
+        println!("ready");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        return;
+    }
+    let src = f.alloc_device_region(0, 1 << 20).unwrap();
+    let start = std::time::Instant::now();
+    let e = ep.send_region(3, &src, 0..(1 << 20)).await.unwrap_err();
+    assert!(matches!(e, Error::PeerLost { rank: 1, .. }), "{e}");
+    println!("failed_after_ms={}", start.elapsed().as_millis());
 }
 
 /// Sizes of the puts and gets, and where each lands in the 64 MiB region
@@ -535,6 +675,53 @@ fn ipc_turned_off_stages_every_operation_and_a_bad_choice_is_named() {
 }
 
 #[test]
+fn device_memory_sent_is_lent_in_order_and_landed_where_the_receiver_says() {
+    for faults in ["copy-delay-ms:1", "copy-delay-ms:1,no-vmm"] {
+        let outs = job(2, "lent", faults).wait(Duration::from_secs(120));
+        assert_ok(&outs);
+        // The four between carried ones, the dropped one, the one met by
+        // recv_into, the one too large at first, the lone one.
+        assert_eq!(
+            value(&outs[0], "lent_sends").as_deref(),
+            Some("8"),
+            "{faults}"
+        );
+        assert_eq!(value(&outs[0], "staged").as_deref(), Some("0"), "{faults}");
+    }
+}
+
+#[test]
+fn device_memory_sent_without_ipc_is_carried_through_the_host() {
+    let outs = spawn_job(
+        2,
+        "lent",
+        &[("BTL_SMCUDA_GPU", "test-double"), ("BTL_SMCUDA_IPC", "off")],
+    )
+    .wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "lent_sends").as_deref(), Some("0"));
+    assert_eq!(value(&outs[0], "staged").as_deref(), Some("8"));
+}
+
+#[test]
+fn a_receiver_killed_holding_a_lent_message_fails_the_send() {
+    let job = job(2, "lent_kill", "copy-delay-ms:1");
+    let rank1 = job.children[1].id();
+    std::thread::sleep(Duration::from_millis(1500));
+    let _ = std::process::Command::new("kill")
+        .args(["-9", &rank1.to_string()])
+        .status();
+    let outs = job.wait(Duration::from_secs(60));
+    assert!(
+        outs[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&outs[0].stderr)
+    );
+    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
+    assert!(ms < 30_000, "the send failed only after {ms} ms");
+}
+
+#[test]
 fn legacy_handles_carry_the_same_traffic() {
     // No VMM: allocations are legacy, and their handles travel in the key.
     let outs = job(2, "putget", "no-vmm").wait(Duration::from_secs(90));
@@ -584,9 +771,10 @@ fn without_a_gpu_device_regions_say_why() {
     });
 }
 
-/// The transport's scenarios on a real GPU through the CUDA driver: put
-/// and get between device regions with VMM descriptors, with legacy
-/// handles, and with IPC turned off (every operation through the host);
+/// The transport's scenarios on a real GPU through the CUDA driver: put,
+/// get and lent sends between device regions with VMM descriptors, with
+/// legacy handles, and with IPC turned off (every operation through the
+/// host);
 /// memory the user registered; whole 64 MiB regions and dropped futures;
 /// an Interrupt-mode ping-pong woken by host functions; a peer killed
 /// among the copies.
@@ -617,7 +805,15 @@ fn on_a_real_gpu_device_memory_goes_by_each_ipc_kind_and_through_the_host() {
             "{ipc}"
         );
         println!("registered {ipc}: ok");
+        let outs = cuda_job("lent", ipc, &[]).wait(Duration::from_secs(90));
+        assert_ok(&outs);
+        assert_eq!(value(&outs[0], "lent_sends").as_deref(), Some("8"), "{ipc}");
+        println!("lent {ipc}: ok");
     }
+    let outs = cuda_job("lent", "off", &[]).wait(Duration::from_secs(90));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "staged").as_deref(), Some("8"));
+    println!("lent off (carried): ok");
     let outs = cuda_job("putget", "off", &[]).wait(Duration::from_secs(90));
     staged_by_choice(&outs);
     println!("putget off (staged): ok");

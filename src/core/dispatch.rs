@@ -22,14 +22,153 @@ use crate::sys::sync::lock;
 use crate::{Error, Rank, Result, Tag};
 
 /// A received message.
+///
+/// Most messages carry their bytes in [`data`](Self::data). One sent with
+/// [`Endpoint::send_region`](crate::Endpoint::send_region) from device
+/// memory to a peer on the same node is *lent* instead
+/// ([`is_lent`](Self::is_lent)): `data` is empty, the bytes stay in the
+/// sender's region, and the receiver lands them where it chooses with
+/// [`fetch_into`](Self::fetch_into) (between device memories, one GPU
+/// copy). The sender's future resolves once they are taken; dropping the
+/// message (its last clone) without taking them declines it, and the
+/// sender's future fails with [`Error::Declined`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     /// The sender's rank.
     pub src: Rank,
     /// The tag it was sent on.
     pub tag: Tag,
-    /// The payload.
+    /// The payload (empty for a lent message).
     pub data: Bytes,
+    /// A lent message's announcement and the way to answer it.
+    lent: Option<Lent>,
+}
+
+/// The lent part of a [`Message`]: shared by its clones, compared by
+/// identity.
+#[derive(Debug, Clone)]
+struct Lent(Arc<crate::core::lend::Borrowed>);
+
+impl PartialEq for Lent {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Lent {}
+
+impl Message {
+    /// A message that carries `data`.
+    pub(crate) fn carried(src: Rank, tag: Tag, data: Bytes) -> Message {
+        Message {
+            src,
+            tag,
+            data,
+            lent: None,
+        }
+    }
+
+    /// A lent message from `src` on `tag`.
+    pub(crate) fn lent(src: Rank, tag: Tag, lent: crate::core::lend::Borrowed) -> Message {
+        Message {
+            src,
+            tag,
+            data: Bytes::new(),
+            lent: Some(Lent(Arc::new(lent))),
+        }
+    }
+
+    /// Whether the bytes stay with the sender until fetched (see the type's
+    /// docs).
+    pub fn is_lent(&self) -> bool {
+        self.lent.is_some()
+    }
+
+    /// The message's length: of its bytes, or of the bytes it lends.
+    pub fn len(&self) -> usize {
+        match &self.lent {
+            Some(l) => l.0.ann.len as usize,
+            None => self.data.len(),
+        }
+    }
+
+    /// Whether the message has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Land the message's bytes in `dst` at `offset`, returning how many:
+    /// a lent message's are read from the sender's region (a get: between
+    /// device memories of one node one GPU copy, else through the host),
+    /// and the sender is told they are taken; a carried message's are
+    /// written (into device memory through the device). Either kind may
+    /// land in host or device memory.
+    ///
+    /// A message longer than `dst` has room for at `offset` is refused
+    /// with [`Error::Misuse`] and nothing is copied (a lent one can still
+    /// be fetched into a larger region). A lent message whose copy fails
+    /// gets that error, and its sender [`Error::Declined`] with it.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let mut rx = f.receiver(5)?;
+    /// let landing = f.alloc_device_region(0, 1 << 20)?;
+    /// let m = rx.recv().await?;
+    /// let n = m.fetch_into(&landing, 0).await?; // lent or carried alike
+    /// # let _ = n; Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Dropping the future of a lent message's fetch leaves its copy to
+    /// finish on its own (the regions stay alive for it); the sender is
+    /// answered only when a fetch completes or the message is dropped.
+    pub async fn fetch_into(&self, dst: &crate::MemoryRegion, offset: usize) -> Result<usize> {
+        let len = self.len();
+        if !offset.checked_add(len).is_some_and(|end| end <= dst.len()) {
+            return Err(Error::Misuse(format!(
+                "a message of {len} bytes does not fit at offset {offset} of a {}-byte region",
+                dst.len()
+            )));
+        }
+        let Some(Lent(b)) = &self.lent else {
+            dst.write(offset, &self.data)?;
+            return Ok(len);
+        };
+        if b.is_answered() {
+            return Err(Error::Misuse(
+                "this lent message's bytes were taken already".into(),
+            ));
+        }
+        let core = b.core()?;
+        let Some(route) = core.route(b.src) else {
+            return Err(Error::Closed);
+        };
+        let ep = crate::core::endpoint::Endpoint::new(route, core.clone());
+        let (copy, get) = ep.get_tracked(dst, offset..offset + len, &b.ann.key, b.ann.offset);
+        if let Some(c) = copy {
+            b.copying(c);
+        }
+        let r = get.await;
+        match &r {
+            Ok(()) => b.answer(crate::core::lend::Answer::Taken),
+            // The sender is gone: nobody to answer.
+            Err(Error::PeerLost { .. } | Error::Closed) => {}
+            Err(e) => b.answer(crate::core::lend::Answer::Declined(format!(
+                "the receiver's copy failed: {e}"
+            ))),
+        }
+        r.map(|()| len)
+    }
+
+    /// Mark a lent message as met by a receive that takes only carried
+    /// bytes: dropped unread, it is declined with that reason.
+    fn refused_by(&self, what: &str) {
+        if let Some(Lent(b)) = &self.lent {
+            b.decline_with(format!(
+                "it was received by {what}, which takes only carried bytes"
+            ));
+        }
+    }
 }
 
 #[derive(Default)]
@@ -174,11 +313,11 @@ impl Held {
     fn resolve(self, tag: Tag, keep: &[u8]) -> Result<Message> {
         match self {
             Held::Item(item) => item,
-            Held::Kept { src, at, len } => Ok(Message {
+            Held::Kept { src, at, len } => Ok(Message::carried(
                 src,
                 tag,
-                data: Bytes::copy_from_slice(kept(keep, at, len)),
-            }),
+                Bytes::copy_from_slice(kept(keep, at, len)),
+            )),
         }
     }
 }
@@ -342,7 +481,7 @@ impl Drop for InlineGuard<'_> {
                 let data = Bytes::copy_from_slice(unsafe { lent.as_ref() });
                 let tag = self.tag;
                 i.items
-                    .push_front(Held::Item(Ok(Message { src, tag, data })));
+                    .push_front(Held::Item(Ok(Message::carried(src, tag, data))));
             }
             let n = i.items.len();
             let keep = i.keep.unwrap_or_default();
@@ -801,11 +940,7 @@ impl Dispatcher {
                                 len,
                             }
                         }
-                        _ => Held::Item(Ok(Message {
-                            src,
-                            tag,
-                            data: make.into_bytes(),
-                        })),
+                        _ => Held::Item(Ok(Message::carried(src, tag, make.into_bytes()))),
                     };
                     i.bytes = i.bytes.saturating_add(cost(len));
                     i.items.push_back(item);
@@ -828,19 +963,20 @@ impl Dispatcher {
     /// inline receiver of its tag when the queue is empty; returns the
     /// waker to wake, if any.
     fn enqueue(&self, q: &mut TagQueue, msg: Message) -> Option<Waker> {
-        let Message { src, tag, data } = msg;
-        let data = if q.items.is_empty() {
+        // A lent message is never handed over: the inline receiver takes
+        // carried bytes only.
+        let msg = if q.items.is_empty() && msg.lent.is_none() {
+            let Message { src, tag, data, .. } = msg;
             match self.hand_over((src, tag, data.len()), true, move || data) {
                 Ok(handed) => {
                     self.give_back_budget(q, handed);
                     return None;
                 }
-                Err(data) => data.into_bytes(),
+                Err(data) => Message::carried(src, tag, data.into_bytes()),
             }
         } else {
-            data
+            msg
         };
-        let msg = Message { src, tag, data };
         q.bytes += cost(msg.data.len());
         self.add_total(cost(msg.data.len()));
         q.items.push_back(Ok(msg));
@@ -853,12 +989,15 @@ impl Dispatcher {
     /// The caller delivers after the same pair's earlier deliveries in the
     /// happens-before sense (see [`hand_over`](Self::hand_over)).
     pub(crate) fn deliver(&self, msg: Message) {
-        let Message { src, tag, data } = msg;
-        let data = match self.hand_over((src, tag, data.len()), false, move || data) {
-            Ok(_) => return,
-            Err(data) => data(),
+        let msg = if msg.lent.is_none() {
+            let Message { src, tag, data, .. } = msg;
+            match self.hand_over((src, tag, data.len()), false, move || data) {
+                Ok(_) => return,
+                Err(data) => Message::carried(src, tag, data()),
+            }
+        } else {
+            msg
         };
-        let msg = Message { src, tag, data };
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();
@@ -1081,7 +1220,7 @@ impl Offers<'_> {
             return false;
         }
         let data = make.into_bytes();
-        let w = d.enqueue(q, Message { src, tag, data });
+        let w = d.enqueue(q, Message::carried(src, tag, data));
         self.wake.extend(w);
         true
     }
@@ -1258,12 +1397,98 @@ impl Receiver {
                 buf.extend_from_slice(kept(&self.keep, at, len));
                 Poll::Ready(Ok(src))
             }
+            Poll::Ready(Some(Took::Item(Held::Item(Ok(m))))) if m.is_lent() => {
+                // Its bytes are the sender's: declined when `m` goes.
+                m.refused_by("recv_into");
+                Poll::Ready(Err(Error::Misuse(format!(
+                    "rank {} lent {} bytes on tag {} (device memory), which recv_into cannot \
+                     take: receive such messages with recv or recv_region; it was declined",
+                    m.src,
+                    m.len(),
+                    self.tag
+                ))))
+            }
             Poll::Ready(Some(Took::Item(Held::Item(Ok(m))))) => {
                 buf.clear();
                 buf.extend_from_slice(&m.data);
                 Poll::Ready(Ok(m.src))
             }
             Poll::Ready(Some(Took::Item(Held::Item(Err(e))))) => Poll::Ready(Err(e)),
+        }
+    }
+
+    /// Wait for the next message on this tag and land its bytes in `dst`
+    /// at `offset`, returning its sender and length: for device memory
+    /// what [`recv_into`](Self::recv_into) is for a `Vec`. A lent message
+    /// (sent by [`Endpoint::send_region`](crate::Endpoint::send_region)
+    /// from device memory on this node) is read from the sender's region,
+    /// one GPU copy when `dst` is device memory too; a carried message is
+    /// written. See [`Message::fetch_into`].
+    ///
+    /// A message longer than `dst` has room for at `offset` is left with
+    /// the receiver and this fails with [`Error::Misuse`]: take it with
+    /// [`recv`](Self::recv), or into a larger region.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let gpu = f.alloc_device_region(0, 64 << 20)?;
+    /// let mut rx = f.receiver(9)?;
+    /// let (src, len) = rx.recv_region(&gpu, 0).await?;
+    /// # let _ = (src, len); Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Dropping the future before the message is taken loses nothing.
+    /// Once taken, a lent message whose copy was under way is declined
+    /// (its copy still finishes into `dst`, which stays alive for it).
+    pub async fn recv_region(
+        &mut self,
+        dst: &crate::MemoryRegion,
+        offset: usize,
+    ) -> Result<(crate::Rank, usize)> {
+        let (src, len) = futures::future::poll_fn(|cx| self.poll_head(cx)).await?;
+        if !offset.checked_add(len).is_some_and(|end| end <= dst.len()) {
+            return Err(Error::Misuse(format!(
+                "the next message on tag {} (rank {src}, {len} bytes) does not fit at offset \
+                 {offset} of a {}-byte region; it stays with the receiver",
+                self.tag,
+                dst.len()
+            )));
+        }
+        let m = self.take_at(0)?;
+        let n = m.fetch_into(dst, offset).await?;
+        Ok((m.src, n))
+    }
+
+    /// The sender and length of the item [`recv`](Self::recv) would take
+    /// next, once there is one (a lost peer's error is taken).
+    fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<(crate::Rank, usize)>> {
+        let mut progressed = false;
+        loop {
+            match self.local.front() {
+                Some(Held::Item(Ok(m))) => return Poll::Ready(Ok((m.src, m.len()))),
+                Some(Held::Kept { src, len, .. }) => return Poll::Ready(Ok((*src, *len as usize))),
+                Some(Held::Item(Err(_))) => {
+                    return Poll::Ready(self.take_at(0).map(|m| (m.src, m.len())))
+                }
+                None => {}
+            }
+            match self
+                .disp
+                .refill(self.tag, &mut self.handed, &mut self.local, Some(cx))
+            {
+                Poll::Ready(None) => return Poll::Ready(Err(Error::Closed)),
+                Poll::Ready(Some(())) => continue,
+                Poll::Pending => {}
+            }
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Poll::Ready(Err(Error::Closed));
+            }
+            if progressed {
+                return Poll::Pending;
+            }
+            self.disp.progress_inline_with(&mut self.poller);
+            progressed = true;
         }
     }
 
@@ -1340,7 +1565,7 @@ impl Receiver {
     ) -> Result<Option<(crate::Rank, usize)>> {
         let find = |local: &VecDeque<Held>| {
             local.iter().find_map(|it| match it {
-                Held::Item(Ok(m)) if want(m.src) => Some(Ok((m.src, m.data.len()))),
+                Held::Item(Ok(m)) if want(m.src) => Some(Ok((m.src, m.len()))),
                 Held::Kept { src, len, .. } if want(*src) => Some(Ok((*src, *len as usize))),
                 Held::Item(Err(Error::PeerLost { rank, reason })) if want(*rank) => {
                     Some(Err(Error::PeerLost {
@@ -1666,11 +1891,7 @@ mod tests {
     use futures::StreamExt;
 
     fn msg(i: u8, len: usize) -> Message {
-        Message {
-            src: 0,
-            tag: 1,
-            data: Bytes::from(vec![i; len]),
-        }
+        Message::carried(0, 1, Bytes::from(vec![i; len]))
     }
 
     fn queued(d: &Dispatcher, tag: Tag) -> usize {

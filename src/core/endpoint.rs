@@ -157,6 +157,133 @@ impl Endpoint {
         }
     }
 
+    /// Send `region[range]` on `tag`, from host or device memory: what
+    /// [`send`](Self::send) does for bytes in hand. The receiver takes it as
+    /// any message; [`Receiver::recv_region`](crate::Receiver::recv_region)
+    /// and [`Message::fetch_into`](crate::Message::fetch_into) land it in a
+    /// region of its choosing.
+    ///
+    /// * Device memory to a peer on this node whose device memory a
+    ///   transport reaches (`smcuda`): the message is *lent*. Only an
+    ///   announcement travels, in order with this tag's other messages;
+    ///   the receiver copies the bytes out of `region` (one GPU copy into
+    ///   its device memory, no copy through the host) and says so, and the
+    ///   future resolves then. It fails with [`Error::Declined`] if the
+    ///   receiver drops the message unread (or its copy fails), with
+    ///   [`Error::PeerLost`] if the receiver is lost. The receiver holds
+    ///   the key of the whole region while it has the message, as a peer
+    ///   given [`MemoryRegion::remote_key`] would
+    ///   (`Stats::lent_sends` counts these).
+    /// * Device memory otherwise (another node, this rank, IPC refused or
+    ///   turned off): its bytes are read through the device and carried
+    ///   (`Stats::staged_device_ops`).
+    /// * Host memory: its bytes are carried.
+    ///
+    /// ```no_run
+    /// # async fn demo(f: &async_btl::Fabric) -> async_btl::Result<()> {
+    /// let gpu = f.alloc_device_region(0, 1 << 20)?;
+    /// // ... a kernel fills it ...
+    /// f.endpoint(1)?.send_region(9, &gpu, 0..4096).await?; // taken by rank 1
+    /// # Ok(()) }
+    /// ```
+    pub fn send_region(&self, tag: Tag, region: &MemoryRegion, range: Range<usize>) -> SendRegion {
+        self.0.core.counters.add(Hot::Sends);
+        SendRegion(SendRegionState::Start {
+            ep: self.clone(),
+            tag,
+            region: region.clone(),
+            range,
+        })
+    }
+
+    /// The first poll of a [`SendRegion`]: the message leaves now (its
+    /// place in the tag's order), carried or lent.
+    fn first_send_region(
+        &self,
+        tag: Tag,
+        region: &MemoryRegion,
+        range: Range<usize>,
+    ) -> SendRegionState {
+        match self.start_send_region(tag, region, range) {
+            Ok(SendStart::Carried(data)) => SendRegionState::Carried(SendFuture {
+                state: SendState::Start { tag, data },
+                ep: self.0.clone(),
+                seen: OP_UNSEEN,
+            }),
+            Ok(SendStart::Lent(done)) => {
+                SendRegionState::Lent(OpState::Wait(done, self.0.core.clone(), None, OP_UNSEEN))
+            }
+            Err(e) => SendRegionState::Lent(OpState::Ready(Some(Err(e)))),
+        }
+    }
+
+    fn start_send_region(
+        &self,
+        tag: Tag,
+        region: &MemoryRegion,
+        range: Range<usize>,
+    ) -> Result<SendStart> {
+        Self::local_range(region, &range)?;
+        let len = range.end - range.start;
+        let inner = &region.inner;
+        let carried = |staged: bool| -> Result<SendStart> {
+            if staged {
+                Counters::bump(&self.0.core.counters.staged_device_ops);
+            }
+            let mut v = Vec::with_capacity(len);
+            inner.read_to(range.start as u64, len, &mut v)?;
+            Ok(SendStart::Carried(Bytes::from(v)))
+        };
+        if inner.device.is_none() || len == 0 {
+            return carried(false);
+        }
+        let direct = self.0.gpu.as_ref().is_some_and(|g| g.device_direct());
+        if !direct || !self.0.link.carries_lent() {
+            return carried(true);
+        }
+        if self.0.core.is_closed() {
+            return Err(Error::Closed);
+        }
+        self.check_not_lost()?;
+        let core = &self.0.core;
+        let done = Completion::new();
+        let id = core.lending.lend(self.0.peer, inner.clone(), done.clone());
+        let ann = crate::core::lend::Announce {
+            id,
+            offset: range.start as u64,
+            len: len as u64,
+            key: region.remote_key(),
+        };
+        if let Err(e) = self
+            .0
+            .link
+            .submit(Kind::Lent, tag, Bytes::from(ann.encode()))
+        {
+            core.lending.cancel(id);
+            return Err(e);
+        }
+        Counters::bump(&core.counters.lent_sends);
+        Ok(SendStart::Lent(done))
+    }
+
+    /// A get into `local[range]` as [`get`](Self::get) starts it, with the
+    /// completion it waits on (for a caller that must know when the copy
+    /// is done even if the future is dropped).
+    pub(crate) fn get_tracked(
+        &self,
+        local: &MemoryRegion,
+        range: Range<usize>,
+        remote: &RemoteKey,
+        offset: u64,
+    ) -> (Option<Arc<Completion>>, Get) {
+        let op = self.rma(local, range, remote, offset, false);
+        let done = match &op {
+            OpState::Wait(c, ..) => Some(c.clone()),
+            OpState::Ready(_) => None,
+        };
+        (done, Get(op))
+    }
+
     fn check_key(&self, key: &RemoteKey, offset: u64, len: usize) -> Result<()> {
         if key.owner() != self.peer() {
             return Err(AccessError::WrongOwner {
@@ -872,6 +999,62 @@ impl OpState {
                 }
                 wait(c, core, seen, cx)
             }
+        }
+    }
+}
+
+/// How a [`Endpoint::send_region`] started.
+enum SendStart {
+    /// The bytes, to carry as a message.
+    Carried(Bytes),
+    /// Lent: resolves when the receiver answers.
+    Lent(Arc<Completion>),
+}
+
+enum SendRegionState {
+    /// Not polled yet: nothing sent.
+    Start {
+        ep: Endpoint,
+        tag: Tag,
+        region: MemoryRegion,
+        range: Range<usize>,
+    },
+    Carried(SendFuture),
+    Lent(OpState),
+}
+
+/// Future of [`Endpoint::send_region`].
+///
+/// # Cancel safety
+/// Dropped before its first poll, nothing is sent. At the first poll the
+/// message takes its place in the tag's order: a carried one (host memory,
+/// or device memory staged through the host) is copied out and then goes
+/// as a [`SendFuture`]'s does; a lent one (device memory to a peer on this
+/// node) is announced, and dropping the future does not take it back: the
+/// region's memory is kept alive until the receiver has taken the bytes or
+/// declined them, or is lost, whatever the caller drops. Leave those bytes
+/// alone until then.
+#[must_use = "futures do nothing unless polled"]
+pub struct SendRegion(SendRegionState);
+
+impl Future for SendRegion {
+    type Output = Result<()>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if let SendRegionState::Start {
+            ep,
+            tag,
+            region,
+            range,
+        } = &self.0
+        {
+            let next = ep.first_send_region(*tag, region, range.clone());
+            self.0 = next;
+        }
+        match &mut self.0 {
+            SendRegionState::Carried(s) => Pin::new(s).poll(cx),
+            SendRegionState::Lent(op) => op.poll(cx),
+            // Replaced just above.
+            SendRegionState::Start { .. } => Poll::Pending,
         }
     }
 }

@@ -76,6 +76,10 @@ pub(crate) struct Core {
     /// Per rank: declared lost (read on the one-sided fast path, which
     /// must not take `sync`'s lock).
     gone: Vec<AtomicBool>,
+    /// Messages of ours whose bytes peers have yet to take.
+    pub(super) lending: crate::core::lend::Lending,
+    /// This core, for what a received lent message keeps to answer it.
+    me: std::sync::Weak<Core>,
 }
 
 /// One lost rank, as barriers and closes report it.
@@ -142,6 +146,7 @@ impl Core {
     /// still holds data of ours counts as heard from, since its answer may
     /// be waiting behind that data.
     pub(crate) fn expire_answers(&self, after: std::time::Duration) {
+        self.answer_deferred();
         if !self.rma.any_pending() {
             return;
         }
@@ -255,7 +260,7 @@ impl Core {
     /// A complete user message arrived from `src` (no link needed).
     pub(crate) fn deliver(&self, src: Rank, tag: u64, data: Bytes) {
         self.counters.add(crate::core::stats::Hot::Recvs);
-        self.dispatcher.deliver(Message { src, tag, data });
+        self.dispatcher.deliver(Message::carried(src, tag, data));
     }
 
     /// A complete message arrived from `src`.
@@ -271,6 +276,12 @@ impl Core {
             | Kind::PutPart
             | Kind::AtomicReq
             | Kind::AtomicResp => self.rma.handle(link, src, kind, tag, data),
+            Kind::Lent => self.lent_arrived(src, tag, &data),
+            Kind::LentDone => {
+                if let Err(what) = self.lending.answered(src, tag, &data) {
+                    self.misbehaved(src, &what);
+                }
+            }
             Kind::Barrier => {
                 lock(&self.sync).barrier.entry(tag).or_default().insert(src);
                 self.sync_notify.notify_waiters();
@@ -290,6 +301,37 @@ impl Core {
                 self.sync_notify.notify_waiters();
             }
         }
+    }
+
+    /// A lent message's announcement from `src` on `tag`: queued for the
+    /// tag's receiver like any message (and in order with them), to be
+    /// answered when taken or dropped. A malformed one is counted and
+    /// dropped.
+    fn lent_arrived(&self, src: Rank, tag: Tag, data: &[u8]) {
+        match crate::core::lend::Announce::decode(src, data) {
+            Ok(ann) => {
+                let lent = crate::core::lend::Borrowed::new(src, ann, self.me.clone());
+                self.dispatcher.deliver(Message::lent(src, tag, lent));
+            }
+            Err(what) => self.misbehaved(src, &what),
+        }
+    }
+
+    /// Send the declines of lent messages that waited for their copies
+    /// (see `Lending::defer`); called on the heartbeat.
+    pub(crate) fn answer_deferred(&self) {
+        for (src, id, why) in self.lending.ready_declines() {
+            if let Some(link) = self.link(src) {
+                let a = crate::core::lend::Answer::Declined(why).encode();
+                let _ = link.submit(Kind::LentDone, id, Bytes::from(a));
+            }
+        }
+    }
+
+    /// `src` sent something malformed: counted, logged, dropped.
+    fn misbehaved(&self, src: Rank, what: &str) {
+        Counters::bump(&self.counters.bad_frames);
+        tracing::warn!("rank {src} sent {what}; dropped");
     }
 
     /// The live region of ours behind key id `key` if `off..off+len` is
@@ -324,6 +366,10 @@ impl Core {
             });
         }
         self.rma.peer_lost(rank, reason);
+        self.lending.fail(Some(rank), || Error::PeerLost {
+            rank,
+            reason: reason.to_string(),
+        });
         if how != Loss::Closed {
             self.dispatcher.peer_lost(rank, reason);
         }
@@ -568,7 +614,9 @@ impl Fabric {
         let regions = Arc::new(RegionTable::default());
         let buffers: Arc<crate::core::bufpool::BufPool> = Arc::default();
         let closed = Arc::new(AtomicBool::new(false));
-        let core = Arc::new(Core {
+        let core = Arc::new_cyclic(|me| Core {
+            me: me.clone(),
+            lending: Default::default(),
             rank: b.rank,
             size: b.size,
             job_tag: job_tag(&b.job_key),
@@ -1202,6 +1250,7 @@ impl Fabric {
             t.shutdown();
         }
         self.core.rma.close();
+        self.core.lending.fail(None, || Error::Closed);
         for d in self.drivers.drain(..) {
             d.abort();
         }

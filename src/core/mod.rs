@@ -9,6 +9,7 @@ pub(crate) mod completion;
 pub(crate) mod dispatch;
 pub(crate) mod endpoint;
 pub(crate) mod fabric;
+pub(crate) mod lend;
 pub(crate) mod progress;
 pub(crate) mod region;
 pub(crate) mod rma;

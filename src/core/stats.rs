@@ -13,6 +13,8 @@ pub(crate) struct Counters {
     pub(crate) access_refused: AtomicU64,
     /// Puts and gets with device memory taken by the host-staged path.
     pub(crate) staged_device_ops: AtomicU64,
+    /// Sends of device memory whose bytes the receiver copied.
+    pub(crate) lent_sends: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
     /// Set once the address exchange is done.
     pub(crate) rendezvous_refused: AtomicU64,
@@ -161,6 +163,7 @@ impl Counters {
             bad_frames: g(&self.bad_frames),
             access_refused: g(&self.access_refused),
             staged_device_ops: g(&self.staged_device_ops),
+            lent_sends: g(&self.lent_sends),
             peers_lost: g(&self.peers_lost),
             rendezvous_refused: g(&self.rendezvous_refused),
             sends: self.hot.get(Hot::Sends),
@@ -216,6 +219,10 @@ pub struct Stats {
     /// device memory to that peer, or CUDA IPC with it was refused (the
     /// reason is logged once per peer).
     pub staged_device_ops: u64,
+    /// `send_region`s of device memory that were lent: the receiver copied
+    /// the bytes out of the sender's region (the others with device memory
+    /// went through the host, counted in `staged_device_ops`).
+    pub lent_sends: u64,
     /// Remote atomics the transport carried natively (a hardware atomic on
     /// a peer's region mapped here).
     pub native_atomics: u64,

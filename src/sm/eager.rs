@@ -19,6 +19,7 @@ use super::segment::CHANNELS;
 use super::tx::{channel, Cursor, Pushed, TxState, USER};
 use super::{SmPeer, SmTransport};
 use crate::core::stats::Counters;
+use crate::transport::Kind as CoreKind;
 use crate::{Error, Result};
 
 /// Bytes of a fragment whose lines a push asks for before it writes them
@@ -233,8 +234,12 @@ impl TxState {
         let total = data.len();
         let ch = channel(kind);
         if ch == USER {
-            // Small user messages and rendezvous announcements take the box.
-            if !at.started && total <= fbox::MAX_PAYLOAD {
+            // Small user messages and rendezvous announcements take the
+            // box (a lent message's announcement takes the ring, behind it).
+            if !at.started
+                && total <= fbox::MAX_PAYLOAD
+                && matches!(kind, Kind::User | Kind::UserCma)
+            {
                 match self.via_fbox(t, peer, kind == Kind::UserCma, tag, data)? {
                     Some(true) => {
                         at.started = true;
@@ -389,11 +394,14 @@ impl RxState {
                 if h.kind == Kind::UserCma {
                     return self.ring_rendezvous(t, p, idx, off, &h);
                 }
-                if h.kind == Kind::User && !t.core.has_room(h.tag, h.total as usize) {
+                // A lent message's announcement waits for room as the
+                // user messages it is in order with do.
+                let user = h.kind == Kind::User || h.kind == Kind::Core(CoreKind::Lent);
+                if user && !t.core.has_room(h.tag, h.total as usize) {
                     self.blocked[l] = true;
                     return Step::Blocked;
                 }
-                if h.kind == Kind::User {
+                if user {
                     self.blocked[l] = false;
                 }
                 let total = h.total as usize;

@@ -106,6 +106,6 @@ mod tests {
                 seen += 1;
             }
         }
-        assert_eq!(seen, 12 + 7);
+        assert_eq!(seen, 14 + 7);
     }
 }

@@ -70,6 +70,11 @@ impl Link for SmLink {
     fn has_queued(&self) -> bool {
         self.t.tx.lock().has_queued(self.peer.local)
     }
+
+    fn carries_lent(&self) -> bool {
+        // `Kind::Lent` travels on the user channel (`tx::channel`).
+        true
+    }
 }
 
 impl SmLink {

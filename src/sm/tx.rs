@@ -37,9 +37,14 @@ pub(crate) const USER: usize = 0;
 /// the eager pool when that is smaller, so tiny pools keep working).
 const CONTROL_RESERVE: usize = 4;
 
-/// The channel a message kind travels on.
+/// The channel a message kind travels on: user messages, their
+/// rendezvous announcements and the core's lent messages on one (in order
+/// with each other), the rest on the other.
 pub(crate) fn channel(kind: Kind) -> usize {
-    usize::from(!matches!(kind, Kind::User | Kind::UserCma))
+    usize::from(!matches!(
+        kind,
+        Kind::User | Kind::UserCma | Kind::Core(crate::transport::Kind::Lent)
+    ))
 }
 
 struct Queued {

@@ -436,6 +436,9 @@ impl Link for SmcudaLink {
     fn has_queued(&self) -> bool {
         false
     }
+    fn device_direct(&self) -> bool {
+        !lock(&self.t.staged).contains_key(&self.peer)
+    }
 }
 
 fn decode_addr(p: &Peer<'_>) -> Result<SmcudaAddr> {

@@ -126,6 +126,15 @@ pub(crate) enum Kind {
     /// The target's answer to [`Kind::AtomicReq`]: status, then the word's
     /// previous value.
     AtomicResp = 11,
+    /// A message whose bytes stay in the sender's region until the
+    /// receiver copies them (`Endpoint::send_region` of device memory):
+    /// id, range and key (`core::lend`). Travels in order with the pair's
+    /// user messages on its tag, so only a link whose
+    /// [`Link::carries_lent`] says so is given one.
+    Lent = 12,
+    /// The receiver's answer to a [`Kind::Lent`]: taken, or declined and
+    /// why; the tag carries the lent message's id.
+    LentDone = 13,
 }
 
 impl Kind {
@@ -144,6 +153,8 @@ impl Kind {
             9 => Kind::PutPart,
             10 => Kind::AtomicReq,
             11 => Kind::AtomicResp,
+            12 => Kind::Lent,
+            13 => Kind::LentDone,
             _ => return None,
         })
     }
@@ -338,6 +349,20 @@ pub(crate) trait Link: Send + Sync {
 
     /// Whether anything is still queued towards the peer.
     fn has_queued(&self) -> bool;
+
+    /// Whether this link carries [`Kind::Lent`] in order with the pair's
+    /// user messages on the same tag (the core announces lent messages
+    /// only over such a link, and sends their bytes otherwise).
+    fn carries_lent(&self) -> bool {
+        false
+    }
+
+    /// For a link that carries device memory: whether operations with the
+    /// peer's device memory go by the device now (not refused and staged
+    /// through the host).
+    fn device_direct(&self) -> bool {
+        false
+    }
 }
 
 /// A transport instance in one process.
