@@ -952,3 +952,11 @@ pub fn lent_answer(b: &[u8]) -> Option<Vec<u8>> {
         .ok()
         .map(|a| a.encode())
 }
+
+/// Split a core control message (a transport's message to its peer, sent
+/// over the pair's message link) into its transport name and payload.
+pub fn control_message(b: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    crate::core::fabric::split_control(b)
+        .ok()
+        .map(|(n, p)| (n.to_vec(), p.to_vec()))
+}

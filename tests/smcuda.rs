@@ -67,6 +67,7 @@ fn rank_main() {
             "registered" => registered(f).await,
             "unshareable" => unshareable(f).await,
             "lent" => lent(f).await,
+            "crossing" => crossing(f).await,
             "lent_kill" => lent_kill(f).await,
             other => panic!("unknown scenario {other}"),
         }
@@ -213,6 +214,37 @@ async fn lent(f: Fabric) {
         let e = m.fetch_into(&host, 0).await;
         assert!(!direct || e.is_err(), "a lent message is taken once");
     }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Both ranks' first device operations towards each other at once: their
+/// IPC requests cross, and both settle on IPC.
+async fn crossing(f: Fabric) {
+    let peer = 1 - f.rank();
+    let ep = f.endpoint(peer).unwrap();
+    let region = f.alloc_device_region(0, 1 << 20).unwrap();
+    let theirs = exchange_keys(&f, &region.remote_key()).await;
+    let src = f.alloc_device_region(0, 1 << 20).unwrap();
+    src.write(0, &pattern(1 << 20, u64::from(f.rank())))
+        .unwrap();
+    f.barrier().await.unwrap();
+    let puts: Vec<_> = (0..4)
+        .map(|i| ep.put(&src, i << 18..(i + 1) << 18, &theirs, (i << 18) as u64))
+        .collect();
+    for p in futures::future::join_all(puts).await {
+        p.unwrap();
+    }
+    f.barrier().await.unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    region.read(0, &mut got).unwrap();
+    assert!(
+        got == pattern(1 << 20, u64::from(peer))[..],
+        "the peer's puts"
+    );
+    let s = f.stats();
+    println!("direct_puts={}", s.direct_puts);
+    println!("staged={}", s.staged_device_ops);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -719,6 +751,34 @@ fn a_receiver_killed_holding_a_lent_message_fails_the_send() {
     );
     let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
     assert!(ms < 30_000, "the send failed only after {ms} ms");
+}
+
+#[test]
+fn the_ipc_handshake_settles_crossing_requests_and_retries_a_peer_not_ready() {
+    // Both ranks ask at once; then a peer that answers `NotReady` twice
+    // before it accepts: either way every put goes by IPC.
+    for faults in ["copy-delay-ms:1", "copy-delay-ms:1,not-ready:2"] {
+        let outs = job(2, "crossing", faults).wait(Duration::from_secs(60));
+        assert_ok(&outs);
+        for o in &outs {
+            assert_eq!(value(o, "direct_puts").as_deref(), Some("4"), "{faults}");
+            assert_eq!(value(o, "staged").as_deref(), Some("0"), "{faults}");
+        }
+    }
+}
+
+#[test]
+fn a_peer_never_ready_for_ipc_sends_its_device_memory_through_the_host() {
+    // Five `NotReady` answers, and the asker settles on the host path,
+    // with the operations that waited for the answer.
+    let outs = job(2, "crossing", "not-ready:50").wait(Duration::from_secs(90));
+    assert_ok(&outs);
+    for o in &outs {
+        assert_eq!(value(o, "direct_puts").as_deref(), Some("0"));
+        assert_eq!(value(o, "staged").as_deref(), Some("4"));
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(log.contains("not ready after 5 requests"), "{log}");
+    }
 }
 
 #[test]

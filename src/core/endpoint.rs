@@ -458,11 +458,8 @@ impl Endpoint {
                 Ok(None)
             }
             Native::Posted(done) => {
-                c.add(if put {
-                    Hot::DirectPuts
-                } else {
-                    Hot::DirectGets
-                });
+                // Counted by the transport when its copy is queued (it may
+                // wait for a handshake and go through the host after all).
                 self.0.core.rma.track(self.0.peer, done.clone(), implicit);
                 Ok((!implicit).then_some(done))
             }

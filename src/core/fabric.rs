@@ -80,6 +80,21 @@ pub(crate) struct Core {
     pub(super) lending: crate::core::lend::Lending,
     /// This core, for what a received lent message keeps to answer it.
     me: std::sync::Weak<Core>,
+    /// The opened transports by name, for their control messages.
+    controls: RwLock<Vec<(&'static str, std::sync::Weak<dyn Transport>)>>,
+}
+
+/// The longest transport name a control message carries.
+const MAX_CONTROL_NAME: usize = 32;
+
+/// A control message's transport name and payload.
+pub(crate) fn split_control(data: &[u8]) -> std::result::Result<(&[u8], &[u8]), String> {
+    let (&n, rest) = data.split_first().ok_or("an empty control message")?;
+    let n = n as usize;
+    if n > MAX_CONTROL_NAME || rest.len() < n {
+        return Err("a malformed control message".into());
+    }
+    Ok(rest.split_at(n))
 }
 
 /// One lost rank, as barriers and closes report it.
@@ -276,6 +291,11 @@ impl Core {
             | Kind::PutPart
             | Kind::AtomicReq
             | Kind::AtomicResp => self.rma.handle(link, src, kind, tag, data),
+            Kind::Control => {
+                if let Err(what) = self.control_arrived(src, &data) {
+                    self.misbehaved(src, &what);
+                }
+            }
             Kind::Lent => self.lent_arrived(src, tag, &data),
             Kind::LentDone => {
                 if let Err(what) = self.lending.answered(src, tag, &data) {
@@ -325,6 +345,52 @@ impl Core {
                 let a = crate::core::lend::Answer::Declined(why).encode();
                 let _ = link.submit(Kind::LentDone, id, Bytes::from(a));
             }
+        }
+    }
+
+    /// Send `payload` to `peer`'s transport named `from` (a control
+    /// message of a transport without messages of its own), over the
+    /// pair's message link.
+    pub(crate) fn send_control(
+        &self,
+        peer: Rank,
+        from: &'static str,
+        payload: &[u8],
+    ) -> Result<()> {
+        if from.len() > MAX_CONTROL_NAME {
+            return Err(Error::Misuse(format!("transport name {from} is too long")));
+        }
+        let link = self.link(peer).ok_or_else(|| {
+            Error::Misuse(format!(
+                "no message link to rank {peer} for {from}'s control message"
+            ))
+        })?;
+        let mut b = Vec::with_capacity(1 + from.len() + payload.len());
+        b.push(from.len() as u8);
+        b.extend_from_slice(from.as_bytes());
+        b.extend_from_slice(payload);
+        link.submit(Kind::Control, 0, Bytes::from(b)).map(drop)
+    }
+
+    /// A control message from `src`: handed to the transport it names.
+    fn control_arrived(&self, src: Rank, data: &[u8]) -> std::result::Result<(), String> {
+        let (name, payload) = split_control(data)?;
+        let t = self
+            .controls
+            .read()
+            .ok()
+            .and_then(|c| {
+                c.iter()
+                    .find(|(t, _)| t.as_bytes() == name)
+                    .map(|(_, w)| w.clone())
+            })
+            .and_then(|w| w.upgrade());
+        match t {
+            Some(t) => t.on_control(src, payload),
+            None => Err(format!(
+                "a control message for transport {:?}, not open here",
+                String::from_utf8_lossy(name)
+            )),
         }
     }
 
@@ -616,6 +682,7 @@ impl Fabric {
         let closed = Arc::new(AtomicBool::new(false));
         let core = Arc::new_cyclic(|me| Core {
             me: me.clone(),
+            controls: RwLock::new(Vec::new()),
             lending: Default::default(),
             rank: b.rank,
             size: b.size,
@@ -656,6 +723,12 @@ impl Fabric {
                 caps.push((e.messages, e.one_sided));
                 device_caps.push(e.device_memory);
             }
+        }
+        if let Ok(mut c) = core.controls.write() {
+            *c = opened
+                .iter()
+                .map(|t| (t.name(), Arc::downgrade(t)))
+                .collect();
         }
         let me = Published {
             rank: b.rank,

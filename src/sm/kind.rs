@@ -106,6 +106,6 @@ mod tests {
                 seen += 1;
             }
         }
-        assert_eq!(seen, 14 + 7);
+        assert_eq!(seen, 15 + 7);
     }
 }

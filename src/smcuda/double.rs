@@ -25,7 +25,9 @@
 //! check must catch), `unshareable` (allocations are reported as
 //! shareable neither by descriptor nor by legacy IPC, as pool memory is,
 //! so registering them is refused; the fabric's own allocations still
-//! export), `devices:N` (N devices, default 1).
+//! export), `devices:N` (N devices, default 1), `not-ready:N` (the GPU
+//! layer says it is not ready the first N times it is asked, so a peer's
+//! IPC handshake is answered `NotReady` that often).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -57,6 +59,7 @@ pub(crate) struct Faults {
     pub(crate) skip_wait: bool,
     pub(crate) unshareable: bool,
     pub(crate) devices: u32,
+    pub(crate) not_ready: u32,
 }
 
 impl Faults {
@@ -87,6 +90,7 @@ impl Faults {
                 "already-mapped" => f.already_mapped = num()?.min(u32::MAX as u64) as u32,
                 "copy-delay-ms" => f.copy_delay = Duration::from_millis(num()?),
                 "devices" => f.devices = num()?.clamp(1, 16) as u32,
+                "not-ready" => f.not_ready = num()?.min(u32::MAX as u64) as u32,
                 _ => return Err(format!("unknown test-double fault `{item}`")),
             }
         }
@@ -260,6 +264,8 @@ pub(crate) struct GpuDouble {
     page_fd: OwnedFd,
     state: Mutex<State>,
     buffer_ids: AtomicU64,
+    /// Times `ready` was asked (for `not-ready:N`).
+    asked_ready: AtomicU64,
 }
 
 impl std::fmt::Debug for GpuDouble {
@@ -325,6 +331,7 @@ impl GpuDouble {
             page: Arc::new(Page { map }),
             page_fd,
             buffer_ids: AtomicU64::new(1),
+            asked_ready: AtomicU64::new(0),
         })
     }
 
@@ -402,6 +409,10 @@ impl Gpu for GpuDouble {
                 }
             })
             .collect()
+    }
+
+    fn ready(&self) -> bool {
+        self.asked_ready.fetch_add(1, Ordering::Relaxed) >= u64::from(self.faults.not_ready)
     }
 
     fn can_access_peer(&self, from: u32, to: u32) -> bool {

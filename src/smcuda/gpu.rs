@@ -157,6 +157,12 @@ pub(crate) trait Gpu: Send + Sync {
     /// The devices this process sees.
     fn devices(&self) -> Vec<DeviceInfo>;
 
+    /// Whether the GPU layer can take part in IPC now (what a rank
+    /// answers a peer's handshake with: `NotReady` while not).
+    fn ready(&self) -> bool {
+        true
+    }
+
     /// Whether `from` can access memory of `to` (peer access), for two
     /// devices of this process.
     fn can_access_peer(&self, from: u32, to: u32) -> bool;

@@ -4,8 +4,9 @@
 //!
 //! It is the seed's (`btl_smcuda`'s IPC_REQ/IPC_ACK), made total:
 //! * lazy: a rank starts it on its first GPU operation towards a peer
-//!   ([`Handshake::start`]); until it settles, operations take the
-//!   host-staged path, so none waits for it;
+//!   ([`Handshake::start`]); operations wait for it to settle, and none
+//!   is staged only because it had not yet (the seed sent those through
+//!   the host);
 //! * always answered: a request gets `Ack` (with the IPC kind both
 //!   support), `NotReady` (the answering side's GPU layer is not up yet),
 //!   `Refuse` with the reason, or `Crossed`;
@@ -18,11 +19,13 @@
 //! * a settled rank answers a new request with the same outcome, so a peer
 //!   that asks again (it retried) learns it too.
 //!
-//! The transport takes the decision from the capabilities both ranks
-//! publish in the address exchange (both decide alike, with no round
-//! trip); the request/answer state machine is the lazy form of the same
-//! exchange, for a control channel that carries it, and is tested on its
-//! own (its items are unused outside tests).
+//! The transport runs it over the core's control messages (`Kind::Control`
+//! on the pair's message link): the first device operation towards a peer
+//! sends the request and waits for the answer (operations posted
+//! meanwhile wait with it), then every operation with that peer goes by
+//! IPC or through the host alike; a `NotReady` is asked again on the
+//! heartbeat, and a request unanswered within the answer time limit
+//! settles on the host path.
 //!
 //! The decision ([`decide`]) prefers VMM handles (file descriptors over a
 //! Unix socket: they cross PID namespaces and containers) and falls back
@@ -33,7 +36,6 @@ use crate::Rank;
 
 /// Requests answered `NotReady` before a rank gives up on IPC with that
 /// peer.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) const MAX_TRIES: u32 = 5;
 
 /// The wire version of these messages.
@@ -86,7 +88,6 @@ pub(crate) enum Msg {
 }
 
 /// Where the handshake with one peer stands.
-#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum State {
     /// Nothing asked yet (or asked again after `NotReady`); `tries`
@@ -158,7 +159,6 @@ pub(crate) fn decide(mine: &Caps, theirs: &Caps, reach: impl Fn(&[u8; 16]) -> bo
 }
 
 /// The handshake with one peer.
-#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone)]
 pub(crate) struct Handshake {
     me: Rank,
@@ -166,7 +166,6 @@ pub(crate) struct Handshake {
     state: State,
 }
 
-#[cfg_attr(not(test), allow(dead_code))]
 impl Handshake {
     /// Not started, between `me` and `peer`.
     pub(crate) fn new(me: Rank, peer: Rank) -> Handshake {
@@ -183,10 +182,19 @@ impl Handshake {
     }
 
     /// The mode, once accepted.
+    #[cfg(test)]
     pub(crate) fn mode(&self) -> Option<Mode> {
         match self.state {
             State::Ready(m) => Some(m),
             _ => None,
+        }
+    }
+
+    /// Settle on the staged path with `why` (no answer came in time);
+    /// a settled handshake stays as it is.
+    pub(crate) fn give_up(&mut self, why: String) {
+        if matches!(self.state, State::Init { .. } | State::Sent { .. }) {
+            self.state = State::Staged(why);
         }
     }
 
@@ -464,6 +472,26 @@ mod tests {
             false
         });
         assert!(matches!(reply, Some(Msg::Refuse(w)) if w.contains("cannot access")));
+    }
+
+    #[test]
+    fn giving_up_stages_an_unsettled_handshake_and_leaves_a_settled_one() {
+        let ca = caps(true, true, 1);
+        let mut a = Handshake::new(0, 1);
+        assert!(a.start(&ca).is_some());
+        a.give_up("no answer".into());
+        assert_eq!(a.state(), &State::Staged("no answer".into()));
+        // A late answer changes nothing, and a new request from the peer
+        // learns the outcome.
+        assert_eq!(a.on_msg(Msg::Ack(Mode::Vmm), &ca, ANY), None);
+        assert_eq!(
+            a.on_msg(Msg::Req(ca), &ca, ANY),
+            Some(Msg::Refuse("no answer".into()))
+        );
+        let (mut b, mut c) = (Handshake::new(0, 1), Handshake::new(1, 0));
+        run(&mut b, &ca, &mut c, &ca, false);
+        b.give_up("late".into());
+        assert_eq!(b.mode(), Some(Mode::Vmm));
     }
 
     #[test]

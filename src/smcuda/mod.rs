@@ -18,9 +18,9 @@
 //!   in memory files, so handles cross real processes, with injectable
 //!   faults; chosen only by `BTL_SMCUDA_GPU=test-double`;
 //! - [`handshake`]: whether and how two ranks use IPC (VMM descriptors,
-//!   legacy handles, or the staged path with the reason): the decision
-//!   both ranks make from the capabilities each publishes, and the
-//!   request/answer messages of a lazy handshake;
+//!   legacy handles, or the staged path with the reason): the lazy
+//!   request/answer the transport runs over the core's control messages
+//!   on its first device operation with a peer;
 //! - [`key`]: the handle a device region's key carries, exported by the
 //!   owner and opened by peers;
 //! - [`cache`]: the cache of peers' allocations mapped here, keyed by

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cache::Cache;
 use super::gpu::{AllocKind, DeviceAlloc, Event, Gpu, GpuError, Mapping, Stream};
-use super::handshake::{decide, Caps, Msg, Verdict};
+use super::handshake::{Caps, Handshake, Msg, State};
 use super::key::{self, Exported, Handle};
 use super::{IpcChoice, IPC_VAR};
 use crate::core::completion::Completion;
@@ -141,6 +141,43 @@ pub(crate) struct SmcudaTransport {
     watches: Mutex<HashMap<Rank, ProcWatch>>,
     /// Peers whose device memory goes through the host, and why.
     staged: Mutex<HashMap<Rank, String>>,
+    /// The IPC handshake with each peer a device operation went to, and
+    /// the operations waiting for it to settle.
+    handshakes: Mutex<HashMap<Rank, PeerIpc>>,
+}
+
+/// Where the handshake with one peer stands.
+struct PeerIpc {
+    hs: Handshake,
+    /// Operations posted before it settled, issued (or staged) once it
+    /// has.
+    waiting: Vec<Waiting>,
+    /// When our request went out (for the answer's time limit).
+    asked: Option<std::time::Instant>,
+}
+
+/// A put or get waiting for the handshake with its peer.
+struct Waiting {
+    region: Arc<RegionInner>,
+    /// Where the local range starts in `region`.
+    at: u64,
+    len: u64,
+    handle: Handle,
+    key: KeyId,
+    /// The remote offset in the key's region.
+    offset: u64,
+    put: bool,
+    done: Arc<Completion>,
+}
+
+/// What a device operation with a peer does now.
+enum Go {
+    /// Its copy is queued by IPC.
+    Issue(Waiting),
+    /// It goes through the host.
+    Stage,
+    /// It waits for the handshake, and completes through this.
+    Wait(Arc<Completion>),
 }
 
 impl SmcudaTransport {
@@ -175,6 +212,7 @@ impl SmcudaTransport {
             bell: Arc::new(tokio::sync::Notify::new()),
             watches: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
+            handshakes: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -235,10 +273,9 @@ impl SmcudaTransport {
         else {
             return Ok(Native::Emulate);
         };
-        let alloc = mine
-            .alloc
-            .as_ref()
-            .ok_or_else(|| Error::Misuse("the local device region was freed".into()))?;
+        if mine.alloc.is_none() {
+            return Err(Error::Misuse("the local device region was freed".into()));
+        }
         let Some(kh) = key.handle("smcuda") else {
             return Ok(Native::Emulate);
         };
@@ -266,12 +303,60 @@ impl SmcudaTransport {
         if len == 0 {
             return Ok(Native::Done(0));
         }
+        let w = Waiting {
+            region: local.region.clone(),
+            at: mine.at + local.offset,
+            len,
+            handle: h,
+            key: key.id,
+            offset: region_at,
+            put,
+            done: Completion::new(),
+        };
+        match self.ipc_with(peer, w) {
+            Go::Issue(w) => Ok(match self.issue(peer, &w)? {
+                true => Native::Posted(w.done),
+                false => Native::Emulate,
+            }),
+            Go::Stage => Ok(Native::Emulate),
+            Go::Wait(done) => Ok(Native::Posted(done)),
+        }
+    }
+
+    /// Queue the copy of `w` (IPC with `peer` accepted), to complete
+    /// `w.done` when its event fired: `true`. `false`: opening the peer's
+    /// memory was refused, and from now on operations with it are staged
+    /// (`w` too: the caller's to do). An error is the operation's.
+    fn issue(&self, peer: Rank, w: &Waiting) -> Result<bool> {
+        let Waiting {
+            region,
+            at,
+            len,
+            handle: h,
+            offset: region_at,
+            put,
+            done,
+            ..
+        } = w;
+        let (at, len, region_at, put) = (*at, *len, *region_at, *put);
+        let Some(mine) = region
+            .device
+            .as_ref()
+            .and_then(|d| d.as_any().downcast_ref::<DeviceMem>())
+        else {
+            return Err(Error::Misuse("not a device region of smcuda's".into()));
+        };
+        let alloc = mine
+            .alloc
+            .as_ref()
+            .ok_or_else(|| Error::Misuse("the local device region was freed".into()))?;
+        let offset = h.offset.saturating_add(region_at);
         let device = alloc.device;
         let opened = key::open(
             &self.gpu,
             &mut lock(&self.cache),
             peer,
-            &h,
+            h,
             self.core.job_tag(),
             device,
         );
@@ -282,7 +367,7 @@ impl SmcudaTransport {
                     peer,
                     format!("opening its device memory was refused: {why}"),
                 );
-                return Ok(Native::Emulate);
+                return Ok(false);
             }
             Err(GpuError::BadPointer(why)) => {
                 tracing::debug!("smcuda: a key of rank {peer} names no memory it serves: {why}");
@@ -298,7 +383,7 @@ impl SmcudaTransport {
                 len: mapping.len().saturating_sub(h.offset),
             }));
         }
-        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + mine.at + local.offset);
+        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + at);
         let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
         let stream = self.stream(device)?;
         let event = self.event(device)?;
@@ -310,19 +395,160 @@ impl SmcudaTransport {
             lock(&self.free_events).push((device, event));
             return Err(Self::gpu_error("queueing the copy", e));
         }
-        let done = Completion::new();
+        self.core.counters().add(if put {
+            crate::core::stats::Hot::DirectPuts
+        } else {
+            crate::core::stats::Hot::DirectGets
+        });
         lock(&self.pending).push_back(Pending {
             event,
             done: done.clone(),
             peer,
             failed: false,
             _mapping: mapping,
-            _region: local.region.clone(),
+            _region: region.clone(),
         });
         if self.armed.load(Ordering::Acquire) {
             self.ring_when_done(stream);
         }
-        Ok(Native::Posted(done))
+        Ok(true)
+    }
+
+    /// What device operation `w` with `peer` does now: issue it (IPC
+    /// accepted), stage it (refused), or wait for the handshake, which
+    /// the first operation with a peer starts (`w` is kept and issued or
+    /// staged when it settles: see [`settled`](Self::settled)).
+    fn ipc_with(&self, peer: Rank, w: Waiting) -> Go {
+        if lock(&self.staged).contains_key(&peer) {
+            return Go::Stage;
+        }
+        let mut all = lock(&self.handshakes);
+        let p = all.entry(peer).or_insert_with(|| PeerIpc {
+            hs: Handshake::new(self.core.rank(), peer),
+            waiting: Vec::new(),
+            asked: None,
+        });
+        match p.hs.state() {
+            State::Ready(_) => return Go::Issue(w),
+            State::Staged(_) => return Go::Stage,
+            State::Init { .. } | State::Sent { .. } => {}
+        }
+        let done = w.done.clone();
+        p.waiting.push(w);
+        let req = p.hs.start(&self.caps());
+        if req.is_some() {
+            p.asked = Some(std::time::Instant::now());
+        }
+        drop(all);
+        if let Some(req) = req {
+            self.send_handshake(peer, &req);
+        }
+        Go::Wait(done)
+    }
+
+    fn send_handshake(&self, peer: Rank, m: &Msg) {
+        if let Err(e) = self.core.send_control(peer, "smcuda", &m.encode()) {
+            tracing::debug!("smcuda: sending the IPC handshake to rank {peer}: {e}");
+        }
+    }
+
+    /// The handshake with `peer` settled (or was given up on): issue or
+    /// stage what waited for it.
+    fn settled(&self, peer: Rank) {
+        let (outcome, waiting) = {
+            let mut all = lock(&self.handshakes);
+            let Some(p) = all.get_mut(&peer) else {
+                return;
+            };
+            let outcome = match p.hs.state() {
+                State::Ready(_) => Ok(()),
+                State::Staged(why) => Err(why.clone()),
+                State::Init { .. } | State::Sent { .. } => return,
+            };
+            p.asked = None;
+            (outcome, std::mem::take(&mut p.waiting))
+        };
+        match outcome {
+            Ok(()) => {
+                for w in waiting {
+                    match self.issue(peer, &w) {
+                        Ok(true) => {}
+                        Ok(false) => self.emulate(peer, w),
+                        Err(e) => w.done.complete(Err(e)),
+                    }
+                }
+            }
+            Err(why) => {
+                self.stage(peer, why);
+                for w in waiting {
+                    self.emulate(peer, w);
+                }
+            }
+        }
+    }
+
+    /// Take `w` by the host-staged path (its peer refused IPC after it
+    /// was posted): the core emulates it over the messages' link, each
+    /// side's device memory copied through its own device.
+    fn emulate(&self, peer: Rank, w: Waiting) {
+        let core = &self.core;
+        let Some(link) = core.link(peer) else {
+            w.done.complete(Err(Error::Closed));
+            return;
+        };
+        crate::core::stats::Counters::bump(&core.counters().staged_device_ops);
+        let len = w.len as usize;
+        if w.put {
+            let mut staged = Vec::with_capacity(len);
+            if let Err(e) = w.region.read_to(w.at, len, &mut staged) {
+                w.done.complete(Err(e.into()));
+                return;
+            }
+            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
+            // The request copies the bytes out before this returns.
+            core.emulate_put(&*link, &w.key, w.offset, (heap.raw(), 0, len), w.done);
+        } else {
+            core.emulate_get(&*link, &w.key, w.offset, (w.region, w.at, len), w.done);
+        }
+    }
+
+    /// Handshakes that need a step without a message: a request again
+    /// for operations still waiting (after `NotReady`, on the heartbeat,
+    /// not at once), and the time limit on an answer.
+    fn handshake_timers(&self) {
+        let limit = self.core.config().answer_timeout;
+        let mut requests = Vec::new();
+        let mut expired = Vec::new();
+        {
+            let mut all = lock(&self.handshakes);
+            let caps = self.caps();
+            for (&peer, p) in all.iter_mut() {
+                match p.hs.state() {
+                    // Back at the start with operations waiting: after a
+                    // `NotReady`, or our request was answered by theirs
+                    // crossing it (the answer to theirs settled nothing).
+                    State::Init { .. } if !p.waiting.is_empty() => {
+                        if let Some(req) = p.hs.start(&caps) {
+                            p.asked = Some(std::time::Instant::now());
+                            requests.push((peer, req));
+                        }
+                    }
+                    State::Sent { .. } if p.asked.is_some_and(|t| t.elapsed() > limit) => {
+                        p.hs.give_up(format!(
+                            "rank {peer} did not answer the IPC request within {limit:?}"
+                        ));
+                        expired.push(peer);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for (peer, req) in requests {
+            self.send_handshake(peer, &req);
+        }
+        for peer in expired {
+            self.settled(peer);
+        }
     }
 
     /// Offer `len` bytes `at` bytes into allocation `a` to the peers under
@@ -480,19 +706,14 @@ impl Transport for SmcudaTransport {
         for p in peers {
             let a = decode_addr(p)?;
             lock(&self.watches).insert(p.rank, ProcWatch::new(a.pid));
-            // Both ranks decide alike from both sides' capabilities, so
-            // that a pair either uses IPC or stages through the host.
+            // Whether the pair uses IPC is settled by the handshake, on
+            // its first device operation (`ipc_with`); the capabilities
+            // published here are what `btl-info` and the logs show.
             match Msg::decode(&a.caps) {
                 Ok(Msg::Req(_)) if self.ipc == IpcChoice::Off => {
                     self.stage(p.rank, format!("{IPC_VAR}=off on this rank"));
                 }
-                Ok(Msg::Req(theirs)) => {
-                    if let Verdict::Refuse(why) =
-                        decide(&self.caps(), &theirs, |u| self.reaches_device(u))
-                    {
-                        self.stage(p.rank, why);
-                    }
-                }
+                Ok(Msg::Req(_)) => {}
                 _ => {
                     return Err(Error::Bootstrap(format!(
                         "rank {} published unreadable smcuda capabilities",
@@ -590,7 +811,48 @@ impl Transport for SmcudaTransport {
         let _ = tokio::time::timeout(timeout, self.bell.notified()).await;
     }
 
+    fn on_control(&self, src: Rank, data: &[u8]) -> std::result::Result<(), String> {
+        let msg = Msg::decode(data).map_err(|e| format!("an IPC handshake message: {e}"))?;
+        if self.ipc == IpcChoice::Off {
+            // Staged with every peer since connect: a request is refused
+            // with the reason, anything else needs no answer.
+            if let Msg::Req(_) = msg {
+                let why = format!("{IPC_VAR}=off on rank {}", self.core.rank());
+                self.send_handshake(src, &Msg::Refuse(why));
+            }
+            return Ok(());
+        }
+        let mut caps = self.caps();
+        if let Msg::Req(_) = msg {
+            // Asked once per request answered.
+            caps.ready = caps.ready && self.gpu.ready();
+        }
+        let (reply, settled) = {
+            let mut all = lock(&self.handshakes);
+            let p = all.entry(src).or_insert_with(|| PeerIpc {
+                hs: Handshake::new(self.core.rank(), src),
+                waiting: Vec::new(),
+                asked: None,
+            });
+            let before = p.hs.state().clone();
+            let reply = p.hs.on_msg(msg, &caps, |u| self.reaches_device(u));
+            let now = p.hs.state();
+            let settled = matches!(now, State::Ready(_) | State::Staged(_)) && *now != before;
+            // A `NotReady` answer sends us back to the start: asked again
+            // on the heartbeat (`handshake_timers`).
+            (reply, settled)
+        };
+        if let Some(r) = reply {
+            self.send_handshake(src, &r);
+        }
+        if settled {
+            self.settled(src);
+        }
+        Ok(())
+    }
+
     fn check_peers(&self) {
+        self.handshake_timers();
         let dead: Vec<Rank> = lock(&self.watches)
             .iter()
             .filter(|(r, w)| !self.core.is_gone(**r) && w.exited())
@@ -615,6 +877,18 @@ impl Transport for SmcudaTransport {
             done.complete(Err(Error::PeerLost {
                 rank: peer,
                 reason: "lost while a GPU copy with it was in flight".into(),
+            }));
+        }
+        // Operations waiting for a lost peer's handshake answer.
+        let waiting: Vec<(Rank, Waiting)> = lock(&self.handshakes)
+            .iter_mut()
+            .filter(|(r, p)| !p.waiting.is_empty() && self.core.is_gone(**r))
+            .flat_map(|(r, p)| std::mem::take(&mut p.waiting).into_iter().map(|w| (*r, w)))
+            .collect();
+        for (peer, w) in waiting {
+            w.done.complete(Err(Error::PeerLost {
+                rank: peer,
+                reason: "lost before it answered the IPC handshake".into(),
             }));
         }
     }

@@ -135,6 +135,11 @@ pub(crate) enum Kind {
     /// The receiver's answer to a [`Kind::Lent`]: taken, or declined and
     /// why; the tag carries the lent message's id.
     LentDone = 13,
+    /// A transport's own control message to its peer, carried over the
+    /// pair's message link for a transport that has none (`smcuda`'s
+    /// handshake): `[name length u8][transport name][payload]`, handed to
+    /// that transport's [`Transport::on_control`].
+    Control = 14,
 }
 
 impl Kind {
@@ -155,6 +160,7 @@ impl Kind {
             11 => Kind::AtomicResp,
             12 => Kind::Lent,
             13 => Kind::LentDone,
+            14 => Kind::Control,
             _ => return None,
         })
     }
@@ -500,4 +506,15 @@ pub(crate) trait Transport: Send + Sync {
 
     /// Release OS resources (unlink names); called once at close.
     fn shutdown(&self);
+
+    /// A control message of ours from `src`'s transport of the same name
+    /// ([`Kind::Control`], sent by `Core::send_control`). An error says
+    /// what was wrong with it; the core counts and drops it.
+    fn on_control(&self, src: Rank, data: &[u8]) -> std::result::Result<(), String> {
+        let _ = (src, data);
+        Err(format!(
+            "a control message for {}, which takes none",
+            self.name()
+        ))
+    }
 }

@@ -365,7 +365,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn kinds() -> impl Strategy<Value = Kind> {
-        (0u8..14).prop_map(|k| Kind::from_u8(k).unwrap())
+        (0u8..15).prop_map(|k| Kind::from_u8(k).unwrap())
     }
 
     proptest! {
