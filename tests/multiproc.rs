@@ -52,6 +52,7 @@ fn rank_main() {
             "idle" => idle(f).await,
             "parking" => parking(f).await,
             "split" => split(f).await,
+            "midstream" => midstream(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -130,6 +131,41 @@ async fn alltoall_paths(f: Fabric) {
     };
     futures::join!(send, recv);
     println!("rendezvous_sends={}", f.stats().sm.rendezvous_sends);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Messages between the single-copy threshold and split copy's: lone
+/// ones (each answered before the next) go by rendezvous; a stream of
+/// them mixes rendezvous and fragments, in order.
+async fn midstream(f: Fabric) {
+    const LEN: usize = 20_000;
+    const STREAM: u64 = 200;
+    const LONE: u64 = 10;
+    let peer = 1 - f.rank();
+    let ep = f.endpoint(peer).unwrap();
+    let mut rx = f.receiver(4).unwrap();
+    if f.rank() == 0 {
+        for i in 0..LONE {
+            ep.send(4, pattern(LEN, i)).await.unwrap();
+            rx.recv().await.unwrap();
+        }
+        println!("lone_rendezvous={}", f.stats().sm.rendezvous_sends);
+        let sends = (0..STREAM).map(|i| ep.send(4, pattern(LEN, 100 + i)));
+        futures::future::try_join_all(sends).await.unwrap();
+        rx.recv().await.unwrap();
+        println!("rendezvous_sends={}", f.stats().sm.rendezvous_sends);
+    } else {
+        for i in 0..LONE {
+            assert_eq!(rx.recv().await.unwrap().data, pattern(LEN, i));
+            ep.send(4, &b"next"[..]).await.unwrap();
+        }
+        for i in 0..STREAM {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(LEN, 100 + i), "message {i} of the stream");
+        }
+        ep.send(4, &b"done"[..]).await.unwrap();
+    }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -638,6 +674,24 @@ fn parked_ping_pong_loses_no_wake_up() {
         // Each rank received 30 messages of 4 MiB, each split once.
         assert_eq!(w + t, 30, "rank {r}: a large message was not split");
     }
+}
+
+#[test]
+fn a_stream_of_mid_sized_messages_mixes_single_copies_and_fragments_in_order() {
+    let outs = spawn_job(2, "midstream", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    if !async_btl::info::cma().ok {
+        println!("cross-memory copies are not allowed here: no rendezvous to count");
+        return;
+    }
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    assert_eq!(n("lone_rendezvous"), 10, "each lone message by single copy");
+    let stream = n("rendezvous_sends") - 10;
+    println!("the stream's single copies: {stream} of 200");
+    assert!(
+        (1..200).contains(&stream),
+        "the stream's first by single copy, most of the rest through fragments: {stream}"
+    );
 }
 
 #[test]

@@ -22,8 +22,10 @@ pub struct SmConfig {
     /// at least this many bytes use a single kernel copy (CMA; a rendezvous
     /// for sends) instead of fragments, where ptrace rules allow. 16 KiB:
     /// from there one copy beats two through fragments (a 16 KiB ping-pong
-    /// takes 0.7x the time). Env: `BTL_SM_CMA_MIN` (a huge value turns CMA
-    /// off).
+    /// takes 0.7x the time). A send below `split_min` while a rendezvous
+    /// of ours to the same peer is still being copied (a stream) goes
+    /// through fragments instead, so that both processes copy at once.
+    /// Env: `BTL_SM_CMA_MIN` (a huge value turns CMA off).
     pub cma_min: usize,
     /// Rendezvous sends of at least this many bytes are copied by both
     /// processes at once (the receiver reads the head, the sender writes

@@ -236,10 +236,34 @@ impl TxState {
         if peer.is_lost() {
             return Err(peer.lost_error());
         }
-        if kind == Kind::User && data.len() >= t.config.cma_min && peer.cma_ok() {
+        if kind == Kind::User
+            && data.len() >= t.config.cma_min
+            && peer.cma_ok()
+            && (data.len() >= t.config.split_min || !self.rendezvous_out(t, peer))
+        {
             return self.announce(t, peer, tag, data).map(Some);
         }
         self.send_owned(t, peer, kind, tag, data, None)
+    }
+
+    /// Whether a rendezvous of ours to `peer` is still being copied. Then a
+    /// message below `split_min` goes through fragments instead: in a
+    /// stream, both processes copy at once (the sender into fragments
+    /// while the receiver copies out), where single copies one after
+    /// another leave the sender's core idle (16 KiB streams about 1.4x as
+    /// fast); a lone message, as in a request and its answer, still takes
+    /// the one copy.
+    fn rendezvous_out(&self, t: &SmTransport, peer: &SmPeer) -> bool {
+        self.rndv_order[peer.local as usize]
+            .back()
+            .is_some_and(|&last| {
+                // Acquire, as `reap_rendezvous` reads it.
+                peer.seg
+                    .fbox(t.seg.local_rank)
+                    .rndv_done_word()
+                    .load(std::sync::atomic::Ordering::Acquire)
+                    < last
+            })
     }
 
     /// Queue (or push at once) an owned message; `done` completes when its
