@@ -77,7 +77,7 @@ pub enum Error {
     /// ([`Endpoint::send_region`](crate::Endpoint::send_region) of device
     /// memory) did not take them: it dropped the message unread, took it
     /// with a receive that takes only carried bytes, or its copy failed.
-    #[error("rank {rank} did not take the lent message ({why}): it must land such messages with Message::fetch_into or Receiver::recv_region")]
+    #[error("rank {rank} did not take the bytes of the lent message: {why}")]
     Declined {
         /// The receiver.
         rank: Rank,

@@ -68,6 +68,7 @@ fn rank_main() {
             "unshareable" => unshareable(f).await,
             "lent" => lent(f).await,
             "crossing" => crossing(f).await,
+            "lent_close" => lent_close(f).await,
             "lent_kill" => lent_kill(f).await,
             other => panic!("unknown scenario {other}"),
         }
@@ -216,6 +217,48 @@ async fn lent(f: Fabric) {
     }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
+}
+
+/// Close with lent messages out. Rank 0 lends to rank 1, drops the
+/// future, and closes at once: its close waits until rank 1, which looks
+/// only later, has taken the bytes. Then each lends to the other and both
+/// close without reading: each close declines what it holds, so neither
+/// waits out the close timeout.
+async fn lent_close(f: Fabric) {
+    let me = f.rank();
+    let ep = f.endpoint(1 - me).unwrap();
+    let src = f.alloc_device_region(0, 1 << 16).unwrap();
+    src.write(0, &pattern(1 << 16, 9)).unwrap();
+    let mut rx = f.receiver(6).unwrap();
+    if me == 0 {
+        let mut s = ep.send_region(6, &src, 0..(1 << 16));
+        assert!(futures::poll!(&mut s).is_pending());
+        drop(s);
+    } else {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let land = f.alloc_device_region(0, 1 << 16).unwrap();
+        let (_, n) = rx.recv_region(&land, 0).await.unwrap();
+        let mut got = vec![0u8; n];
+        land.read(0, &mut got).unwrap();
+        assert!(
+            got == pattern(1 << 16, 9)[..],
+            "taken while its sender closed"
+        );
+    }
+    // Both lend, neither reads.
+    f.barrier().await.unwrap();
+    let mut s = ep.send_region(7, &src, 0..4096);
+    assert!(futures::poll!(&mut s).is_pending());
+    f.barrier().await.unwrap();
+    let start = std::time::Instant::now();
+    f.close().await.unwrap();
+    let e = s.await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Declined { why, .. } if why.contains("closed"))
+            || matches!(e, Error::Closed),
+        "{e}"
+    );
+    println!("close_ms={}", start.elapsed().as_millis());
 }
 
 /// Both ranks' first device operations towards each other at once: their
@@ -632,6 +675,16 @@ fn registered_device_memory_is_reached_at_its_offset_in_the_allocation() {
 }
 
 #[test]
+fn registered_memory_staged_after_the_handshake_keeps_its_offset() {
+    // The peer is never ready: the operations that waited for the
+    // handshake go through the host, from and into the registered part at
+    // its place in the allocation.
+    let outs = job(2, "registered", "not-ready:50").wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("0"));
+}
+
+#[test]
 fn memory_shareable_neither_way_is_refused_with_the_reason() {
     let outs = job(2, "unshareable", "unshareable").wait(Duration::from_secs(60));
     assert_ok(&outs);
@@ -733,6 +786,16 @@ fn device_memory_sent_without_ipc_is_carried_through_the_host() {
     assert_ok(&outs);
     assert_eq!(value(&outs[0], "lent_sends").as_deref(), Some("0"));
     assert_eq!(value(&outs[0], "staged").as_deref(), Some("8"));
+}
+
+#[test]
+fn close_waits_for_lent_messages_and_declines_those_it_holds() {
+    let outs = job(2, "lent_close", "copy-delay-ms:1").wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for o in &outs {
+        let ms: u64 = value(o, "close_ms").unwrap().parse().unwrap();
+        assert!(ms < 5_000, "close waited {ms} ms for unread lent messages");
+    }
 }
 
 #[test]

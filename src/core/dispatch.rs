@@ -69,12 +69,12 @@ impl Message {
     }
 
     /// A lent message from `src` on `tag`.
-    pub(crate) fn lent(src: Rank, tag: Tag, lent: crate::core::lend::Borrowed) -> Message {
+    pub(crate) fn lent(src: Rank, tag: Tag, lent: Arc<crate::core::lend::Borrowed>) -> Message {
         Message {
             src,
             tag,
             data: Bytes::new(),
-            lent: Some(Lent(Arc::new(lent))),
+            lent: Some(Lent(lent)),
         }
     }
 
@@ -144,10 +144,21 @@ impl Message {
             return Err(Error::Closed);
         };
         let ep = crate::core::endpoint::Endpoint::new(route, core.clone());
-        let (copy, get) = ep.get_tracked(dst, offset..offset + len, &b.ann.key, b.ann.offset);
-        if let Some(c) = copy {
-            b.copying(c);
-        }
+        // One copy at a time (an earlier fetch whose future was dropped
+        // may still run): the answer then follows every copy.
+        let get = loop {
+            match b.begin(|| ep.get_tracked(dst, offset..offset + len, &b.ann.key, b.ann.offset)) {
+                Ok(get) => break get,
+                Err(running) => {
+                    let _ = futures::future::poll_fn(|cx| running.poll(cx)).await;
+                    if b.is_answered() {
+                        return Err(Error::Misuse(
+                            "this lent message was answered while its fetch waited".into(),
+                        ));
+                    }
+                }
+            }
+        };
         let r = get.await;
         match &r {
             Ok(()) => b.answer(crate::core::lend::Answer::Taken),
@@ -1372,6 +1383,13 @@ impl Receiver {
     /// }
     /// # Ok(()) }
     /// ```
+    ///
+    /// A lent message (device memory a same-node rank sent with
+    /// [`Endpoint::send_region`](crate::Endpoint::send_region)) cannot be
+    /// taken this way: it is taken and declined (its sender's future fails
+    /// with [`Error::Declined`]), and this fails with [`Error::Misuse`].
+    /// Receive such messages with [`recv`](Self::recv) or
+    /// [`recv_region`](Self::recv_region).
     ///
     /// # Cancel safety
     /// Dropping the future loses nothing: a message is either in `buf`

@@ -174,9 +174,11 @@ impl Endpoint {
     ///   the key of the whole region while it has the message, as a peer
     ///   given [`MemoryRegion::remote_key`] would
     ///   (`Stats::lent_sends` counts these).
-    /// * Device memory otherwise (another node, this rank, IPC refused or
-    ///   turned off): its bytes are read through the device and carried
-    ///   (`Stats::staged_device_ops`).
+    /// * Device memory otherwise (another node, this rank, or a peer this
+    ///   rank's IPC handshake settled on the host path with, or with
+    ///   `BTL_SMCUDA_IPC=off` here): its bytes are read through the device
+    ///   and carried (`Stats::staged_device_ops`). A lent message whose
+    ///   receiver has no IPC with this rank is fetched through the host.
     /// * Host memory: its bytes are carried.
     ///
     /// ```no_run
@@ -247,7 +249,14 @@ impl Endpoint {
         self.check_not_lost()?;
         let core = &self.0.core;
         let done = Completion::new();
-        let id = core.lending.lend(self.0.peer, inner.clone(), done.clone());
+        let peer = self.0.peer;
+        let Some(id) = core
+            .lending
+            .lend(peer, inner.clone(), done.clone(), || core.is_gone(peer))
+        else {
+            self.check_not_lost()?;
+            return Err(Error::Closed);
+        };
         let ann = crate::core::lend::Announce {
             id,
             offset: range.start as u64,

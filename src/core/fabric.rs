@@ -330,7 +330,9 @@ impl Core {
     fn lent_arrived(&self, src: Rank, tag: Tag, data: &[u8]) {
         match crate::core::lend::Announce::decode(src, data) {
             Ok(ann) => {
-                let lent = crate::core::lend::Borrowed::new(src, ann, self.me.clone());
+                let lent = Arc::new(crate::core::lend::Borrowed::new(src, ann, self.me.clone()));
+                self.lending.hold(&lent);
+                self.counters.add(crate::core::stats::Hot::Recvs);
                 self.dispatcher.deliver(Message::lent(src, tag, lent));
             }
             Err(what) => self.misbehaved(src, &what),
@@ -340,6 +342,7 @@ impl Core {
     /// Send the declines of lent messages that waited for their copies
     /// (see `Lending::defer`); called on the heartbeat.
     pub(crate) fn answer_deferred(&self) {
+        self.lending.sweep();
         for (src, id, why) in self.lending.ready_declines() {
             if let Some(link) = self.link(src) {
                 let a = crate::core::lend::Answer::Declined(why).encode();
@@ -1257,7 +1260,14 @@ impl Fabric {
     pub async fn close(mut self) -> Result<()> {
         let t = self.core.config.close_timeout;
         let deadline = tokio::time::Instant::now() + t;
-        while !self.transports.iter().all(|t| t.drained()) {
+        // Lent messages: ours wait for their receivers (who cannot take
+        // them once we said goodbye); those lent to us are declined, so
+        // that two ranks closing with each other's unread do not wait out
+        // the timeout.
+        self.core
+            .lending
+            .decline_held("the receiver closed its fabric");
+        while !self.transports.iter().all(|t| t.drained()) || self.core.lending.has_loans() {
             if tokio::time::Instant::now() >= deadline {
                 let left: Vec<String> =
                     self.transports.iter().flat_map(|t| t.undrained()).collect();

@@ -159,12 +159,12 @@ impl Answer {
 struct Loan {
     peer: Rank,
     /// Kept alive until the answer, whatever the future's owner drops.
-    _region: Arc<RegionInner>,
+    region: Arc<RegionInner>,
     done: Arc<Completion>,
 }
 
-/// The sender's table of lent messages, and the receiver's answers that
-/// wait for a copy to finish.
+/// The sender's table of lent messages; on the receiving side, the lent
+/// messages held here and the answers that wait for a copy to finish.
 #[derive(Default)]
 pub(crate) struct Lending {
     next: AtomicU64,
@@ -173,6 +173,13 @@ pub(crate) struct Lending {
     /// region was still running: sent once it is done, so the sender
     /// never lets go of memory the copy still reads.
     deferred: Mutex<Vec<Deferred>>,
+    /// The lent messages this rank received and has not answered (weakly:
+    /// the user holds them), declined all at once when it closes.
+    held: Mutex<Vec<Weak<Borrowed>>>,
+    /// Regions of answered loans whose last handle the loan held: let go
+    /// of on the heartbeat, not on the receive path that took the answer
+    /// (freeing device memory can wait for the device).
+    graveyard: Mutex<Vec<Arc<RegionInner>>>,
 }
 
 /// A decline that waits for a copy: the copy, the sender, the lent
@@ -181,18 +188,62 @@ type Deferred = (Arc<Completion>, Rank, u64, String);
 
 impl Lending {
     /// Record a loan of `region` to `peer`, completed through `done`:
-    /// its id.
-    pub(crate) fn lend(&self, peer: Rank, region: Arc<RegionInner>, done: Arc<Completion>) -> u64 {
+    /// its id, or `None` if `gone()` says the peer is lost. (Checked under
+    /// the table's lock: a loss marks the peer gone before it fails the
+    /// table's loans, so no loan is recorded after that sweep.)
+    pub(crate) fn lend(
+        &self,
+        peer: Rank,
+        region: Arc<RegionInner>,
+        done: Arc<Completion>,
+        gone: impl Fn() -> bool,
+    ) -> Option<u64> {
+        let mut loans = lock(&self.loans);
+        if gone() {
+            return None;
+        }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.loans).insert(
-            id,
-            Loan {
-                peer,
-                _region: region,
-                done,
-            },
-        );
-        id
+        loans.insert(id, Loan { peer, region, done });
+        Some(id)
+    }
+
+    /// Whether any loan waits for its answer.
+    pub(crate) fn has_loans(&self) -> bool {
+        !lock(&self.loans).is_empty()
+    }
+
+    /// Let go of a finished loan's region: on the heartbeat if the loan
+    /// held its last handle.
+    fn bury(&self, region: Arc<RegionInner>) {
+        if Arc::strong_count(&region) == 1 {
+            lock(&self.graveyard).push(region);
+        }
+    }
+
+    /// Let go of the regions of finished loans.
+    pub(crate) fn sweep(&self) {
+        let dead = std::mem::take(&mut *lock(&self.graveyard));
+        drop(dead);
+    }
+
+    /// Keep `b` (a lent message received here) to be declined at close.
+    pub(crate) fn hold(&self, b: &Arc<Borrowed>) {
+        let mut held = lock(&self.held);
+        if held.len() >= 64 && held.len().is_power_of_two() {
+            held.retain(|w| w.upgrade().is_some_and(|b| !b.is_answered()));
+        }
+        held.push(Arc::downgrade(b));
+    }
+
+    /// Decline every lent message received here and not answered yet.
+    pub(crate) fn decline_held(&self, why: &str) {
+        let held: Vec<Arc<Borrowed>> = std::mem::take(&mut *lock(&self.held))
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for b in held {
+            b.decline_now(why.to_string());
+        }
     }
 
     /// Forget loan `id` (its announcement could not be sent).
@@ -225,6 +276,7 @@ impl Lending {
             Answer::Taken => Ok(()),
             Answer::Declined(why) => Err(Error::Declined { rank: src, why }),
         });
+        self.bury(loan.region);
         Ok(())
     }
 
@@ -241,6 +293,7 @@ impl Lending {
         };
         for l in taken {
             l.done.complete(Err(err()));
+            self.bury(l.region);
         }
     }
 
@@ -283,8 +336,8 @@ pub(crate) struct Borrowed {
     /// Why the message is declined if dropped unread (set when a receive
     /// that takes only carried bytes met it).
     why: Mutex<Option<String>>,
-    /// The last copy out of the sender's region started for it, whose end
-    /// a decline waits for.
+    /// The copy out of the sender's region started for it (one at a time:
+    /// a fetch waits for an earlier one), whose end an answer waits for.
     copy: Mutex<Option<Arc<Completion>>>,
 }
 
@@ -310,9 +363,22 @@ impl Borrowed {
         }
     }
 
-    /// A copy out of the sender's region was started for it.
-    pub(crate) fn copying(&self, c: Arc<Completion>) {
-        *lock(&self.copy) = Some(c);
+    /// Start a copy out of the sender's region with `start` (which
+    /// returns the copy's completion, if it runs on, and its future),
+    /// unless one is still running: then `Err` with that one's
+    /// completion, to wait for before trying again. One copy at a time,
+    /// so the answer after a copy comes after every copy.
+    pub(crate) fn begin<T>(
+        &self,
+        start: impl FnOnce() -> (Option<Arc<Completion>>, T),
+    ) -> std::result::Result<T, Arc<Completion>> {
+        let mut copy = lock(&self.copy);
+        if let Some(c) = copy.as_ref().filter(|c| !c.is_done()) {
+            return Err(c.clone());
+        }
+        let (c, f) = start();
+        *copy = c;
+        Ok(f)
     }
 
     /// The fabric, while it is open.
@@ -349,6 +415,22 @@ impl Borrowed {
     pub(crate) fn decline_with(&self, why: String) {
         *lock(&self.why) = Some(why);
     }
+
+    /// Decline now with `why` (once the copy under way, if any, is done).
+    pub(crate) fn decline_now(&self, why: String) {
+        let running = lock(&self.copy).take().filter(|c| !c.is_done());
+        match running {
+            Some(c) => {
+                if self.answered.swap(true, Ordering::AcqRel) {
+                    return;
+                }
+                if let Some(core) = self.core.upgrade() {
+                    core.lending.defer(c, self.src, self.ann.id, why);
+                }
+            }
+            None => self.answer(Answer::Declined(why)),
+        }
+    }
 }
 
 impl Drop for Borrowed {
@@ -359,15 +441,7 @@ impl Drop for Borrowed {
         let why = lock(&self.why)
             .take()
             .unwrap_or_else(|| "the receiver dropped the message without taking its bytes".into());
-        match lock(&self.copy).take() {
-            Some(c) if !c.is_done() => {
-                self.answered.store(true, Ordering::Release);
-                if let Some(core) = self.core.upgrade() {
-                    core.lending.defer(c, self.src, self.ann.id, why);
-                }
-            }
-            _ => self.answer(Answer::Declined(why)),
-        }
+        self.decline_now(why);
     }
 }
 
@@ -437,8 +511,16 @@ mod tests {
         let lending = Lending::default();
         let region = region(0, 64).inner;
         let (a, b) = (Completion::new(), Completion::new());
-        let ia = lending.lend(1, region.clone(), a.clone());
-        lending.lend(2, region, b.clone());
+        let ia = lending
+            .lend(1, region.clone(), a.clone(), || false)
+            .unwrap();
+        lending
+            .lend(2, region.clone(), b.clone(), || false)
+            .unwrap();
+        // No loan to a peer already gone.
+        assert!(lending
+            .lend(3, region, Completion::new(), || true)
+            .is_none());
         // Rank 2 cannot answer rank 1's loan, nor a loan twice.
         assert!(lending.answered(2, ia, &Answer::Taken.encode()).is_err());
         assert!(lending.answered(1, ia, &[7]).is_err());

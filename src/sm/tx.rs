@@ -178,7 +178,9 @@ impl TxState {
         if data.len() > self.max_payload() || !self.queues[q].is_empty() {
             return Ok(false);
         }
-        if channel(kind) == USER && data.len() <= fbox::MAX_PAYLOAD {
+        // The box carries user messages only (a lent message's
+        // announcement goes on the ring behind them).
+        if kind == Kind::User && data.len() <= fbox::MAX_PAYLOAD {
             if let Some(sent) = self.via_fbox(t, peer, false, tag, data)? {
                 return Ok(sent);
             }

@@ -144,6 +144,10 @@ pub(crate) struct SmcudaTransport {
     /// The IPC handshake with each peer a device operation went to, and
     /// the operations waiting for it to settle.
     handshakes: Mutex<HashMap<Rank, PeerIpc>>,
+    /// Peers whose handshake settled on a message, whose waiting
+    /// operations progress issues (not the receive path that took the
+    /// answer: issuing opens the peer's memory).
+    settle_due: Mutex<Vec<Rank>>,
 }
 
 /// Where the handshake with one peer stands.
@@ -159,7 +163,7 @@ struct PeerIpc {
 /// A put or get waiting for the handshake with its peer.
 struct Waiting {
     region: Arc<RegionInner>,
-    /// Where the local range starts in `region`.
+    /// Where the local range starts in `region` (not in its allocation).
     at: u64,
     len: u64,
     handle: Handle,
@@ -213,6 +217,7 @@ impl SmcudaTransport {
             watches: Mutex::new(HashMap::new()),
             staged: Mutex::new(HashMap::new()),
             handshakes: Mutex::new(HashMap::new()),
+            settle_due: Mutex::new(Vec::new()),
         }))
     }
 
@@ -305,7 +310,7 @@ impl SmcudaTransport {
         }
         let w = Waiting {
             region: local.region.clone(),
-            at: mine.at + local.offset,
+            at: local.offset,
             len,
             handle: h,
             key: key.id,
@@ -383,7 +388,7 @@ impl SmcudaTransport {
                 len: mapping.len().saturating_sub(h.offset),
             }));
         }
-        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + at);
+        let (theirs, ours) = (mapping.ptr() + offset, alloc.ptr + mine.at + at);
         let (dst, src) = if put { (theirs, ours) } else { (ours, theirs) };
         let stream = self.stream(device)?;
         let event = self.event(device)?;
@@ -471,6 +476,11 @@ impl SmcudaTransport {
         match outcome {
             Ok(()) => {
                 for w in waiting {
+                    // Once an open was refused, the rest go through the host.
+                    if lock(&self.staged).contains_key(&peer) {
+                        self.emulate(peer, w);
+                        continue;
+                    }
                     match self.issue(peer, &w) {
                         Ok(true) => {}
                         Ok(false) => self.emulate(peer, w),
@@ -768,8 +778,12 @@ impl Transport for SmcudaTransport {
     }
 
     fn progress(&self) -> usize {
+        let due = std::mem::take(&mut *lock(&self.settle_due));
+        let mut n = due.len();
+        for peer in due {
+            self.settled(peer);
+        }
         let mut q = lock(&self.pending);
-        let mut n = 0;
         while let Some(p) = q.front() {
             let r = self.gpu.query(p.event);
             if matches!(r, Ok(false)) {
@@ -793,6 +807,9 @@ impl Transport for SmcudaTransport {
 
     fn arm(&self) -> bool {
         self.armed.store(true, Ordering::Release);
+        if !lock(&self.settle_due).is_empty() {
+            return false;
+        }
         if lock(&self.pending).is_empty() {
             return true;
         }
@@ -846,7 +863,9 @@ impl Transport for SmcudaTransport {
             self.send_handshake(src, &r);
         }
         if settled {
-            self.settled(src);
+            // Issued by progress, off the message link's receive path.
+            lock(&self.settle_due).push(src);
+            self.bell.notify_one();
         }
         Ok(())
     }
@@ -895,7 +914,20 @@ impl Transport for SmcudaTransport {
 
     fn drained(&self) -> bool {
         lock(&self.pending).is_empty()
+            && lock(&self.handshakes)
+                .values()
+                .all(|p| p.waiting.is_empty())
     }
 
-    fn shutdown(&self) {}
+    fn shutdown(&self) {
+        // Operations still waiting for a handshake answer fail: nothing
+        // will issue them now.
+        let waiting: Vec<Waiting> = lock(&self.handshakes)
+            .values_mut()
+            .flat_map(|p| std::mem::take(&mut p.waiting))
+            .collect();
+        for w in waiting {
+            w.done.complete(Err(Error::Closed));
+        }
+    }
 }
