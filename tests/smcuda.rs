@@ -101,7 +101,7 @@ async fn unshareable(f: Fabric) {
 
 /// Lengths of the device-memory messages of `lent`, each at its own
 /// offset in the sender's region.
-const LENT: [(usize, usize); 4] = [(8, 0), (4096, 64), (1 << 20, 1 << 16), (40 << 20, 4 << 20)];
+const LENT: [(usize, usize); 4] = [(8, 0), (4096, 64), (1 << 20, 1 << 16), (64 << 20, 2 << 20)];
 
 /// Rank 0 sends device memory to rank 1 with `send_region`, between
 /// carried messages on the same tag; rank 1 lands each where it chooses.
@@ -113,7 +113,7 @@ async fn lent(f: Fabric) {
     let ep = f.endpoint(peer).unwrap();
     if me == 0 {
         use futures::FutureExt;
-        let src = f.alloc_device_region(0, 48 << 20).unwrap();
+        let src = f.alloc_device_region(0, 66 << 20).unwrap();
         // Each lent one between a carried one and an empty one, all in
         // flight at once: they take their places at their first polls.
         let mut sends = Vec::new();
@@ -164,7 +164,7 @@ async fn lent(f: Fabric) {
         println!("staged={}", f.stats().staged_device_ops);
     } else {
         let mut rx = f.receiver(TAG).unwrap();
-        let land = f.alloc_device_region(0, 48 << 20).unwrap();
+        let land = f.alloc_device_region(0, 68 << 20).unwrap();
         let direct = std::env::var("BTL_SMCUDA_IPC").as_deref() != Ok("off");
         for (i, &(n, _)) in LENT.iter().enumerate() {
             let m = rx.recv().await.unwrap();
