@@ -13,8 +13,9 @@
 # copy), then the smcuda transport's own scenarios through the fabric
 # (tests/smcuda.rs on the driver: put/get and lent sends with VMM descriptors, legacy
 # handles and BTL_SMCUDA_IPC=off through the host, registered memory,
-# dropped futures, an Interrupt-mode ping-pong, a peer killed). The
-# figures go to $OUT/gpu-check.json (or ./gpu-check.json).
+# dropped futures, an Interrupt-mode ping-pong, a peer killed), and the
+# gpu_ring example. The figures go to $OUT/gpu-check.json (or
+# ./gpu-check.json).
 # BTL_GPU_BIN names another folder of binaries; BTL_SMCUDA_GPU=test-double
 # runs the same check on the test double (no GPU needed). Exit status:
 # that of btl-gpu-check (0: passed; 3: no GPU found).
@@ -30,6 +31,9 @@ if [ "${1:-}" = "--build" ]; then
     cp "target/release/$b" "$bin/$b"
     strip "$bin/$b"
   done
+  cargo build --release -p async-btl --features cuda --example gpu_ring
+  cp target/release/examples/gpu_ring "$bin/gpu_ring"
+  strip "$bin/gpu_ring"
   # The transport's test binary (it runs its ranks by starting itself).
   tests=$(cargo test --release -p async-btl --features cuda --test smcuda --no-run 2>&1 |
     sed -n 's/.*Executable tests\/smcuda.rs (\(.*\))$/\1/p')
@@ -79,5 +83,12 @@ if [ $rc -eq 0 ] && [ "${BTL_SMCUDA_GPU:-cuda}" = "cuda" ]; then
   rc=$?
   set -e
   echo "gpu-check.sh: the smcuda transport scenarios exited with $rc"
+  if [ $rc -eq 0 ] && [ -x "$bin/gpu_ring" ]; then
+    echo "== gpu_ring example (3 ranks, lent device memory around a ring)"
+    set +e
+    timeout -k 10 60 "$bin/gpu_ring"
+    rc=$?
+    set -e
+  fi
 fi
 exit $rc

@@ -145,6 +145,8 @@ struct Example {
     default_ranks: u32,
     /// Whether every rank prints the result line (else rank 0 only).
     every_rank: bool,
+    /// Variables the job runs with.
+    env: &'static [(&'static str, &'static str)],
 }
 
 impl Example {
@@ -160,6 +162,7 @@ impl Example {
         let label = format!("{} under btl-run -n {ranks}", self.name);
         let shm = ShmDir::new(&format!("{}-btl{ranks}", self.name));
         let out = command(&shm, btl_run())
+            .envs(self.env.iter().copied())
             .args(["-n", &ranks.to_string()])
             .arg(example(self.name))
             .output()
@@ -171,7 +174,10 @@ impl Example {
         let label = format!("{} with no launcher", self.name);
         let shm = ShmDir::new(&format!("{}-self", self.name));
         let bin = example(self.name);
-        let out = command(&shm, &bin).output().expect("example starts");
+        let out = command(&shm, &bin)
+            .envs(self.env.iter().copied())
+            .output()
+            .expect("example starts");
         let ranks = self.default_ranks;
         check(&label, out, &shm, self.expect, self.lines(ranks));
     }
@@ -187,7 +193,12 @@ impl Example {
         // No BTL_JOB_KEY: the key comes from a per-user secret, kept here
         // rather than in the real home directory.
         let secret_env = format!("BTL_SECRET_FILE={}", shm.0.join("secret").display());
-        let out = command(&shm, "mpirun")
+        let mut cmd = command(&shm, "mpirun");
+        cmd.envs(self.env.iter().copied());
+        for (k, _) in self.env {
+            cmd.args(["-x", k]);
+        }
+        let out = cmd
             .args(["--allow-run-as-root", "--oversubscribe", "-np", "3"])
             .args(["-x", &shm_env, "-x", &secret_env])
             .args(["-x", "RUST_LOG", "-x", "PINGPONG_ITERS"])
@@ -200,12 +211,16 @@ impl Example {
 
 macro_rules! example_tests {
     ($name:ident, $expect:literal, $default_ranks:literal, $every_rank:literal) => {
+        example_tests!($name, $expect, $default_ranks, $every_rank, &[]);
+    };
+    ($name:ident, $expect:literal, $default_ranks:literal, $every_rank:literal, $env:expr) => {
         mod $name {
             const EXAMPLE: super::Example = super::Example {
                 name: stringify!($name),
                 expect: $expect,
                 default_ranks: $default_ranks,
                 every_rank: $every_rank,
+                env: $env,
             };
             #[test]
             fn btl_run_2() {
@@ -240,6 +255,15 @@ example_tests!(
 );
 example_tests!(ring_allreduce, "result exact on every rank", 4, false);
 example_tests!(kv_store, "read back all", 4, true);
+// On the GPU test double (this machine may have no GPU): device memory
+// lent around the ring, every byte checked.
+example_tests!(
+    gpu_ring,
+    "every transfer checked",
+    3,
+    false,
+    &[("BTL_SMCUDA_GPU", "test-double")]
+);
 
 /// Processes whose environment holds `entry` (`KEY=value`).
 fn processes_with(entry: &str) -> Vec<u32> {
