@@ -281,8 +281,16 @@ struct PeerState {
     /// RDMA writes and reads (puts, gets, rendezvous reads) posted and not
     /// completed.
     posted: usize,
+    /// When a frame from the peer was last seen, and one to it last
+    /// posted, as of the last liveness check: `heard`/`sent` count frames
+    /// on the path of each message (a clock read per message costs it), and
+    /// the check stamps the time when they moved.
     last_heard: Option<Instant>,
     last_sent: Option<Instant>,
+    heard: u64,
+    heard_seen: u64,
+    sent: u64,
+    sent_seen: u64,
     /// Puts and gets the provider refused for now (EAGAIN), to post again.
     rma_retry: VecDeque<RmaOp>,
     fetch_retry: VecDeque<FetchOp>,
@@ -456,8 +464,9 @@ pub(crate) struct RdmaTransport {
     prov_key: bool,
     /// Peers by rank.
     peers: OnceLock<Vec<Option<Arc<Peer>>>>,
-    /// Ranks by address handle.
-    by_addr: OnceLock<HashMap<u64, Rank>>,
+    /// Peers by provider address, sorted by address (a binary search per
+    /// received frame: cheaper than hashing it).
+    by_addr: OnceLock<Vec<(u64, Rank)>>,
     st: Mutex<State>,
     /// One progress call at a time: deliveries leave in order.
     turn: Mutex<()>,
@@ -659,7 +668,7 @@ impl RdmaTransport {
             Ok(()) => {
                 ps.owed = 0;
                 ps.in_flight += 1;
-                ps.last_sent = Some(Instant::now());
+                ps.sent = ps.sent.wrapping_add(1);
                 st.ops.insert(
                     p as usize,
                     Op::Send {
@@ -1011,7 +1020,12 @@ impl RdmaTransport {
         frame: &mut Vec<u8>,
         lost: &mut Vec<(Rank, String, Loss)>,
     ) {
-        let Some(rank) = self.by_addr.get().and_then(|m| m.get(&src)).copied() else {
+        let rank = self.by_addr.get().and_then(|m| {
+            m.binary_search_by_key(&src, |&(a, _)| a)
+                .ok()
+                .map(|i| m[i].1)
+        });
+        let Some(rank) = rank else {
             bump(&self.counters.foreign);
             tracing::debug!("rdma: dropped a message from an address not in this job");
             return;
@@ -1031,7 +1045,7 @@ impl RdmaTransport {
         }
         let credits = self.config.credits;
         let ps = &mut st.peers[rank as usize];
-        ps.last_heard = Some(Instant::now());
+        ps.heard = ps.heard.wrapping_add(1);
         ps.credits = ps.credits.saturating_add(h.credits).min(credits);
         let kind = if h.typ.sequenced() {
             match Kind::from_u8(h.kind) {
@@ -1500,6 +1514,14 @@ impl RdmaTransport {
                     continue;
                 }
                 let ps = &mut st.peers[p.rank as usize];
+                if ps.heard != ps.heard_seen {
+                    ps.heard_seen = ps.heard;
+                    ps.last_heard = Some(now);
+                }
+                if ps.sent != ps.sent_seen {
+                    ps.sent_seen = ps.sent;
+                    ps.last_sent = Some(now);
+                }
                 let heard = *ps.last_heard.get_or_insert(now);
                 if now.saturating_duration_since(heard) > timeout {
                     silent.push(p.rank);
@@ -1764,6 +1786,8 @@ impl Transport for RdmaTransport {
         self.peers
             .set(table)
             .map_err(|_| Error::Misuse("rdma transport connected twice".into()))?;
+        let mut by_addr: Vec<(u64, Rank)> = by_addr.into_iter().collect();
+        by_addr.sort_unstable();
         let _ = self.by_addr.set(by_addr);
         self.post_receives(peers.len());
         Ok(links)
