@@ -800,9 +800,15 @@ fn close_waits_for_lent_messages_and_declines_those_it_holds() {
 
 #[test]
 fn a_receiver_killed_holding_a_lent_message_fails_the_send() {
-    let job = job(2, "lent_kill", "copy-delay-ms:1");
+    let ms = kill_rank_1(job(2, "lent_kill", "copy-delay-ms:1"), 1500);
+    assert!(ms < 30_000, "the send failed only after {ms} ms");
+}
+
+/// SIGKILL rank 1 of `job` after `after_ms`, wait for rank 0 to pass, and
+/// return the `failed_after_ms` it printed.
+fn kill_rank_1(job: Job, after_ms: u64) -> u64 {
     let rank1 = job.children[1].id();
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(after_ms));
     let _ = std::process::Command::new("kill")
         .args(["-9", &rank1.to_string()])
         .status();
@@ -812,8 +818,7 @@ fn a_receiver_killed_holding_a_lent_message_fails_the_send() {
         "{}",
         String::from_utf8_lossy(&outs[0].stderr)
     );
-    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
-    assert!(ms < 30_000, "the send failed only after {ms} ms");
+    value(&outs[0], "failed_after_ms").unwrap().parse().unwrap()
 }
 
 #[test]
@@ -853,20 +858,8 @@ fn legacy_handles_carry_the_same_traffic() {
 
 #[test]
 fn a_peer_killed_mid_copy_fails_the_pending_put() {
-    let job = job(2, "kill", "copy-delay-ms:20");
-    let rank1 = job.children[1].id();
     // Let the copies start, then kill rank 1.
-    std::thread::sleep(Duration::from_millis(1500));
-    let _ = std::process::Command::new("kill")
-        .args(["-9", &rank1.to_string()])
-        .status();
-    let outs = job.wait(Duration::from_secs(60));
-    assert!(
-        outs[0].status.success(),
-        "{}",
-        String::from_utf8_lossy(&outs[0].stderr)
-    );
-    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
+    let ms = kill_rank_1(job(2, "kill", "copy-delay-ms:20"), 1500);
     assert!(ms < 30_000, "the put failed only after {ms} ms");
 }
 
@@ -951,19 +944,7 @@ fn on_a_real_gpu_device_memory_goes_by_each_ipc_kind_and_through_the_host() {
     let outs = cuda_job("parking", "auto", &interrupt).wait(Duration::from_secs(60));
     assert_ok(&outs);
     println!("parking: ok");
-    let job = cuda_job("kill", "auto", &[]);
-    let rank1 = job.children[1].id();
-    std::thread::sleep(Duration::from_millis(5000));
-    let _ = std::process::Command::new("kill")
-        .args(["-9", &rank1.to_string()])
-        .status();
-    let outs = job.wait(Duration::from_secs(60));
-    assert!(
-        outs[0].status.success(),
-        "{}",
-        String::from_utf8_lossy(&outs[0].stderr)
-    );
-    let ms: u64 = value(&outs[0], "failed_after_ms").unwrap().parse().unwrap();
+    let ms = kill_rank_1(cuda_job("kill", "auto", &[]), 5000);
     assert!(ms < 30_000, "the put failed only after {ms} ms");
     println!("kill: failed_after_ms={ms}");
 }

@@ -1481,33 +1481,11 @@ impl Receiver {
     /// The sender and length of the item [`recv`](Self::recv) would take
     /// next, once there is one (a lost peer's error is taken).
     fn poll_head(&mut self, cx: &mut Context<'_>) -> Poll<Result<(crate::Rank, usize)>> {
-        let mut progressed = false;
-        loop {
-            match self.local.front() {
-                Some(Held::Item(Ok(m))) => return Poll::Ready(Ok((m.src, m.len()))),
-                Some(Held::Kept { src, len, .. }) => return Poll::Ready(Ok((*src, *len as usize))),
-                Some(Held::Item(Err(_))) => {
-                    return Poll::Ready(self.take_at(0).map(|m| (m.src, m.len())))
-                }
-                None => {}
-            }
-            match self
-                .disp
-                .refill(self.tag, &mut self.handed, &mut self.local, Some(cx))
-            {
-                Poll::Ready(None) => return Poll::Ready(Err(Error::Closed)),
-                Poll::Ready(Some(())) => continue,
-                Poll::Pending => {}
-            }
-            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-                return Poll::Ready(Err(Error::Closed));
-            }
-            if progressed {
-                return Poll::Pending;
-            }
-            self.disp.progress_inline_with(&mut self.poller);
-            progressed = true;
-        }
+        self.poll_local(cx, |me| match me.local.front()? {
+            Held::Item(Ok(m)) => Some(Ok((m.src, m.len()))),
+            Held::Kept { src, len, .. } => Some(Ok((*src, *len as usize))),
+            Held::Item(Err(_)) => Some(me.take_at(0).map(|m| (m.src, m.len()))),
+        })
     }
 
     /// Poll for the next message from `src` (see [`recv_from`](Self::recv_from)).
@@ -1516,13 +1494,22 @@ impl Receiver {
         src: crate::Rank,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Message>> {
+        self.poll_local(cx, |me| me.position_from(src).map(|i| me.take_at(i)))
+    }
+
+    /// Poll until `found` answers from what the receiver holds: after it
+    /// finds nothing, more from the queue (appended after what is here),
+    /// then our own progress once, before waiting.
+    fn poll_local<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut found: impl FnMut(&mut Self) -> Option<Result<T>>,
+    ) -> Poll<Result<T>> {
         let mut progressed = false;
         loop {
-            if let Some(i) = self.position_from(src) {
-                return Poll::Ready(self.take_at(i));
+            if let Some(r) = found(self) {
+                return Poll::Ready(r);
             }
-            // More from the queue (appended after what is here), then our
-            // own progress once, before waiting.
             match self
                 .disp
                 .refill(self.tag, &mut self.handed, &mut self.local, Some(cx))
