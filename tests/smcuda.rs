@@ -221,8 +221,9 @@ async fn lent(f: Fabric) {
 
 /// Close with lent messages out. Rank 0 lends to rank 1, drops the
 /// future, and closes at once: its close waits until rank 1, which looks
-/// only later, has taken the bytes. Then each lends to the other and both
-/// close without reading: each close declines what it holds, so neither
+/// only later, has taken the bytes. Then each lends to the other and
+/// closes without reading, rank 1's message arriving while rank 0 already
+/// closes: each close declines what it holds or receives, so neither
 /// waits out the close timeout.
 async fn lent_close(f: Fabric) {
     let me = f.rank();
@@ -245,11 +246,14 @@ async fn lent_close(f: Fabric) {
             "taken while its sender closed"
         );
     }
-    // Both lend, neither reads.
+    // Both lend, neither reads; rank 1's arrives while rank 0 is already
+    // closing.
     f.barrier().await.unwrap();
+    if me == 1 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut s = ep.send_region(7, &src, 0..4096);
     assert!(futures::poll!(&mut s).is_pending());
-    f.barrier().await.unwrap();
     let start = std::time::Instant::now();
     f.close().await.unwrap();
     let e = s.await.unwrap_err();

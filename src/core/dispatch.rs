@@ -136,7 +136,7 @@ impl Message {
         };
         if b.is_answered() {
             return Err(Error::Misuse(
-                "this lent message's bytes were taken already".into(),
+                "this lent message was answered already (its bytes taken, or declined when this fabric closed)".into(),
             ));
         }
         let core = b.core()?;

@@ -317,6 +317,11 @@ impl Core {
                 );
             }
             Kind::Bye => {
+                // It closed: it takes none of our lent messages now.
+                self.lending.fail(Some(src), || Error::Declined {
+                    rank: src,
+                    why: "the receiver closed its fabric".into(),
+                });
                 lock(&self.sync).byes.insert(src);
                 self.sync_notify.notify_waiters();
             }
@@ -1261,13 +1266,13 @@ impl Fabric {
         let t = self.core.config.close_timeout;
         let deadline = tokio::time::Instant::now() + t;
         // Lent messages: ours wait for their receivers (who cannot take
-        // them once we said goodbye); those lent to us are declined, so
-        // that two ranks closing with each other's unread do not wait out
-        // the timeout.
-        self.core
-            .lending
-            .decline_held("the receiver closed its fabric");
+        // them once we said goodbye); those lent to us are declined, also
+        // those that arrive while we wait, so that two ranks closing with
+        // each other's unread do not wait out the timeout.
+        const CLOSED: &str = "the receiver closed its fabric";
+        self.core.lending.decline_held(CLOSED);
         while !self.transports.iter().all(|t| t.drained()) || self.core.lending.has_loans() {
+            self.core.lending.decline_held(CLOSED);
             if tokio::time::Instant::now() >= deadline {
                 let left: Vec<String> =
                     self.transports.iter().flat_map(|t| t.undrained()).collect();
