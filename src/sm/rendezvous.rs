@@ -372,13 +372,16 @@ impl RxState {
         if let Err(what) = self.release_held(t, p, idx, at) {
             return Step::Bad(what);
         }
-        t.core.deliver(p.rank, tag, t.core.buffers().freeze(buf));
         // The answer: Release, after every read of the sender's buffer
         // (its Acquire load lets it drop the buffer); our caller rings it.
+        // Before the delivery, so that a sender answered by our receiver
+        // sees the copy done (whether a rendezvous of its is still out
+        // decides how its next message goes).
         t.seg
             .fbox(p.local)
             .rndv_done_word()
             .store(handle, std::sync::atomic::Ordering::Release);
+        t.core.deliver(p.rank, tag, t.core.buffers().freeze(buf));
         Step::Took
     }
 
