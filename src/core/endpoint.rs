@@ -488,27 +488,15 @@ impl Endpoint {
         put: bool,
         implicit: bool,
     ) -> Result<Option<Arc<Completion>>> {
-        let (link, rma, c) = (&*self.0.link, &self.0.core.rma, &self.0.core.counters);
         let done = (!implicit).then(Completion::new);
-        if put {
-            c.add(Hot::EmulatedPuts);
-            Counters::bump(&c.staged_device_ops);
-            // The source, staged in host memory: the request copies it out
-            // before this returns.
-            let mut staged = Vec::with_capacity(len);
-            local.inner.read_to(start as u64, len, &mut staged)?;
-            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
-            let src = (heap.raw(), 0, len);
-            match &done {
-                Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
-                None => rma.put_implicit(link, &key.id, offset, src)?,
-            }
-        } else {
-            c.add(Hot::EmulatedGets);
-            Counters::bump(&c.staged_device_ops);
-            let dst = (local.inner.clone(), start as u64, len);
-            rma.start_get(link, &key.id, offset, dst, done.clone())?;
-        }
+        self.0.core.emulate_staged(
+            &*self.0.link,
+            (&local.inner, start as u64, len),
+            &key.id,
+            offset,
+            put,
+            done.clone(),
+        )?;
         Ok(done)
     }
 

@@ -246,6 +246,43 @@ impl Core {
         }
     }
 
+    /// A put or get with device memory on our side taken through the host
+    /// (no transport carries it on the device to that peer, or IPC with it
+    /// was refused): emulated over `link`, a put's source read out of
+    /// `local` (region, offset, length) through the device first, a get's
+    /// answer written into it through the device. `done` completes it;
+    /// `None` makes a put implicit (the next flush reports it).
+    pub(crate) fn emulate_staged(
+        &self,
+        link: &dyn Link,
+        local: (&Arc<crate::core::region::RegionInner>, u64, usize),
+        key: &crate::core::region::KeyId,
+        offset: u64,
+        put: bool,
+        done: Option<Arc<crate::core::completion::Completion>>,
+    ) -> Result<()> {
+        let (region, at, len) = local;
+        Counters::bump(&self.counters.staged_device_ops);
+        if put {
+            self.counters.add(crate::core::stats::Hot::EmulatedPuts);
+            // The source, staged in host memory: the request copies it out
+            // before this returns.
+            let mut staged = Vec::with_capacity(len);
+            region.read_to(at, len, &mut staged)?;
+            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
+            let src = (heap.raw(), 0, len);
+            match done {
+                Some(d) => self.rma.start_put(link, key, offset, src, d),
+                None => self.rma.put_implicit(link, key, offset, src)?,
+            }
+        } else {
+            self.counters.add(crate::core::stats::Hot::EmulatedGets);
+            self.rma
+                .start_get(link, key, offset, (region.clone(), at, len), done)?;
+        }
+        Ok(())
+    }
+
     /// The link that carries messages to `rank`.
     pub(crate) fn link(&self, rank: Rank) -> Option<Arc<dyn Link>> {
         self.route(rank).map(|r| r.msg)
@@ -349,10 +386,17 @@ impl Core {
     pub(crate) fn answer_deferred(&self) {
         self.lending.sweep();
         for (src, id, why) in self.lending.ready_declines() {
-            if let Some(link) = self.link(src) {
-                let a = crate::core::lend::Answer::Declined(why).encode();
-                let _ = link.submit(Kind::LentDone, id, Bytes::from(a));
-            }
+            self.answer_lent(src, id, &crate::core::lend::Answer::Declined(why));
+        }
+    }
+
+    /// Answer `src`'s lent message `id` with `a`.
+    pub(crate) fn answer_lent(&self, src: Rank, id: u64, a: &crate::core::lend::Answer) {
+        let Some(link) = self.link(src) else {
+            return;
+        };
+        if let Err(e) = link.submit(Kind::LentDone, id, Bytes::from(a.encode())) {
+            tracing::debug!("answering lent message {id} of rank {src}: {e}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! Lent messages: [`Endpoint::send_region`](crate::Endpoint::send_region)
 //! of device memory to a peer whose device memory a transport reaches.
 //!
-//! The bytes are not carried: the sender announces them ([`Kind::Lent`],
+//! The bytes are not carried: the sender announces them (`Kind::Lent`,
 //! on the user's tag, in order with the pair's other messages on it) with
 //! the region's key, where they start in it and how many there are, and
 //! keeps the region alive in its table ([`Lending`]). The receiver takes
@@ -11,7 +11,7 @@
 //! [`Receiver::recv_region`](crate::Receiver::recv_region)): a get from the
 //! sender's region, which between device memories of one node is one GPU
 //! copy (`smcuda`), else the host-staged path. Then it answers
-//! ([`Kind::LentDone`]), and the sender's future resolves: `Ok` when the
+//! (`Kind::LentDone`), and the sender's future resolves: `Ok` when the
 //! bytes were taken, [`Error::Declined`] when the message was dropped
 //! unread, taken by a receive that only takes carried bytes, or its copy
 //! failed. A lost receiver fails the sender's future with
@@ -21,23 +21,20 @@
 //! copies from the sender's buffer through IPC, and says when it is done.
 //!
 //! Wire forms (little-endian):
-//! * announcement, kind [`Kind::Lent`], tag = the user's tag:
+//! * announcement, kind `Kind::Lent`, tag = the user's tag:
 //!   `[VERSION][id u64][offset u64][len u64][key]`, the key as
 //!   [`RemoteKey::to_bytes`] writes it;
-//! * answer, kind [`Kind::LentDone`], tag = the id:
+//! * answer, kind `Kind::LentDone`, tag = the id:
 //!   `[status u8][reason, UTF-8, at most MAX_REASON bytes]`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use bytes::Bytes;
-
 use crate::core::completion::Completion;
 use crate::core::fabric::Core;
 use crate::core::region::{RegionInner, RemoteKey};
 use crate::sys::sync::lock;
-use crate::transport::Kind;
 use crate::{Error, Rank, Result};
 
 /// The announcement's format version.
@@ -391,18 +388,8 @@ impl Borrowed {
         if self.answered.swap(true, Ordering::AcqRel) {
             return;
         }
-        let Some(core) = self.core.upgrade() else {
-            return;
-        };
-        let Some(link) = core.link(self.src) else {
-            return;
-        };
-        if let Err(e) = link.submit(Kind::LentDone, self.ann.id, Bytes::from(a.encode())) {
-            tracing::debug!(
-                "answering lent message {} of rank {}: {e}",
-                self.ann.id,
-                self.src
-            );
+        if let Some(core) = self.core.upgrade() {
+            core.answer_lent(self.src, self.ann.id, &a);
         }
     }
 

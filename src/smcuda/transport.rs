@@ -424,9 +424,7 @@ impl SmcudaTransport {
     /// the first operation with a peer starts (`w` is kept and issued or
     /// staged when it settles: see [`settled`](Self::settled)).
     fn ipc_with(&self, peer: Rank, w: Waiting) -> Go {
-        if lock(&self.staged).contains_key(&peer) {
-            return Go::Stage;
-        }
+        // (Peers staged already were sent back by `post_copy`.)
         let mut all = lock(&self.handshakes);
         let p = all.entry(peer).or_insert_with(|| PeerIpc {
             hs: Handshake::new(self.core.rank(), peer),
@@ -506,19 +504,10 @@ impl SmcudaTransport {
             w.done.complete(Err(Error::Closed));
             return;
         };
-        crate::core::stats::Counters::bump(&core.counters().staged_device_ops);
-        let len = w.len as usize;
-        if w.put {
-            let mut staged = Vec::with_capacity(len);
-            if let Err(e) = w.region.read_to(w.at, len, &mut staged) {
-                w.done.complete(Err(e.into()));
-                return;
-            }
-            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
-            // The request copies the bytes out before this returns.
-            core.emulate_put(&*link, &w.key, w.offset, (heap.raw(), 0, len), w.done);
-        } else {
-            core.emulate_get(&*link, &w.key, w.offset, (w.region, w.at, len), w.done);
+        let local = (&w.region, w.at, w.len as usize);
+        let r = core.emulate_staged(&*link, local, &w.key, w.offset, w.put, Some(w.done.clone()));
+        if let Err(e) = r {
+            w.done.complete(Err(e));
         }
     }
 
