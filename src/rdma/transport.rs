@@ -111,6 +111,36 @@ fn ctx_ptr(c: &mut Ctx) -> *mut std::ffi::c_void {
     c.as_mut_ptr().cast()
 }
 
+/// Hashes the context addresses that key posted operations: a multiply
+/// and a fold, not SipHash (whose flooding resistance buys nothing here:
+/// the keys are our own heap addresses), on the path of every send and
+/// receive, twice each.
+#[derive(Default)]
+struct CtxHasher(u64);
+
+impl std::hash::Hasher for CtxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        // Context boxes are 64 bytes apart at least: the low bits carry
+        // nothing, the fold brings the product's high bits down to where
+        // the table picks its bucket.
+        let h = ((n as u64) >> 6).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = h ^ (h >> 29);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// Posted operations by context address.
+type Ops = HashMap<usize, Op, std::hash::BuildHasherDefault<CtxHasher>>;
+
 /// A posted operation, kept (with the memory it touches) until its
 /// completion is read.
 enum Op {
@@ -165,6 +195,10 @@ struct Out {
     /// Completes when posted (eager sends).
     done: Option<Arc<Completion>>,
 }
+
+/// A message on its way out of a progress call to the core: sender,
+/// kind, tag, bytes.
+type Delivery = (Rank, Kind, u64, Bytes);
 
 /// A sequenced frame that arrived, in its peer's order.
 enum In {
@@ -311,7 +345,7 @@ struct Peer {
 struct State {
     peers: Vec<PeerState>,
     /// Posted operations by context address.
-    ops: HashMap<usize, Op>,
+    ops: Ops,
     next_cookie: u64,
     /// Receive buffers whose repost the provider refused for now.
     unposted: Vec<(Vec<u8>, Ctx)>,
@@ -468,8 +502,9 @@ pub(crate) struct RdmaTransport {
     /// received frame: cheaper than hashing it).
     by_addr: OnceLock<Vec<(u64, Rank)>>,
     st: Mutex<State>,
-    /// One progress call at a time: deliveries leave in order.
-    turn: Mutex<()>,
+    /// One progress call at a time: deliveries leave in order. Holds the
+    /// list of what a call delivers, kept for its capacity.
+    turn: Mutex<Vec<Delivery>>,
     counters: Counters,
     armed: AtomicBool,
     kick: Notify,
@@ -547,13 +582,13 @@ impl RdmaTransport {
             by_addr: OnceLock::new(),
             st: Mutex::new(State {
                 peers: (0..size).map(|_| PeerState::default()).collect(),
-                ops: HashMap::new(),
+                ops: Ops::default(),
                 next_cookie: 1,
                 unposted: Vec::new(),
                 lose_later: Vec::new(),
                 spare: Vec::new(),
             }),
-            turn: Mutex::new(()),
+            turn: Mutex::new(Vec::new()),
             counters: Counters::default(),
             armed: AtomicBool::new(false),
             kick: Notify::new(),
@@ -1012,12 +1047,15 @@ impl RdmaTransport {
 
     /// Handle one frame received into `frame` from address `src`. A large
     /// eager body keeps the buffer (taken, leaving `frame` without
-    /// capacity) instead of being copied out.
+    /// capacity) instead of being copied out. A whole message that is the
+    /// next one expected, with none waiting before it, goes to `out` at
+    /// once; others wait in their peer's arrivals for [`Self::deliver`].
     fn on_receive(
         &self,
         st: &mut State,
         src: u64,
         frame: &mut Vec<u8>,
+        out: &mut Vec<Delivery>,
         lost: &mut Vec<(Rank, String, Loss)>,
     ) {
         let rank = self.by_addr.get().and_then(|m| {
@@ -1092,12 +1130,21 @@ impl RdmaTransport {
                         v.extend_from_slice(data);
                         self.core.buffers().freeze(v)
                     };
-                    let item = if piece {
-                        In::Piece(kind, h.tag, b)
+                    if piece {
+                        ps.arrived.insert(h.seq, In::Piece(kind, h.tag, b));
+                    } else if ahead == 0
+                        && ps.arrived.is_empty()
+                        && kind != Kind::Bye
+                        && (kind != Kind::User || self.core.has_room(h.tag, b.len()))
+                    {
+                        // In order with nothing before it: what `deliver`
+                        // would do, without the round trip through the map.
+                        out.push((rank, kind, h.tag, b));
+                        ps.expect = ps.expect.wrapping_add(1);
+                        ps.owed += 1;
                     } else {
-                        In::Ready(kind, h.tag, b)
-                    };
-                    ps.arrived.insert(h.seq, item);
+                        ps.arrived.insert(h.seq, In::Ready(kind, h.tag, b));
+                    }
                 }
                 Body::Rts(rts) => {
                     let len = usize::try_from(rts.len).unwrap_or(usize::MAX);
@@ -1276,7 +1323,13 @@ impl RdmaTransport {
     }
 
     /// A completion: find its operation and finish it.
-    fn on_completion(&self, st: &mut State, e: &Cqe, lost: &mut Vec<(Rank, String, Loss)>) {
+    fn on_completion(
+        &self,
+        st: &mut State,
+        e: &Cqe,
+        out: &mut Vec<Delivery>,
+        lost: &mut Vec<(Rank, String, Loss)>,
+    ) {
         let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
             return;
         };
@@ -1292,7 +1345,7 @@ impl RdmaTransport {
                 // wrote the completion's `len` bytes at the start of the
                 // buffer, posted with room for `eager.min(capacity)`.
                 unsafe { buf.set_len(n) };
-                self.on_receive(st, e.src, &mut buf, lost);
+                self.on_receive(st, e.src, &mut buf, out, lost);
                 if buf.capacity() == 0 {
                     // The message kept the buffer: post another.
                     buf = self.core.buffers().take_exact(self.config.eager);
@@ -1585,7 +1638,7 @@ impl Drop for RdmaTransport {
             &mut *lock(&self.st),
             State {
                 peers: Vec::new(),
-                ops: HashMap::new(),
+                ops: Ops::default(),
                 next_cookie: 0,
                 unposted: Vec::new(),
                 lose_later: Vec::new(),
@@ -1836,11 +1889,11 @@ impl Transport for RdmaTransport {
     }
 
     fn progress(&self) -> usize {
-        let Ok(_turn) = self.turn.try_lock() else {
+        let Ok(mut turn) = self.turn.try_lock() else {
             return 0;
         };
         let mut work = 0;
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut *turn);
         let mut lost = Vec::new();
         {
             let mut st = lock(&self.st);
@@ -1856,7 +1909,7 @@ impl Transport for RdmaTransport {
                     Read::Done(n) => {
                         work += n;
                         for e in &cqe[..n] {
-                            self.on_completion(&mut st, e, &mut lost);
+                            self.on_completion(&mut st, e, &mut out, &mut lost);
                         }
                         if n < cqe.len() {
                             // The queue is drained: reading it again costs
@@ -1899,7 +1952,7 @@ impl Transport for RdmaTransport {
         for (rank, why, how) in lost {
             self.lose(rank, &why, how);
         }
-        for (src, kind, tag, data) in out {
+        for (src, kind, tag, data) in out.drain(..) {
             work += 1;
             if kind == Kind::User {
                 self.core.deliver(src, tag, data);
@@ -1907,6 +1960,7 @@ impl Transport for RdmaTransport {
                 self.core.on_message(&*link, src, kind, tag, data);
             }
         }
+        *turn = out;
         work
     }
 
