@@ -349,6 +349,9 @@ struct State {
     next_cookie: u64,
     /// Receive buffers whose repost the provider refused for now.
     unposted: Vec<(Vec<u8>, Ctx)>,
+    /// Receive buffers whose frames were taken, to be posted again at the
+    /// start of the next progress call (see `on_completion`).
+    returned: Vec<(Vec<u8>, Ctx)>,
     /// Peers to declare lost once the lock is released (found where
     /// `lose` cannot run).
     lose_later: Vec<(Rank, String)>,
@@ -585,6 +588,7 @@ impl RdmaTransport {
                 ops: Ops::default(),
                 next_cookie: 1,
                 unposted: Vec::new(),
+                returned: Vec::new(),
                 lose_later: Vec::new(),
                 spare: Vec::new(),
             }),
@@ -1350,7 +1354,11 @@ impl RdmaTransport {
                     // The message kept the buffer: post another.
                     buf = self.core.buffers().take_exact(self.config.eager);
                 }
-                self.repost(st, buf, ctx);
+                // Posted again by the next progress call, not this one:
+                // the provider's receive call is then off the path from
+                // this message to its receiver (and to a reply), and every
+                // other buffer stays posted meanwhile.
+                st.returned.push((buf, ctx));
             }
             Op::Send { peer, ctx, .. } => {
                 let ps = &mut st.peers[peer as usize];
@@ -1641,6 +1649,7 @@ impl Drop for RdmaTransport {
                 ops: Ops::default(),
                 next_cookie: 0,
                 unposted: Vec::new(),
+                returned: Vec::new(),
                 lose_later: Vec::new(),
                 spare: Vec::new(),
             },
@@ -1897,6 +1906,14 @@ impl Transport for RdmaTransport {
         let mut lost = Vec::new();
         {
             let mut st = lock(&self.st);
+            if !st.returned.is_empty() {
+                let mut back = std::mem::take(&mut st.returned);
+                for (buf, ctx) in back.drain(..) {
+                    self.repost(&mut st, buf, ctx);
+                }
+                // Its capacity, for the next ones.
+                st.returned = back;
+            }
             let mut cqe = [Cqe {
                 ctx: std::ptr::null_mut(),
                 flags: 0,
