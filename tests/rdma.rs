@@ -85,6 +85,7 @@ fn rank_main() {
             "kill" => kill_scenario(f, true).await,
             "serve3" => serve3(f).await,
             "idle" => idle(f).await,
+            "lend" => lend(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -131,6 +132,47 @@ async fn sizes(f: Fabric) {
     let s = f.stats();
     println!("rendezvous={}", s.rdma.rendezvous);
     println!("in_pieces={}", s.rdma.in_pieces);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Sizes around the largest message delivered straight from its receive
+/// buffer (4 KiB) and the smallest one that keeps it.
+const LEND_SIZES: [usize; 7] = [0, 1, 8, 100, 4095, 4096, 4097];
+
+/// Rank 0 sends a stream of messages of `LEND_SIZES` in turn; rank 1 takes
+/// them alternately into a buffer it lends (`recv_into`) and as messages of
+/// their own (`recv`), checking each one's length and bytes.
+async fn lend(f: Fabric) {
+    const N: u64 = 3000;
+    let size = |i: u64| LEND_SIZES[i as usize % LEND_SIZES.len()];
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..N {
+            ep.send(5, pattern(size(i), i)).await.unwrap();
+        }
+    } else {
+        let mut rx = f.receiver(5).unwrap();
+        let mut kept = Vec::new();
+        for i in 0..N {
+            let want = pattern(size(i), i);
+            if i % 2 == 0 {
+                assert_eq!(rx.recv_into(&mut kept).await.unwrap(), 0);
+                assert!(
+                    kept == want,
+                    "message {i} ({} bytes) lent: wrong bytes",
+                    size(i)
+                );
+            } else {
+                let m = rx.recv().await.unwrap();
+                assert!(
+                    m.data == want,
+                    "message {i} ({} bytes): wrong bytes",
+                    size(i)
+                );
+            }
+        }
+    }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -415,6 +457,12 @@ fn rdma_ranks_that_disagree_on_eager_buffers_are_refused_at_start() {
             "rank {r}: {why}"
         );
     }
+}
+
+#[test]
+fn rdma_small_messages_land_in_lent_buffers_and_buffers_of_their_own() {
+    need_rdma!();
+    assert_ok(&job(2, "lend", &[]).wait(Duration::from_secs(60)));
 }
 
 #[test]

@@ -1000,15 +1000,28 @@ impl Dispatcher {
     /// The caller delivers after the same pair's earlier deliveries in the
     /// happens-before sense (see [`hand_over`](Self::hand_over)).
     pub(crate) fn deliver(&self, msg: Message) {
-        let msg = if msg.lent.is_none() {
+        if msg.lent.is_none() {
             let Message { src, tag, data, .. } = msg;
-            match self.hand_over((src, tag, data.len()), false, move || data) {
-                Ok(_) => return,
-                Err(data) => Message::carried(src, tag, data()),
-            }
-        } else {
-            msg
+            return self.deliver_payload(src, tag, data.len(), move || data);
+        }
+        self.queue_and_wake(msg);
+    }
+
+    /// [`deliver`](Self::deliver) of a message of `len` bytes that `make`
+    /// builds: copied straight into a waiting receiver's buffer where one
+    /// takes it (see [`Payload`]), else made into bytes of its own and
+    /// queued. Same ordering contract as `deliver`.
+    pub(crate) fn deliver_payload<P: Payload>(&self, src: Rank, tag: Tag, len: usize, make: P) {
+        let data = match self.hand_over((src, tag, len), false, make) {
+            Ok(_) => return,
+            Err(make) => make.into_bytes(),
         };
+        self.queue_and_wake(Message::carried(src, tag, data));
+    }
+
+    /// Queue `msg` (or hand it over, see `enqueue`) under the tag table's
+    /// lock, and wake its receiver.
+    fn queue_and_wake(&self, msg: Message) {
         let w = {
             let mut tags = lock(&self.tags);
             let q = tags.entry(msg.tag).or_default();

@@ -315,6 +315,20 @@ impl Core {
         self.dispatcher.deliver(Message::carried(src, tag, data));
     }
 
+    /// A user message from `src` whose bytes lie in a transport's buffer,
+    /// delivered by copy: into a receiver's waiting buffer when one takes
+    /// it, else into a pooled buffer of its own (no allocation either way
+    /// once the pool is warm).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn deliver_copy(&self, src: Rank, tag: u64, bytes: &[u8]) {
+        self.counters.add(crate::core::stats::Hot::Recvs);
+        let make = SliceCopy {
+            bytes,
+            pool: self.buffers(),
+        };
+        self.dispatcher.deliver_payload(src, tag, bytes.len(), make);
+    }
+
     /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {
@@ -1415,5 +1429,28 @@ impl Drop for Fabric {
             }
         }
         self.shutdown();
+    }
+}
+
+/// A message's bytes in a transport's own buffer, as a
+/// [`Payload`](crate::core::dispatch::Payload): copied once, into a
+/// receiver's buffer or a pooled one.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+struct SliceCopy<'a> {
+    bytes: &'a [u8],
+    pool: &'a Arc<crate::core::bufpool::BufPool>,
+}
+
+impl crate::core::dispatch::Payload for SliceCopy<'_> {
+    const COPIES: bool = true;
+
+    fn into_bytes(self) -> Bytes {
+        let mut v = self.pool.take(self.bytes.len());
+        v.extend_from_slice(self.bytes);
+        self.pool.freeze(v)
+    }
+
+    fn copy_into(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(self.bytes);
     }
 }

@@ -198,7 +198,27 @@ struct Out {
 
 /// A message on its way out of a progress call to the core: sender,
 /// kind, tag, bytes.
-type Delivery = (Rank, Kind, u64, Bytes);
+type Delivery = (Rank, Kind, u64, Data);
+
+/// The bytes of a message on its way to the core.
+enum Data {
+    /// In a buffer of their own.
+    Own(Bytes),
+    /// Still in the receive buffer they arrived in (the body is `at..`): a
+    /// small user message, copied from there once, into its receiver's
+    /// buffer if one waits; the buffer is then posted again.
+    Frame { buf: Vec<u8>, ctx: Ctx, at: usize },
+}
+
+/// What one progress call at a time keeps between calls (under `turn`).
+#[derive(Default)]
+struct Turn {
+    /// The messages a call delivers, kept for its capacity.
+    out: Vec<Delivery>,
+    /// Receive buffers whose messages were delivered from them, to be
+    /// posted again by the next call.
+    spent: Vec<(Vec<u8>, Ctx)>,
+}
 
 /// A sequenced frame that arrived, in its peer's order.
 enum In {
@@ -505,9 +525,8 @@ pub(crate) struct RdmaTransport {
     /// received frame: cheaper than hashing it).
     by_addr: OnceLock<Vec<(u64, Rank)>>,
     st: Mutex<State>,
-    /// One progress call at a time: deliveries leave in order. Holds the
-    /// list of what a call delivers, kept for its capacity.
-    turn: Mutex<Vec<Delivery>>,
+    /// One progress call at a time: deliveries leave in order.
+    turn: Mutex<Turn>,
     counters: Counters,
     armed: AtomicBool,
     kick: Notify,
@@ -592,7 +611,7 @@ impl RdmaTransport {
                 lose_later: Vec::new(),
                 spare: Vec::new(),
             }),
-            turn: Mutex::new(Vec::new()),
+            turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
             armed: AtomicBool::new(false),
             kick: Notify::new(),
@@ -1054,6 +1073,8 @@ impl RdmaTransport {
     /// capacity) instead of being copied out. A whole message that is the
     /// next one expected, with none waiting before it, goes to `out` at
     /// once; others wait in their peer's arrivals for [`Self::deliver`].
+    /// A small user message going out at once is left in `frame` for the
+    /// caller to deliver from: `Some` (sender, tag, where its body starts).
     fn on_receive(
         &self,
         st: &mut State,
@@ -1061,7 +1082,7 @@ impl RdmaTransport {
         frame: &mut Vec<u8>,
         out: &mut Vec<Delivery>,
         lost: &mut Vec<(Rank, String, Loss)>,
-    ) {
+    ) -> Option<(Rank, u64, usize)> {
         let rank = self.by_addr.get().and_then(|m| {
             m.binary_search_by_key(&src, |&(a, _)| a)
                 .ok()
@@ -1070,20 +1091,20 @@ impl RdmaTransport {
         let Some(rank) = rank else {
             bump(&self.counters.foreign);
             tracing::debug!("rdma: dropped a message from an address not in this job");
-            return;
+            return None;
         };
         let (h, body) = match wire::decode(frame.as_slice()) {
             Ok(x) => x,
             Err(e) => {
                 bump(&self.counters.foreign);
                 tracing::warn!(peer = rank, "rdma: dropped a malformed frame: {e}");
-                return;
+                return None;
             }
         };
         if h.job != self.job || h.src != rank {
             bump(&self.counters.foreign);
             tracing::warn!(peer = rank, "rdma: dropped a frame of another job or rank");
-            return;
+            return None;
         }
         let credits = self.config.credits;
         let ps = &mut st.peers[rank as usize];
@@ -1099,7 +1120,7 @@ impl RdmaTransport {
                         format!("it sent a frame of unknown kind {}", h.kind),
                         Loss::Misbehaved,
                     ));
-                    return;
+                    return None;
                 }
             }
         } else {
@@ -1111,7 +1132,7 @@ impl RdmaTransport {
             // window breaks the protocol.
             let ahead = h.seq.wrapping_sub(ps.expect);
             if ahead >= u32::MAX / 2 || ps.arrived.contains_key(&h.seq) {
-                return;
+                return None;
             }
             if ahead >= 2 * credits {
                 lost.push((
@@ -1119,11 +1140,24 @@ impl RdmaTransport {
                     format!("it sent frame {} while {} was next", h.seq, ps.expect),
                     Loss::Misbehaved,
                 ));
-                return;
+                return None;
             }
             match body {
                 Body::Eager(data) | Body::Part(data) => {
                     let piece = matches!(body, Body::Part(_));
+                    let next = ahead == 0 && ps.arrived.is_empty() && !piece;
+                    if next
+                        && kind == Kind::User
+                        && data.len() < KEEP_BUFFER
+                        && self.core.has_room(h.tag, data.len())
+                    {
+                        // In order with nothing before it, and small: the
+                        // caller delivers it from the receive buffer.
+                        let at = data.as_ptr() as usize - frame.as_ptr() as usize;
+                        ps.expect = ps.expect.wrapping_add(1);
+                        ps.owed += 1;
+                        return Some((rank, h.tag, at));
+                    }
                     let b = if data.len() >= KEEP_BUFFER && 2 * data.len() >= frame.capacity() {
                         // The posted buffer becomes the message's (it is at
                         // most twice the message, as a pooled one would be).
@@ -1136,14 +1170,13 @@ impl RdmaTransport {
                     };
                     if piece {
                         ps.arrived.insert(h.seq, In::Piece(kind, h.tag, b));
-                    } else if ahead == 0
-                        && ps.arrived.is_empty()
+                    } else if next
                         && kind != Kind::Bye
                         && (kind != Kind::User || self.core.has_room(h.tag, b.len()))
                     {
                         // In order with nothing before it: what `deliver`
                         // would do, without the round trip through the map.
-                        out.push((rank, kind, h.tag, b));
+                        out.push((rank, kind, h.tag, Data::Own(b)));
                         ps.expect = ps.expect.wrapping_add(1);
                         ps.owed += 1;
                     } else {
@@ -1158,14 +1191,14 @@ impl RdmaTransport {
                             format!("it announced a message of {len} bytes"),
                             Loss::Misbehaved,
                         ));
-                        return;
+                        return None;
                     }
                     // Read when its turn comes (`start_reads`).
                     ps.arrived.insert(h.seq, In::Announced(kind, h.tag, rts));
                 }
                 _ => {}
             }
-            return;
+            return None;
         }
         if let Body::Fin { cookie } = body {
             match ps.lent.remove(&cookie) {
@@ -1183,6 +1216,7 @@ impl RdmaTransport {
                 }
             }
         }
+        None
     }
 
     /// Start reading announced rendezvous messages, in order, as far as
@@ -1235,7 +1269,7 @@ impl RdmaTransport {
 
     /// Move in-order frames of every peer to `out`, as far as their tags
     /// have room; return credits owed.
-    fn deliver(&self, st: &mut State, out: &mut Vec<(Rank, Kind, u64, Bytes)>) {
+    fn deliver(&self, st: &mut State, out: &mut Vec<Delivery>) {
         let half = (self.config.credits / 2).max(1);
         let window = 2 * self.config.credits;
         let mut bad = Vec::new();
@@ -1285,7 +1319,7 @@ impl RdmaTransport {
                     // no loss.
                     p.left.store(true, Ordering::Release);
                 }
-                out.push((p.rank, kind, tag, data));
+                out.push((p.rank, kind, tag, Data::Own(data)));
                 ps.expect = ps.expect.wrapping_add(n);
                 ps.owed += n;
             }
@@ -1349,7 +1383,11 @@ impl RdmaTransport {
                 // wrote the completion's `len` bytes at the start of the
                 // buffer, posted with room for `eager.min(capacity)`.
                 unsafe { buf.set_len(n) };
-                self.on_receive(st, e.src, &mut buf, out, lost);
+                if let Some((rank, tag, at)) = self.on_receive(st, e.src, &mut buf, out, lost) {
+                    // A small user message, delivered from the buffer.
+                    out.push((rank, Kind::User, tag, Data::Frame { buf, ctx, at }));
+                    return;
+                }
                 if buf.capacity() == 0 {
                     // The message kept the buffer: post another.
                     buf = self.core.buffers().take_exact(self.config.eager);
@@ -1902,7 +1940,7 @@ impl Transport for RdmaTransport {
             return 0;
         };
         let mut work = 0;
-        let mut out = std::mem::take(&mut *turn);
+        let mut out = std::mem::take(&mut turn.out);
         let mut lost = Vec::new();
         {
             let mut st = lock(&self.st);
@@ -1913,6 +1951,9 @@ impl Transport for RdmaTransport {
                 }
                 // Its capacity, for the next ones.
                 st.returned = back;
+            }
+            for (buf, ctx) in turn.spent.drain(..) {
+                self.repost(&mut st, buf, ctx);
             }
             let mut cqe = [Cqe {
                 ctx: std::ptr::null_mut(),
@@ -1971,13 +2012,21 @@ impl Transport for RdmaTransport {
         }
         for (src, kind, tag, data) in out.drain(..) {
             work += 1;
-            if kind == Kind::User {
-                self.core.deliver(src, tag, data);
-            } else if let Some(link) = self.core.link(src) {
-                self.core.on_message(&*link, src, kind, tag, data);
+            match data {
+                Data::Own(data) if kind == Kind::User => self.core.deliver(src, tag, data),
+                Data::Own(data) => {
+                    if let Some(link) = self.core.link(src) {
+                        self.core.on_message(&*link, src, kind, tag, data);
+                    }
+                }
+                Data::Frame { buf, ctx, at } => {
+                    self.core
+                        .deliver_copy(src, tag, buf.get(at..).unwrap_or_default());
+                    turn.spent.push((buf, ctx));
+                }
             }
         }
-        *turn = out;
+        turn.out = out;
         work
     }
 
