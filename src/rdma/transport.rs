@@ -285,12 +285,35 @@ fn pieces(ps: &PeerState, window: u32) -> Pieces {
     Pieces::Bad(format!("it sent a message in more than {window} pieces"))
 }
 
-/// An eager frame of header `h` and a copy of `data`.
-fn copied_frame(h: Header, data: &[u8]) -> Vec<u8> {
-    let mut frame = Vec::with_capacity(wire::HEADER + data.len());
+/// An eager frame of header `h` and a copy of `data`: a small one in a
+/// recycled buffer from `spare` (see [`recycle`]).
+fn copied_frame(spare: &mut Vec<Vec<u8>>, h: Header, data: &[u8]) -> Vec<u8> {
+    let len = wire::HEADER + data.len();
+    let mut frame = if len <= SMALL_FRAME {
+        spare
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(SMALL_FRAME))
+    } else {
+        Vec::with_capacity(len)
+    };
     h.encode(&mut frame);
     frame.extend_from_slice(data);
     frame
+}
+
+/// Frames up to this size (a header and a body up to [`SEND_IN_PLACE`])
+/// are built in buffers kept for it: no allocation per small send.
+const SMALL_FRAME: usize = wire::HEADER + SEND_IN_PLACE;
+
+/// Small frames kept for reuse, at most.
+const SPARE_FRAMES: usize = 256;
+
+/// Keep the buffer of a sent frame for the next small one, if it is one.
+fn recycle(spare: &mut Vec<Vec<u8>>, mut frame: Vec<u8>) {
+    if frame.capacity() == SMALL_FRAME && spare.len() < SPARE_FRAMES {
+        frame.clear();
+        spare.push(frame);
+    }
 }
 
 /// An eager body at least this large is sent from where it lies, gathered
@@ -377,6 +400,8 @@ struct State {
     lose_later: Vec<(Rank, String)>,
     /// Contexts of completed sends, for the next ones.
     spare: Vec<Ctx>,
+    /// Buffers of completed small frames, for the next ones.
+    frames: Vec<Vec<u8>>,
 }
 
 /// The completion queue's fd, for tokio: the endpoint owns it, and is
@@ -610,6 +635,7 @@ impl RdmaTransport {
                 returned: Vec::new(),
                 lose_later: Vec::new(),
                 spare: Vec::new(),
+                frames: Vec::new(),
             }),
             turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
@@ -858,9 +884,10 @@ impl RdmaTransport {
         if eager {
             let mut st = lock(&self.st);
             self.check_alive(peer)?;
-            let ps = &mut st.peers[peer.rank as usize];
+            let State { peers, frames, .. } = &mut *st;
+            let ps = &mut peers[peer.rank as usize];
             let h = self.header(ps, Type::Eager, kind, tag);
-            let (mut frame, mut body) = self.frame(h, data);
+            let (mut frame, mut body) = self.frame(frames, h, data);
             let free = ps.queue.is_empty() && ps.credits > 0 && ps.backoff_until.is_none();
             if free {
                 // Nothing ahead of it and a credit in hand: post it now,
@@ -896,7 +923,8 @@ impl RdmaTransport {
             bump(&self.counters.in_pieces);
             let piece = data.len().div_ceil(n);
             let count = data.len().div_ceil(piece);
-            let ps = &mut st.peers[peer.rank as usize];
+            let State { peers, frames, .. } = &mut *st;
+            let ps = &mut peers[peer.rank as usize];
             if !ps.queue.is_empty() || ps.credits < count as u32 {
                 bump(&self.counters.credit_waits);
             }
@@ -906,7 +934,7 @@ impl RdmaTransport {
                 let typ = if last { Type::Eager } else { Type::Part };
                 let chunk = data.slice(i * piece..data.len().min((i + 1) * piece));
                 let h = self.header(ps, typ, kind, tag);
-                let (frame, body) = self.frame(h, chunk);
+                let (frame, body) = self.frame(frames, h, chunk);
                 ps.queue.push_back(Out {
                     frame,
                     body,
@@ -1337,13 +1365,13 @@ impl RdmaTransport {
     /// An eager frame of `h` and `data`: one buffer, or (a body worth not
     /// copying, and a provider that gathers) the header alone with the
     /// body sent from where it lies.
-    fn frame(&self, h: Header, data: Bytes) -> (Vec<u8>, Option<Bytes>) {
+    fn frame(&self, spare: &mut Vec<Vec<u8>>, h: Header, data: Bytes) -> (Vec<u8>, Option<Bytes>) {
         if self.gather && data.len() >= SEND_IN_PLACE {
             let mut frame = Vec::with_capacity(wire::HEADER);
             h.encode(&mut frame);
             return (frame, Some(data));
         }
-        (copied_frame(h, &data), None)
+        (copied_frame(spare, h, &data), None)
     }
 
     /// How many eager buffers a message of `len` bytes goes in as pieces,
@@ -1398,12 +1426,15 @@ impl RdmaTransport {
                 // other buffer stays posted meanwhile.
                 st.returned.push((buf, ctx));
             }
-            Op::Send { peer, ctx, .. } => {
+            Op::Send {
+                peer, ctx, frame, ..
+            } => {
                 let ps = &mut st.peers[peer as usize];
                 ps.in_flight = ps.in_flight.saturating_sub(1);
                 if st.spare.len() < 256 {
                     st.spare.push(ctx);
                 }
+                recycle(&mut st.frames, frame);
             }
             Op::Rma(op) => {
                 bump(if op.write {
@@ -1690,6 +1721,7 @@ impl Drop for RdmaTransport {
                 returned: Vec::new(),
                 lose_later: Vec::new(),
                 spare: Vec::new(),
+                frames: Vec::new(),
             },
         );
         self.ep
@@ -1725,8 +1757,8 @@ impl Link for RdmaLink {
                 return Ok(false);
             }
         }
-        let ps = &mut st.peers[r];
-        let frame = copied_frame(self.t.header(ps, Type::Eager, kind, tag), data);
+        let h = self.t.header(&mut st.peers[r], Type::Eager, kind, tag);
+        let frame = copied_frame(&mut st.frames, h, data);
         match self.t.post_frame(&mut st, &self.peer, frame, None) {
             Ok(()) => {
                 st.peers[r].credits -= 1;
@@ -1989,7 +2021,11 @@ impl Transport for RdmaTransport {
                     }
                 }
             }
-            if work > 0 || self.backlog.swap(false, Ordering::Relaxed) {
+            // (A load first: an idle poll takes no locked instruction.)
+            let backlog = || {
+                self.backlog.load(Ordering::Relaxed) && self.backlog.swap(false, Ordering::Relaxed)
+            };
+            if work > 0 || backlog() {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
                     self.repost(&mut st, buf, ctx);
                 }
