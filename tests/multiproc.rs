@@ -53,6 +53,7 @@ fn rank_main() {
             "parking" => parking(f).await,
             "split" => split(f).await,
             "midstream" => midstream(f).await,
+            "lend" => lend(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -165,6 +166,69 @@ async fn midstream(f: Fabric) {
             assert_eq!(m.data, pattern(LEN, 100 + i), "message {i} of the stream");
         }
         ep.send(4, &b"done"[..]).await.unwrap();
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Sizes of every path a message takes: the fast box, one fragment (and
+/// its edges), several, a single copy, a split copy.
+const LEND_SIZES: [usize; 11] = [
+    0, 8, 1000, 1024, 1025, 4096, 16359, 16360, 16361, 20_000, 70_000,
+];
+
+/// Rank 0 streams messages of `LEND_SIZES` in turn on tag 6, and a small
+/// one on tag 7 after every tenth; rank 1 takes tag 6's into a buffer it
+/// lends (`recv_into`, two in three) or as messages of their own (`recv`),
+/// checking each one's bytes, then tag 7's, checking their order: a
+/// message left in a ring for a lending receiver holds up nothing else.
+async fn lend(f: Fabric) {
+    const N: u64 = 3000;
+    let size = |i: u64| LEND_SIZES[i as usize % LEND_SIZES.len()];
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        let sends = (0..N).map(|i| {
+            let ep = &ep;
+            async move {
+                ep.send(6, pattern(size(i), i)).await?;
+                if i % 10 == 0 {
+                    ep.send(7, pattern(8, i)).await?;
+                }
+                Ok::<_, Error>(())
+            }
+        });
+        for s in sends {
+            s.await.unwrap();
+        }
+    } else {
+        let mut rx = f.receiver(6).unwrap();
+        let mut other = f.receiver(7).unwrap();
+        let mut kept = Vec::new();
+        for i in 0..N {
+            let want = pattern(size(i), i);
+            if i % 3 != 2 {
+                assert_eq!(rx.recv_into(&mut kept).await.unwrap(), 0);
+                assert!(
+                    kept[..] == want[..],
+                    "message {i} ({} bytes) lent: wrong bytes",
+                    size(i)
+                );
+            } else {
+                let m = rx.recv().await.unwrap();
+                assert!(
+                    m.data == want,
+                    "message {i} ({} bytes): wrong bytes",
+                    size(i)
+                );
+            }
+        }
+        for i in (0..N).step_by(10) {
+            assert_eq!(
+                other.recv().await.unwrap().data,
+                pattern(8, i),
+                "tag 7, message {i}"
+            );
+        }
     }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
@@ -692,6 +756,11 @@ fn a_stream_of_mid_sized_messages_mixes_single_copies_and_fragments_in_order() {
         (1..200).contains(&stream),
         "the stream's first by single copy, most of the rest through fragments: {stream}"
     );
+}
+
+#[test]
+fn messages_of_every_path_land_in_lent_buffers_and_buffers_of_their_own() {
+    assert_ok(&spawn_job(2, "lend", &[]).wait(Duration::from_secs(120)));
 }
 
 #[test]

@@ -890,6 +890,28 @@ impl Dispatcher {
         self.policy.touch();
     }
 
+    /// Whether this thread's inline receiver of `tag` (on this dispatcher)
+    /// has been handed a message into the buffer it lent: its poll ends
+    /// with that one, so a transport may leave the next in place for the
+    /// receiver's next look (see `Transport::take_direct`) instead of
+    /// copying it into a buffer of its own.
+    pub(crate) fn lent_taken(&self, tag: Tag) -> bool {
+        INLINE
+            .try_with(|c| {
+                let c = c.try_borrow().ok()?;
+                let i = c.as_ref()?;
+                Some(
+                    i.disp == self as *const Dispatcher as usize
+                        && i.tag == tag
+                        && i.lent.is_some()
+                        && i.lent_src.is_some(),
+                )
+            })
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    }
+
     /// Whether [`hand_over`](Self::hand_over) would take a message of
     /// `len` bytes for `tag` now, without the lock (then it needs no room
     /// in the queue).

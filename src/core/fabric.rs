@@ -204,6 +204,24 @@ impl Core {
         self.dispatcher.has_room(tag, len)
     }
 
+    /// See `Dispatcher::lent_taken`.
+    pub(crate) fn lent_taken(&self, tag: u64) -> bool {
+        self.dispatcher.lent_taken(tag)
+    }
+
+    /// Deliver a user message of `len` bytes that `make` builds or copies
+    /// into a waiting receiver's buffer (see `Dispatcher::deliver_payload`).
+    pub(crate) fn deliver_with<P: crate::core::dispatch::Payload>(
+        &self,
+        src: Rank,
+        tag: u64,
+        len: usize,
+        make: P,
+    ) {
+        self.counters.add(crate::core::stats::Hot::Recvs);
+        self.dispatcher.deliver_payload(src, tag, len, make);
+    }
+
     /// Deliver a run of user messages under one dispatcher lock (see
     /// `Dispatcher::offers`).
     #[inline]

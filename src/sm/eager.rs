@@ -6,8 +6,11 @@
 //! peer's inbound ring (a small user message or a rendezvous announcement
 //! tries the fast box first). Receive: the ring's `step` — validate every
 //! offset and header, reassemble, hand complete messages to the core or to
-//! the control-message handlers — and the return of each fragment to its
-//! sender. The fragment header is [`frag`](super::frag).
+//! the control-message handlers (a whole user message in one fragment is
+//! copied once, into a receiver's lent buffer where one waits) — the
+//! direct take of such a message into a lent buffer (`ring_direct`), and
+//! the return of each fragment to its sender. The fragment header is
+//! [`frag`](super::frag).
 
 use bytes::Bytes;
 
@@ -404,6 +407,31 @@ impl RxState {
                 if user {
                     self.blocked[l] = false;
                 }
+                if h.kind == Kind::User && h.flags & LAST != 0 {
+                    // A whole user message in this fragment: copied once,
+                    // into its receiver's lent buffer if one waits on this
+                    // thread, or into a pooled one.
+                    if t.core.lent_taken(h.tag) {
+                        // That receiver took one already this poll: it
+                        // takes this one from here at its next look.
+                        return Step::Later;
+                    }
+                    let len = h.len as usize;
+                    if raw.slice(payload, len).is_err() {
+                        return Step::Bad("payload outside its segment");
+                    }
+                    let make = FragCopy {
+                        raw: &raw,
+                        at: payload,
+                        len,
+                        pool: t.core.buffers(),
+                    };
+                    t.core.deliver_with(p.rank, h.tag, len, make);
+                    if let Err(what) = self.release(t, p, idx, off) {
+                        return Step::Bad(what);
+                    }
+                    return Step::Took;
+                }
                 let total = h.total as usize;
                 let mut buf = t.core.buffers().take(total.min(RESERVE_LIMIT));
                 if raw.read_into(payload, h.len as usize, &mut buf).is_err() {
@@ -469,6 +497,41 @@ impl RxState {
         Step::Took
     }
 
+    /// Take the message at the head of `p`'s user ring straight into `buf`
+    /// if it is a whole user message for `tag` in one fragment (see
+    /// `take_direct`); its sender. Anything else, and anything wrong with
+    /// the fragment, is left where it is for progress to serve or report.
+    pub(super) fn ring_direct(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        tag: u64,
+        buf: &mut Vec<u8>,
+    ) -> Option<crate::Rank> {
+        let idx = p.local as usize * CHANNELS + USER;
+        let ring = t.seg.inbound(p.local, USER);
+        let off = ring.peek(&mut self.cons[idx]).ok()??;
+        let i = p.seg.layout.frag_index(off)?;
+        let (_, size) = p.seg.layout.frag(i);
+        let raw = p.seg.raw();
+        raw.prefetch_read(off, size.min(PREFETCH_FRAGMENT));
+        let mut hb = [0u8; FRAG_HEADER];
+        raw.read(off, &mut hb).ok()?;
+        let h = FragHeader::decode(&hb, size - FRAG_HEADER).ok()?;
+        if h.kind != Kind::User || h.flags & (FIRST | LAST) != FIRST | LAST || h.tag != tag {
+            return None;
+        }
+        buf.clear();
+        raw.read_into(off + FRAG_HEADER as u64, h.len as usize, buf)
+            .ok()?;
+        if let Err(what) = self.release(t, p, idx, off) {
+            Counters::bump(&t.core.counters().bad_frames);
+            self.misbehaved
+                .push((p.local, format!("it sent a bad fragment ({what})")));
+        }
+        Some(p.rank)
+    }
+
     /// Advance past the fragment at `off` (ring `idx`) and give it back; the
     /// return ring holds every fragment of the sender's pool, so an honest
     /// sender never sees it full.
@@ -487,6 +550,30 @@ impl RxState {
             Ok(true) => Ok(()),
             _ => Err("its return ring is full or corrupt"),
         }
+    }
+}
+
+/// A whole user message in a fragment, as the dispatcher takes it: copied
+/// into a receiver's lent buffer, or into a pooled buffer of its own. (Not
+/// into a receiver's kept buffer: for a message this size a second copy
+/// out of it would cost more than the pooled buffer.)
+struct FragCopy<'a> {
+    raw: &'a crate::sys::mem::RawBuf,
+    at: u64,
+    len: usize,
+    pool: &'a std::sync::Arc<crate::core::bufpool::BufPool>,
+}
+
+impl crate::core::dispatch::Payload for FragCopy<'_> {
+    fn into_bytes(self) -> Bytes {
+        let mut v = self.pool.take(self.len);
+        // In bounds: checked before the payload was made.
+        let _ = self.raw.read_into(self.at, self.len, &mut v);
+        self.pool.freeze(v)
+    }
+
+    fn copy_into(self, out: &mut Vec<u8>) {
+        let _ = self.raw.read_into(self.at, self.len, out);
     }
 }
 

@@ -3,7 +3,10 @@
 //! while the pair's user ring is drained, and tells whether the peer took
 //! everything from it; the receive side takes runs of messages from the
 //! sender's box under one dispatcher lock, handing announcements to
-//! [`rendezvous`](super::rendezvous). The box's layout, push and peek are
+//! [`rendezvous`](super::rendezvous), and takes the next message straight
+//! into a receiver's lent buffer (`take_direct`), from the box or, when
+//! the box is empty, from a single fragment at the head of the ring
+//! ([`RxState::ring_direct`]). The box's layout, push and peek are
 //! [`fbox`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -130,13 +133,14 @@ impl RxState {
         (took, step)
     }
 
-    /// Take the first message waiting in some sender's fast box into
+    /// Take the first message waiting in some sender's fast box, or with
+    /// the box empty at the head of its user ring in one fragment, into
     /// `buf` if it is a user message for `tag` and nothing of that
     /// sender's comes before it (see `Transport::take_direct`); its sender.
     /// Makes up to `looks` looks at the senders' boxes (each box in turn)
-    /// under one lock,
-    /// and stops at the first sign of other work (another message at a
-    /// box's head, a fragment in a ring), which progress serves. After
+    /// under one lock, and stops at the first sign of other work (another
+    /// message at a box's head, a control message, a ring fragment of
+    /// another kind or tag), which progress serves. After
     /// [`DIRECT_RUN`] takes it takes none until the next progress call,
     /// which serves the rest (control channels, returns).
     pub(super) fn take_direct(
@@ -190,7 +194,22 @@ impl RxState {
                         if ring_empty(USER) && ring_empty(CHANNELS - 1) {
                             continue;
                         }
-                        return None;
+                        if !ring_empty(CHANNELS - 1) {
+                            return None;
+                        }
+                        // A user message waits in the ring (the box is
+                        // empty): taken from there if it is whole and ours.
+                        let src = self.ring_direct(t, p, tag, buf)?;
+                        self.direct_run += 1;
+                        if !p.heard.load(Ordering::Relaxed) {
+                            p.heard.store(true, Ordering::Relaxed);
+                        }
+                        if t.peer_asleep(p) {
+                            t.notify(p);
+                        } else {
+                            self.owed[l] = true;
+                        }
+                        return Some(src);
                     }
                     _ => return None,
                 };

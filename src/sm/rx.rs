@@ -56,6 +56,9 @@ pub(super) enum Step {
     Took,
     Empty,
     Blocked,
+    /// The next message is left where it is for its receiver, which lent
+    /// a buffer and takes it there at its next look (`take_direct`).
+    Later,
     Bad(&'static str),
 }
 
@@ -121,7 +124,7 @@ impl RxState {
                             returned += n;
                             budget = budget.saturating_sub(n);
                         }
-                        Step::Empty | Step::Blocked => {
+                        Step::Empty | Step::Blocked | Step::Later => {
                             returned += took;
                             break;
                         }

@@ -66,28 +66,40 @@ fn wrong_length(got: usize, want: usize) -> Error {
 
 /// async-btl over an [`Endpoint`]: sends are `Endpoint::send` of a slice of
 /// one preallocated buffer (no copy before the transport's own), receives
-/// take messages from a tag's [`Receiver`]: up to 1 KiB (`INLINE_MAX`) into
-/// one kept buffer (`Receiver::recv_into`, as MPI receives into the
-/// caller's buffer), larger ones as the transport's own buffer (`recv`,
-/// no copy).
+/// take messages from a tag's [`Receiver`]: those the transport copies out
+/// of its own buffers anyway into one kept buffer (`Receiver::recv_into`,
+/// as MPI and UCX receive into the caller's buffer: the one copy then lands
+/// there), the others as the transport's own buffer (`recv`, no copy). The
+/// first are those below 16 KiB, where `sm` and `udp` copy every message
+/// and a larger one goes by single copy or read rendezvous into a buffer
+/// the receiver is handed; over `rdma`, those below 4 KiB (from there it
+/// hands over the receive buffer the message arrived in).
 pub struct BtlWire {
     ep: Endpoint,
     rx: Receiver,
     tag: Tag,
     data: Bytes,
     into: Vec<u8>,
+    /// Messages up to this size are received with `recv_into`.
+    into_max: usize,
 }
 
 impl BtlWire {
     /// A wire to `ep`'s peer on `tag`, for messages up to `max_len` bytes.
     pub fn new(ep: Endpoint, rx: Receiver, tag: Tag, max_len: usize) -> Self {
         let data = Bytes::from((0..max_len).map(|i| i as u8).collect::<Vec<u8>>());
+        let into_max = if ep.transport() == "rdma" {
+            RDMA_RECV_INTO_MAX
+        } else {
+            RECV_INTO_MAX
+        };
         BtlWire {
             ep,
             rx,
             tag,
             data,
-            into: Vec::with_capacity(INLINE_MAX),
+            into: Vec::with_capacity(into_max),
+            into_max,
         }
     }
 
@@ -106,8 +118,13 @@ impl BtlWire {
     }
 }
 
-async fn btl_recv(rx: &mut Receiver, into: &mut Vec<u8>, len: usize) -> Result<()> {
-    let got = if len <= INLINE_MAX {
+async fn btl_recv(
+    rx: &mut Receiver,
+    into: &mut Vec<u8>,
+    len: usize,
+    into_max: usize,
+) -> Result<()> {
+    let got = if len <= into_max {
         rx.recv_into(into).await?;
         into.len()
     } else {
@@ -126,6 +143,13 @@ async fn btl_recv(rx: &mut Receiver, into: &mut Vec<u8>, len: usize) -> Result<(
 /// program that knows the API does.
 const INLINE_MAX: usize = 1024;
 
+/// Messages up to this size are received with `recv_into` (see
+/// [`BtlWire`]).
+const RECV_INTO_MAX: usize = 16 * 1024 - 1;
+
+/// The same over `rdma`.
+const RDMA_RECV_INTO_MAX: usize = 4 * 1024 - 1;
+
 impl Wire for BtlWire {
     async fn send(&mut self, len: usize) -> Result<()> {
         if len <= INLINE_MAX {
@@ -137,7 +161,7 @@ impl Wire for BtlWire {
     }
 
     async fn recv(&mut self, len: usize) -> Result<()> {
-        btl_recv(&mut self.rx, &mut self.into, len).await
+        btl_recv(&mut self.rx, &mut self.into, len, self.into_max).await
     }
 
     /// Start every send of the window, in order, polling each once (most
@@ -172,11 +196,12 @@ impl Wire for BtlWire {
 
     async fn exchange_window(&mut self, len: usize, count: u64) -> Result<()> {
         let p = self.payload(len)?;
+        let into_max = self.into_max;
         let (ep, tag, rx, into) = (&self.ep, self.tag, &mut self.rx, &mut self.into);
         let sends = try_join_all((0..count).map(|_| ep.send(tag, p.clone())));
         let recvs = async {
             for _ in 0..count {
-                btl_recv(rx, into, len).await?;
+                btl_recv(rx, into, len, into_max).await?;
             }
             Ok(())
         };
