@@ -66,14 +66,15 @@ fn wrong_length(got: usize, want: usize) -> Error {
 
 /// async-btl over an [`Endpoint`]: sends are `Endpoint::send` of a slice of
 /// one preallocated buffer (no copy before the transport's own), receives
-/// take messages from a tag's [`Receiver`]: those the transport copies out
-/// of its own buffers anyway into one kept buffer (`Receiver::recv_into`,
-/// as MPI and UCX receive into the caller's buffer: the one copy then lands
-/// there), the others as the transport's own buffer (`recv`, no copy). The
-/// first are those below 16 KiB, where `sm` and `udp` copy every message
-/// and a larger one goes by single copy or read rendezvous into a buffer
-/// the receiver is handed; over `rdma`, those below 4 KiB (from there it
-/// hands over the receive buffer the message arrived in).
+/// take messages from a tag's [`Receiver`]: up to 1 KiB, and those the
+/// transport copies out of its own buffers anyway, into one kept buffer
+/// (`Receiver::recv_into`, as MPI and UCX receive into the caller's
+/// buffer: the one copy then lands there); the others as the transport's
+/// own buffer (`recv`, no copy). Copied anyway are messages below 16 KiB
+/// over `sm` (a larger one goes by single copy into a buffer the receiver
+/// is handed) and below 4 KiB over `rdma` (from there it hands over the
+/// receive buffer the message arrived in); `udp` hands over a slice of the
+/// datagram.
 pub struct BtlWire {
     ep: Endpoint,
     rx: Receiver,
@@ -88,10 +89,10 @@ impl BtlWire {
     /// A wire to `ep`'s peer on `tag`, for messages up to `max_len` bytes.
     pub fn new(ep: Endpoint, rx: Receiver, tag: Tag, max_len: usize) -> Self {
         let data = Bytes::from((0..max_len).map(|i| i as u8).collect::<Vec<u8>>());
-        let into_max = if ep.transport() == "rdma" {
-            RDMA_RECV_INTO_MAX
-        } else {
-            RECV_INTO_MAX
+        let into_max = match ep.transport() {
+            "sm" => SM_RECV_INTO_MAX,
+            "rdma" => RDMA_RECV_INTO_MAX,
+            _ => INLINE_MAX,
         };
         BtlWire {
             ep,
@@ -143,9 +144,9 @@ async fn btl_recv(
 /// program that knows the API does.
 const INLINE_MAX: usize = 1024;
 
-/// Messages up to this size are received with `recv_into` (see
-/// [`BtlWire`]).
-const RECV_INTO_MAX: usize = 16 * 1024 - 1;
+/// Over `sm`, messages up to this size are received with `recv_into` (see
+/// [`BtlWire`]; others up to `INLINE_MAX`).
+const SM_RECV_INTO_MAX: usize = 16 * 1024 - 1;
 
 /// The same over `rdma`.
 const RDMA_RECV_INTO_MAX: usize = 4 * 1024 - 1;
