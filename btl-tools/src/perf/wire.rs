@@ -71,10 +71,10 @@ fn wrong_length(got: usize, want: usize) -> Error {
 /// (`Receiver::recv_into`, as MPI and UCX receive into the caller's
 /// buffer: the one copy then lands there); the others as the transport's
 /// own buffer (`recv`, no copy). Copied anyway are messages below 16 KiB
-/// over `sm` (a larger one goes by single copy into a buffer the receiver
-/// is handed) and below 4 KiB over `rdma` (from there it hands over the
-/// receive buffer the message arrived in); `udp` hands over a slice of the
-/// datagram.
+/// over `sm` and `smcuda` (a larger one goes by single copy into a buffer
+/// the receiver is handed) and below 4 KiB over `rdma` (from there it hands
+/// over the receive buffer the message arrived in); `udp` hands over a
+/// slice of the datagram.
 pub struct BtlWire {
     ep: Endpoint,
     rx: Receiver,
@@ -90,7 +90,7 @@ impl BtlWire {
     pub fn new(ep: Endpoint, rx: Receiver, tag: Tag, max_len: usize) -> Self {
         let data = Bytes::from((0..max_len).map(|i| i as u8).collect::<Vec<u8>>());
         let into_max = match ep.transport() {
-            "sm" => SM_RECV_INTO_MAX,
+            "sm" | "smcuda" => SM_RECV_INTO_MAX,
             "rdma" => RDMA_RECV_INTO_MAX,
             _ => INLINE_MAX,
         };
