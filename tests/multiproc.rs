@@ -54,6 +54,7 @@ fn rank_main() {
             "split" => split(f).await,
             "midstream" => midstream(f).await,
             "lend" => lend(f).await,
+            "lend_two" => lend_two(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -228,6 +229,42 @@ async fn lend(f: Fabric) {
                 pattern(8, i),
                 "tag 7, message {i}"
             );
+        }
+        let s = f.stats();
+        println!("recvs={}", s.recvs);
+        println!("direct_ring={}", s.sm.direct_ring_recvs);
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Ranks 1 and 2 each stream messages of `LEND_SIZES` in turn to rank 0
+/// on one tag, which takes them into a buffer it lends, checking each
+/// sender's order and bytes: a sender whose message is left in its ring
+/// for the lending receiver holds up no other sender.
+async fn lend_two(f: Fabric) {
+    const N: u64 = 2000;
+    let size = |i: u64| LEND_SIZES[i as usize % LEND_SIZES.len()];
+    if f.rank() == 0 {
+        let mut rx = f.receiver(6).unwrap();
+        let mut kept = Vec::new();
+        let mut next = [0u64; 3];
+        for _ in 0..2 * N {
+            let src = rx.recv_into(&mut kept).await.unwrap() as usize;
+            let i = next[src];
+            let want = pattern(size(i), (src as u64) << 32 | i);
+            assert!(
+                kept[..] == want[..],
+                "message {i} of rank {src}: wrong bytes or order"
+            );
+            next[src] += 1;
+        }
+        assert_eq!(next, [0, N, N]);
+    } else {
+        let ep = f.endpoint(0).unwrap();
+        for i in 0..N {
+            let seed = u64::from(f.rank()) << 32 | i;
+            ep.send(6, pattern(size(i), seed)).await.unwrap();
         }
     }
     f.barrier().await.unwrap();
@@ -760,7 +797,16 @@ fn a_stream_of_mid_sized_messages_mixes_single_copies_and_fragments_in_order() {
 
 #[test]
 fn messages_of_every_path_land_in_lent_buffers_and_buffers_of_their_own() {
-    assert_ok(&spawn_job(2, "lend", &[]).wait(Duration::from_secs(120)));
+    let outs = spawn_job(2, "lend", &[]).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |k: &str| -> u64 { value(&outs[1], k).unwrap().parse().unwrap() };
+    assert!(n("recvs") >= 3300, "every message counted: {}", n("recvs"));
+    assert!(n("direct_ring") > 0, "some taken straight from a fragment");
+}
+
+#[test]
+fn two_senders_stream_into_one_lending_receiver() {
+    assert_ok(&spawn_job(3, "lend_two", &[]).wait(Duration::from_secs(120)));
 }
 
 #[test]

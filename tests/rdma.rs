@@ -137,8 +137,9 @@ async fn sizes(f: Fabric) {
 }
 
 /// Sizes around the largest message delivered straight from its receive
-/// buffer (4 KiB) and the smallest one that keeps it.
-const LEND_SIZES: [usize; 7] = [0, 1, 8, 100, 4095, 4096, 4097];
+/// buffer and the smallest one that keeps it (half a default receive
+/// buffer: 8208 bytes).
+const LEND_SIZES: [usize; 9] = [0, 1, 8, 100, 4096, 8191, 8207, 8208, 8209];
 
 /// Rank 0 sends a stream of messages of `LEND_SIZES` in turn; rank 1 takes
 /// them alternately into a buffer it lends (`recv_into`) and as messages of

@@ -890,26 +890,26 @@ impl Dispatcher {
         self.policy.touch();
     }
 
-    /// Whether this thread's inline receiver of `tag` (on this dispatcher)
-    /// has been handed a message into the buffer it lent: its poll ends
-    /// with that one, so a transport may leave the next in place for the
-    /// receiver's next look (see `Transport::take_direct`) instead of
-    /// copying it into a buffer of its own.
-    pub(crate) fn lent_taken(&self, tag: Tag) -> bool {
+    /// The sender of the message this thread's inline receiver of `tag`
+    /// (on this dispatcher) was handed into the buffer it lent, if it was:
+    /// its poll ends with that one, so a transport may leave that sender's
+    /// next message in place for the receiver's next look (see
+    /// `Transport::take_direct`) instead of copying it into a buffer of its
+    /// own.
+    pub(crate) fn lent_taken(&self, tag: Tag) -> Option<Rank> {
         INLINE
             .try_with(|c| {
                 let c = c.try_borrow().ok()?;
                 let i = c.as_ref()?;
-                Some(
-                    i.disp == self as *const Dispatcher as usize
-                        && i.tag == tag
-                        && i.lent.is_some()
-                        && i.lent_src.is_some(),
-                )
+                let ours = i.disp == self as *const Dispatcher as usize && i.tag == tag;
+                if ours && i.lent.is_some() {
+                    i.lent_src
+                } else {
+                    None
+                }
             })
             .ok()
             .flatten()
-            .unwrap_or(false)
     }
 
     /// Whether [`hand_over`](Self::hand_over) would take a message of

@@ -205,7 +205,7 @@ impl Core {
     }
 
     /// See `Dispatcher::lent_taken`.
-    pub(crate) fn lent_taken(&self, tag: u64) -> bool {
+    pub(crate) fn lent_taken(&self, tag: u64) -> Option<Rank> {
         self.dispatcher.lent_taken(tag)
     }
 

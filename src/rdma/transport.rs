@@ -320,6 +320,12 @@ fn recycle(spare: &mut Vec<Vec<u8>>, mut frame: Vec<u8>) {
 /// after its header, rather than copied into a frame.
 const SEND_IN_PLACE: usize = 1024;
 
+/// Receive buffers at most whose posting again waits for the next progress
+/// call: the spare buffers each peer has beyond its credits (see
+/// `post_receives`), so a sender given its credits back always finds as
+/// many buffers posted.
+const DEFERRED_MAX: usize = 4;
+
 /// An eager body at least this large keeps the buffer it arrived in
 /// (another is posted in its place) rather than being copied out: the
 /// copy costs more than taking a recycled buffer.
@@ -395,6 +401,9 @@ struct State {
     /// Receive buffers whose frames were taken, to be posted again at the
     /// start of the next progress call (see `on_completion`).
     returned: Vec<(Vec<u8>, Ctx)>,
+    /// Receive buffers not posted again yet (`returned`, and those
+    /// delivered from, `Turn::spent`): at most [`DEFERRED_MAX`].
+    deferred: usize,
     /// Peers to declare lost once the lock is released (found where
     /// `lose` cannot run).
     lose_later: Vec<(Rank, String)>,
@@ -633,6 +642,7 @@ impl RdmaTransport {
                 next_cookie: 1,
                 unposted: Vec::new(),
                 returned: Vec::new(),
+                deferred: 0,
                 lose_later: Vec::new(),
                 spare: Vec::new(),
                 frames: Vec::new(),
@@ -676,7 +686,7 @@ impl RdmaTransport {
 
     /// Post receive buffers for every peer's credits.
     fn post_receives(&self, peers: usize) {
-        let n = (peers * (self.config.credits as usize + 4)).clamp(16, MAX_POSTED);
+        let n = (peers * (self.config.credits as usize + DEFERRED_MAX)).clamp(16, MAX_POSTED);
         let mut st = lock(&self.st);
         for _ in 0..n {
             let mut buf = self.core.buffers().take_exact(self.config.eager);
@@ -1174,19 +1184,26 @@ impl RdmaTransport {
                 Body::Eager(data) | Body::Part(data) => {
                     let piece = matches!(body, Body::Part(_));
                     let next = ahead == 0 && ps.arrived.is_empty() && !piece;
+                    // The posted buffer becomes the message's (it is at
+                    // most twice the message, as a pooled one would be).
+                    let keeps = data.len() >= KEEP_BUFFER && 2 * data.len() >= frame.capacity();
                     if next
                         && kind == Kind::User
-                        && data.len() < KEEP_BUFFER
+                        && !keeps
+                        && st.deferred < DEFERRED_MAX
                         && self.core.has_room(h.tag, data.len())
                     {
-                        // In order with nothing before it, and small: the
-                        // caller delivers it from the receive buffer.
+                        // In order with nothing before it, and copied out
+                        // anyway: the caller delivers it from the receive
+                        // buffer, posted again by the next progress call.
                         let at = data.as_ptr() as usize - frame.as_ptr() as usize;
+                        st.deferred += 1;
+                        let ps = &mut st.peers[rank as usize];
                         ps.expect = ps.expect.wrapping_add(1);
                         ps.owed += 1;
                         return Some((rank, h.tag, at));
                     }
-                    let b = if data.len() >= KEEP_BUFFER && 2 * data.len() >= frame.capacity() {
+                    let b = if keeps {
                         // The posted buffer becomes the message's (it is at
                         // most twice the message, as a pooled one would be).
                         let buf = std::mem::take(frame);
@@ -1420,11 +1437,15 @@ impl RdmaTransport {
                     // The message kept the buffer: post another.
                     buf = self.core.buffers().take_exact(self.config.eager);
                 }
-                // Posted again by the next progress call, not this one:
-                // the provider's receive call is then off the path from
-                // this message to its receiver (and to a reply), and every
-                // other buffer stays posted meanwhile.
-                st.returned.push((buf, ctx));
+                if st.deferred < DEFERRED_MAX {
+                    // Posted again by the next progress call, not this one:
+                    // the provider's receive call is then off the path from
+                    // this message to its receiver (and to a reply).
+                    st.deferred += 1;
+                    st.returned.push((buf, ctx));
+                } else {
+                    self.repost(st, buf, ctx);
+                }
             }
             Op::Send {
                 peer, ctx, frame, ..
@@ -1719,6 +1740,7 @@ impl Drop for RdmaTransport {
                 next_cookie: 0,
                 unposted: Vec::new(),
                 returned: Vec::new(),
+                deferred: 0,
                 lose_later: Vec::new(),
                 spare: Vec::new(),
                 frames: Vec::new(),
@@ -1987,6 +2009,7 @@ impl Transport for RdmaTransport {
             for (buf, ctx) in turn.spent.drain(..) {
                 self.repost(&mut st, buf, ctx);
             }
+            st.deferred = 0;
             let mut cqe = [Cqe {
                 ctx: std::ptr::null_mut(),
                 flags: 0,

@@ -411,9 +411,11 @@ impl RxState {
                     // A whole user message in this fragment: copied once,
                     // into its receiver's lent buffer if one waits on this
                     // thread, or into a pooled one.
-                    if t.core.lent_taken(h.tag) {
-                        // That receiver took one already this poll: it
-                        // takes this one from here at its next look.
+                    if t.core.lent_taken(h.tag) == Some(p.rank) {
+                        // That receiver took this sender's previous one
+                        // this poll: it takes this one from here at its
+                        // next look. (Another sender's is served as
+                        // usual, so none waits on another's stream.)
                         return Step::Later;
                     }
                     let len = h.len as usize;

@@ -201,6 +201,9 @@ impl RxState {
                         // empty): taken from there if it is whole and ours.
                         let src = self.ring_direct(t, p, tag, buf)?;
                         self.direct_run += 1;
+                        // Under `rx`, its only writer.
+                        let c = &t.counters.direct_ring_recvs;
+                        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
                         if !p.heard.load(Ordering::Relaxed) {
                             p.heard.store(true, Ordering::Relaxed);
                         }

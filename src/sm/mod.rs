@@ -175,6 +175,8 @@ pub(crate) struct SmCounters {
     /// Written only under the `rx` lock (a load and a store: no locked
     /// instruction on the receive path); added to `Stats::recvs` too.
     pub(crate) fast_box_recvs: std::sync::atomic::AtomicU64,
+    /// As `fast_box_recvs`, for `RxState::ring_direct`.
+    pub(crate) direct_ring_recvs: std::sync::atomic::AtomicU64,
     pub(crate) rendezvous_sends: std::sync::atomic::AtomicU64,
     pub(crate) split_tails_written: std::sync::atomic::AtomicU64,
     pub(crate) split_tails_taken_back: std::sync::atomic::AtomicU64,
@@ -508,6 +510,7 @@ impl Transport for SmTransport {
         let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         let m = &mut s.sm;
         m.fast_box_recvs = g(&c.fast_box_recvs);
+        m.direct_ring_recvs = g(&c.direct_ring_recvs);
         m.rendezvous_sends = g(&c.rendezvous_sends);
         m.split_tails_written = g(&c.split_tails_written);
         m.split_tails_taken_back = g(&c.split_tails_taken_back);
@@ -516,7 +519,10 @@ impl Transport for SmTransport {
         m.stale_segments_removed = g(&c.stale_segments_removed);
         m.unsealed_memory_refused = g(&c.unsealed_memory_refused);
         m.share_requests_refused = share::refused_requests();
-        s.recvs = s.recvs.wrapping_add(m.fast_box_recvs);
+        s.recvs = s
+            .recvs
+            .wrapping_add(m.fast_box_recvs)
+            .wrapping_add(m.direct_ring_recvs);
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -8,6 +8,10 @@ pub struct SmStats {
     /// no fragment) rather than through fragments; counted in
     /// `Stats::recvs` too.
     pub fast_box_recvs: u64,
+    /// Messages taken from a single fragment straight into a receiver's
+    /// lent buffer (`recv_into`) with no progress turn; counted in
+    /// `Stats::recvs` too.
+    pub direct_ring_recvs: u64,
     /// Large messages sent by rendezvous: announced, then copied by the
     /// receiver straight from the sender's memory (single copy, CMA).
     pub rendezvous_sends: u64,

@@ -72,9 +72,9 @@ fn wrong_length(got: usize, want: usize) -> Error {
 /// buffer: the one copy then lands there); the others as the transport's
 /// own buffer (`recv`, no copy). Copied anyway are messages below 16 KiB
 /// over `sm` and `smcuda` (a larger one goes by single copy into a buffer
-/// the receiver is handed) and below 4 KiB over `rdma` (from there it hands
-/// over the receive buffer the message arrived in); `udp` hands over a
-/// slice of the datagram.
+/// the receiver is handed) and up to 8 KiB over `rdma` (with its default
+/// 16 KiB receive buffers; from half a buffer it hands over the buffer the
+/// message arrived in); `udp` hands over a slice of the datagram.
 pub struct BtlWire {
     ep: Endpoint,
     rx: Receiver,
@@ -149,7 +149,7 @@ const INLINE_MAX: usize = 1024;
 const SM_RECV_INTO_MAX: usize = 16 * 1024 - 1;
 
 /// The same over `rdma`.
-const RDMA_RECV_INTO_MAX: usize = 4 * 1024 - 1;
+const RDMA_RECV_INTO_MAX: usize = 8 * 1024;
 
 impl Wire for BtlWire {
     async fn send(&mut self, len: usize) -> Result<()> {
