@@ -1406,15 +1406,17 @@ impl RdmaTransport {
     }
 
     /// A completion: find its operation and finish it.
+    /// Whether it did anything besides giving back a sent frame (see
+    /// `progress`).
     fn on_completion(
         &self,
         st: &mut State,
         e: &Cqe,
         out: &mut Vec<Delivery>,
         lost: &mut Vec<(Rank, String, Loss)>,
-    ) {
+    ) -> bool {
         let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
-            return;
+            return false;
         };
         match &op {
             Op::Rma(o) => st.peers[o.peer as usize].posted -= 1,
@@ -1431,7 +1433,7 @@ impl RdmaTransport {
                 if let Some((rank, tag, at)) = self.on_receive(st, e.src, &mut buf, out, lost) {
                     // A small user message, delivered from the buffer.
                     out.push((rank, Kind::User, tag, Data::Frame { buf, ctx, at }));
-                    return;
+                    return true;
                 }
                 if buf.capacity() == 0 {
                     // The message kept the buffer: post another.
@@ -1446,6 +1448,7 @@ impl RdmaTransport {
                 } else {
                     self.repost(st, buf, ctx);
                 }
+                true
             }
             Op::Send {
                 peer, ctx, frame, ..
@@ -1456,6 +1459,7 @@ impl RdmaTransport {
                     st.spare.push(ctx);
                 }
                 recycle(&mut st.frames, frame);
+                false
             }
             Op::Rma(op) => {
                 bump(if op.write {
@@ -1464,6 +1468,7 @@ impl RdmaTransport {
                     &self.counters.reads
                 });
                 op.done.complete(Ok(()));
+                true
             }
             Op::Fetch(mut op) => {
                 let ps = &mut st.peers[op.peer as usize];
@@ -1484,6 +1489,7 @@ impl RdmaTransport {
                     Some(op.rts.cookie),
                 );
                 ps.ctrl.push_back(fin);
+                true
             }
         }
     }
@@ -1995,6 +2001,11 @@ impl Transport for RdmaTransport {
         };
         let mut work = 0;
         let mut out = std::mem::take(&mut turn.out);
+        // Completions read, and of those the ones that did something a
+        // waiter may look for (all but those of eager sends, which only
+        // give back their buffers): a poller that sees only the latter's
+        // work polls on instead of ending its turn.
+        let mut seen = 0;
         let mut lost = Vec::new();
         {
             let mut st = lock(&self.st);
@@ -2020,9 +2031,11 @@ impl Transport for RdmaTransport {
                 match self.ep.read_cq(&mut cqe) {
                     Read::Done(0) => break,
                     Read::Done(n) => {
-                        work += n;
+                        seen += n;
                         for e in &cqe[..n] {
-                            self.on_completion(&mut st, e, &mut out, &mut lost);
+                            if self.on_completion(&mut st, e, &mut out, &mut lost) {
+                                work += 1;
+                            }
                         }
                         if n < cqe.len() {
                             // The queue is drained: reading it again costs
@@ -2048,7 +2061,7 @@ impl Transport for RdmaTransport {
             let backlog = || {
                 self.backlog.load(Ordering::Relaxed) && self.backlog.swap(false, Ordering::Relaxed)
             };
-            if work > 0 || backlog() {
+            if seen > 0 || backlog() {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
                     self.repost(&mut st, buf, ctx);
                 }
