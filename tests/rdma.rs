@@ -156,22 +156,9 @@ async fn lend(f: Fabric) {
         let mut rx = f.receiver(5).unwrap();
         let mut kept = Vec::new();
         for i in 0..N {
+            let what = format!("message {i} ({} bytes)", size(i));
             let want = pattern(size(i), i);
-            if i % 2 == 0 {
-                assert_eq!(rx.recv_into(&mut kept).await.unwrap(), 0);
-                assert!(
-                    kept == want,
-                    "message {i} ({} bytes) lent: wrong bytes",
-                    size(i)
-                );
-            } else {
-                let m = rx.recv().await.unwrap();
-                assert!(
-                    m.data == want,
-                    "message {i} ({} bytes): wrong bytes",
-                    size(i)
-                );
-            }
+            recv_checked(&mut rx, &mut kept, i % 2 == 0, 0, &want, &what).await;
         }
     }
     f.barrier().await.unwrap();

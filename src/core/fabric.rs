@@ -339,12 +339,11 @@ impl Core {
     /// once the pool is warm).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn deliver_copy(&self, src: Rank, tag: u64, bytes: &[u8]) {
-        self.counters.add(crate::core::stats::Hot::Recvs);
         let make = SliceCopy {
             bytes,
             pool: self.buffers(),
         };
-        self.dispatcher.deliver_payload(src, tag, bytes.len(), make);
+        self.deliver_with(src, tag, bytes.len(), make);
     }
 
     /// A complete message arrived from `src`.

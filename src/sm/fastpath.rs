@@ -200,18 +200,7 @@ impl RxState {
                         // A user message waits in the ring (the box is
                         // empty): taken from there if it is whole and ours.
                         let src = self.ring_direct(t, p, tag, buf)?;
-                        self.direct_run += 1;
-                        // Under `rx`, its only writer.
-                        let c = &t.counters.direct_ring_recvs;
-                        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-                        if !p.heard.load(Ordering::Relaxed) {
-                            p.heard.store(true, Ordering::Relaxed);
-                        }
-                        if t.peer_asleep(p) {
-                            t.notify(p);
-                        } else {
-                            self.owed[l] = true;
-                        }
+                        self.took_direct(t, p, &t.counters.direct_ring_recvs);
                         return Some(src);
                     }
                     _ => return None,
@@ -221,28 +210,33 @@ impl RxState {
                 // After the copy, under `rx` (see the order argument in
                 // `fbox`).
                 b.consume(st, found.len);
-                self.direct_run += 1;
-                if !p.heard.load(Ordering::Relaxed) {
-                    p.heard.store(true, Ordering::Relaxed);
-                }
-                // Under `rx`, its only writer (see
-                // `SmCounters::fast_box_recvs`).
-                let c = &t.counters.fast_box_recvs;
-                c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-                // The doorbell: a sender asleep waiting for room is rung
-                // now. The fenced check that catches one arming meanwhile
-                // (`notify`) is left to the next progress call, which comes
-                // within `DIRECT_RUN` takes (or from the progress task), so
-                // a stream of direct takes pays no fence per message.
-                if t.peer_asleep(p) {
-                    t.notify(p);
-                } else {
-                    self.owed[l] = true;
-                }
+                self.took_direct(t, p, &t.counters.fast_box_recvs);
                 return Some(p.rank);
             }
         }
         None
+    }
+
+    /// After a direct take from `p` (box or ring): count it in `counter`
+    /// (written under `rx` only), note that we heard from `p`, and ring
+    /// its doorbell if it sleeps waiting for room. The fenced check that
+    /// catches one arming meanwhile (`notify`) is left to the next progress
+    /// call, which comes within `DIRECT_RUN` takes (or from the progress
+    /// task), so a stream of direct takes pays no fence per message.
+    fn took_direct(&mut self, t: &SmTransport, p: &SmPeer, counter: &std::sync::atomic::AtomicU64) {
+        self.direct_run += 1;
+        counter.store(
+            counter.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::Relaxed,
+        );
+        if !p.heard.load(Ordering::Relaxed) {
+            p.heard.store(true, Ordering::Relaxed);
+        }
+        if t.peer_asleep(p) {
+            t.notify(p);
+        } else {
+            self.owed[p.local as usize] = true;
+        }
     }
 
     /// Take up to `max` user messages from the sender's fast box under one

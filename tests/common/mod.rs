@@ -224,6 +224,27 @@ pub async fn send_sizes(ep: &async_btl::Endpoint, tag: u64, sizes: &[usize], inl
     }
 }
 
+/// Take the next message on `rx` into `kept` (`recv_into`, with `lend`)
+/// or as a message of its own (`recv`), and check that it came from
+/// `src` with the bytes `want`; `what` names it in a failure.
+pub async fn recv_checked(
+    rx: &mut async_btl::Receiver,
+    kept: &mut Vec<u8>,
+    lend: bool,
+    src: async_btl::Rank,
+    want: &[u8],
+    what: &str,
+) {
+    if lend {
+        assert_eq!(rx.recv_into(kept).await.unwrap(), src, "{what}: sender");
+        assert!(kept[..] == want[..], "{what} lent: wrong bytes");
+    } else {
+        let m = rx.recv().await.unwrap();
+        assert_eq!(m.src, src, "{what}: sender");
+        assert!(m.data[..] == want[..], "{what}: wrong bytes");
+    }
+}
+
 /// Receive what [`send_sizes`] sent from `src`, checking every length and
 /// every byte, in order.
 pub async fn expect_sizes(
