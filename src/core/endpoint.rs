@@ -1162,10 +1162,13 @@ impl Flush {
     /// Whether the peer took everything: `Some` when the flush is over.
     fn over(&self) -> Option<Result<()>> {
         let peer = self.ep.peer;
-        if let Some(reason) = self.ep.core.lost_reason(peer) {
-            return Some(Err(Error::PeerLost { rank: peer, reason }));
+        // (The flag without a lock first: a flush spins on this.)
+        if self.ep.core.is_gone(peer) {
+            if let Some(reason) = self.ep.core.lost_reason(peer) {
+                return Some(Err(Error::PeerLost { rank: peer, reason }));
+            }
         }
-        if !self.ep.link.has_queued() && self.ep.core.rma.outstanding(peer) == 0 {
+        if !self.ep.link.has_queued() && self.ep.core.rma.idle(peer) {
             return Some(self.ep.core.rma.take_failure(peer).map_or(Ok(()), Err));
         }
         if self.ep.core.is_closed() {
