@@ -408,6 +408,8 @@ pub mod rma_kind {
 struct Wire {
     peer: Rank,
     sent: Mutex<Vec<(Kind, u64, Bytes)>>,
+    /// What one message built in place may hold (0: none is).
+    room: usize,
 }
 
 #[async_trait::async_trait]
@@ -425,6 +427,27 @@ impl Link for Wire {
     fn submit(&self, kind: Kind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
         lock(&self.sent).push((kind, tag, data));
         Ok(None)
+    }
+    fn fill_room(&self) -> usize {
+        self.room
+    }
+    fn try_send_filled(
+        &self,
+        kind: Kind,
+        tag: u64,
+        head: &[u8],
+        len: usize,
+        fill: &mut dyn FnMut(crate::sys::mem::RawBuf) -> Result<()>,
+    ) -> Result<bool> {
+        if self.room == 0 || head.len() + len > self.room {
+            return Ok(false);
+        }
+        let body = crate::sys::mem::HeapBuf::from_vec(vec![0u8; len]);
+        fill(body.raw())?;
+        let mut data = head.to_vec();
+        body.raw().read_into(0, len, &mut data)?;
+        lock(&self.sent).push((kind, tag, Bytes::from(data)));
+        Ok(true)
     }
     fn has_queued(&self) -> bool {
         false
@@ -446,6 +469,9 @@ pub struct RmaPair {
     to_tgt: Wire,
     to_ini: Wire,
     done: Vec<Arc<Completion>>,
+    /// Hand messages over where they lie (`Rma::handle_in_place`, as `sm`
+    /// does from its fragments) rather than as owned bytes.
+    in_place: bool,
 }
 
 /// An honest operation's outcome, once answered.
@@ -479,12 +505,37 @@ impl RmaPair {
             to_tgt: Wire {
                 peer: 1,
                 sent: Mutex::new(Vec::new()),
+                room: 0,
             },
             to_ini: Wire {
                 peer: 0,
                 sent: Mutex::new(Vec::new()),
+                room: 0,
             },
             done: Vec::new(),
+            in_place: false,
+        }
+    }
+
+    /// Hand every message over where it lies, as `sm` hands over a
+    /// message in one fragment (`true`), or as owned bytes (`false`, the
+    /// default).
+    pub fn set_in_place(&mut self, on: bool) {
+        self.in_place = on;
+        // Messages built in place of at most this many bytes: puts of up
+        // to 255 bytes go in parts, gets in several answers.
+        let room = if on { 100 } else { 0 };
+        self.to_tgt.room = room;
+        self.to_ini.room = room;
+    }
+
+    /// Give `rma` a message from `src` over `link`, as set.
+    fn carry(&self, rma: &Rma, link: &Wire, src: u32, kind: Kind, id: u64, data: Bytes) {
+        if self.in_place {
+            let buf = crate::sys::mem::HeapBuf::from_vec(data.to_vec());
+            rma.handle_in_place(link, src, kind, id, buf.raw());
+        } else {
+            rma.handle(link, src, kind, id, data);
         }
     }
 
@@ -518,7 +569,7 @@ impl RmaPair {
             &self.to_tgt,
             &key,
             offset,
-            (src.raw(), 0, data.len()),
+            (core_rma::PutSrc::Host(src.raw()), 0, data.len()),
             c.clone(),
         );
         // The request holds a copy of the data: `src` may go.
@@ -560,7 +611,7 @@ impl RmaPair {
         let msgs = std::mem::take(&mut *lock(&self.to_tgt.sent));
         let n = msgs.len();
         for (kind, id, data) in msgs {
-            self.tgt.handle(&self.to_ini, 0, kind, id, data);
+            self.carry(&self.tgt, &self.to_ini, 0, kind, id, data);
         }
         n
     }
@@ -570,7 +621,7 @@ impl RmaPair {
         let msgs = std::mem::take(&mut *lock(&self.to_ini.sent));
         let n = msgs.len();
         for (kind, id, data) in msgs {
-            self.ini.handle(&self.to_tgt, 1, kind, id, data);
+            self.carry(&self.ini, &self.to_tgt, 1, kind, id, data);
         }
         n
     }
@@ -578,16 +629,16 @@ impl RmaPair {
     /// Any message to the target (from rank 0): `kind` as it travels.
     pub fn forge_request(&self, kind: u8, id: u64, data: &[u8]) {
         if let Some(kind) = Kind::from_u8(kind) {
-            self.tgt
-                .handle(&self.to_ini, 0, kind, id, Bytes::copy_from_slice(data));
+            let data = Bytes::copy_from_slice(data);
+            self.carry(&self.tgt, &self.to_ini, 0, kind, id, data);
         }
     }
 
     /// Any message to the initiator (from rank 1).
     pub fn forge_answer(&self, kind: u8, id: u64, data: &[u8]) {
         if let Some(kind) = Kind::from_u8(kind) {
-            self.ini
-                .handle(&self.to_tgt, 1, kind, id, Bytes::copy_from_slice(data));
+            let data = Bytes::copy_from_slice(data);
+            self.carry(&self.ini, &self.to_tgt, 1, kind, id, data);
         }
     }
 

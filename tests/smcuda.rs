@@ -447,6 +447,9 @@ async fn putget(f: Fabric) {
         ep.send(9, &b"written"[..]).await.unwrap();
     }
     f.barrier().await.unwrap();
+    let s = f.stats();
+    println!("sent_in_place={}", s.emulated_sent_in_place);
+    println!("landed_in_place={}", s.emulated_landed_in_place);
     f.close().await.unwrap();
 }
 
@@ -718,6 +721,33 @@ fn refused_ipc_stages_every_operation_through_the_host() {
     assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 5);
     let log = String::from_utf8_lossy(&outs[0].stderr);
     assert!(log.contains("MIG"), "the reason is logged: {log}");
+}
+
+/// Staged through the host, device memory is read by the device straight
+/// into the `sm` fragments of put requests and get answers, and written
+/// from the fragments they arrive in, and those fragments are pinned: with
+/// `pinned-only` the double refuses any such copy with unpinned host
+/// memory, which would fail the operation.
+#[test]
+fn staged_device_memory_goes_through_pinned_fragments() {
+    let outs = job(2, "putget", "mig,pinned-only").wait(Duration::from_secs(90));
+    assert_ok(&outs);
+    let n = |o: &std::process::Output, k: &str| -> u64 { value(o, k).unwrap().parse().unwrap() };
+    assert_eq!(n(&outs[0], "direct_puts"), 0);
+    for (rank, o) in outs.iter().enumerate() {
+        // Rank 0's puts and rank 1's get answers are built in place; each
+        // lands at the other in place.
+        assert!(
+            n(o, "sent_in_place") >= 10,
+            "rank {rank}: {}",
+            n(o, "sent_in_place")
+        );
+        assert!(
+            n(o, "landed_in_place") >= 10,
+            "rank {rank}: {}",
+            n(o, "landed_in_place")
+        );
+    }
 }
 
 /// `putget` with `BTL_SMCUDA_IPC=off` passed, every operation staged.

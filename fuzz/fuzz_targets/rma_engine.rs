@@ -1,4 +1,6 @@
-//! Feeds emulated RMA messages through the real entry point, `Rma::handle`,
+//! Feeds emulated RMA messages through the real entry points,
+//! `Rma::handle` and (as `sm` hands over a message in one fragment)
+//! `Rma::handle_in_place`,
 //! of an initiator and a target joined by recording links: honest puts,
 //! gets and atomics the initiator starts, and forged requests and answers
 //! of any kind and bytes. Nothing may panic or touch memory outside a
@@ -68,6 +70,9 @@ fn apply(model: &mut [u8], op: &Op) {
 fuzz_target!(|data: &[u8]| {
     let mut input = Input(data);
     let mut pair = RmaPair::new(LEN, LEN);
+    // Messages handed over as owned bytes, or where they lie (as `sm`
+    // hands over one in a fragment).
+    pair.set_in_place(input.u8() & 1 == 1);
     let key = pair.key();
     let mut model = vec![0u8; LEN];
     let mut queued: Vec<Op> = Vec::new();

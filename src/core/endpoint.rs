@@ -12,6 +12,7 @@ use crate::core::completion::Completion;
 use crate::core::dispatch::OP_UNSEEN;
 use crate::core::fabric::Core;
 use crate::core::region::{MemoryRegion, RemoteKey};
+use crate::core::rma::PutSrc;
 use crate::core::stats::{Counters, Hot};
 use crate::sys::mem::AtomicOp;
 use crate::transport::{Kind, Link, Local, Native, OneSided};
@@ -411,7 +412,7 @@ impl Endpoint {
         let done = (!implicit).then(Completion::new);
         if put {
             c.add(Hot::EmulatedPuts);
-            let src = (local.inner.raw(), range.start as u64, len);
+            let src = (PutSrc::Host(local.inner.raw()), range.start as u64, len);
             match &done {
                 Some(d) => rma.start_put(link, &key.id, offset, src, d.clone()),
                 None => rma.put_implicit(link, &key.id, offset, src)?,

@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::core::dispatch::{Dispatcher, Message, Receiver};
 use crate::core::endpoint::Endpoint;
 use crate::core::region::{MemoryRegion, RegionTable};
-use crate::core::rma::Rma;
+use crate::core::rma::{PutSrc, Rma};
 use crate::exchange::AddressExchange;
 
 use crate::core::stats::{Counters, Stats};
@@ -244,7 +244,9 @@ impl Core {
         done: Arc<crate::core::completion::Completion>,
     ) {
         self.counters.add(crate::core::stats::Hot::EmulatedPuts);
-        self.rma.start_put(link, key, offset, src, done);
+        let (raw, at, len) = src;
+        self.rma
+            .start_put(link, key, offset, (PutSrc::Host(raw), at, len), done);
     }
 
     /// Emulate a get into `dst` from the peer's region `key` at `offset`
@@ -283,12 +285,10 @@ impl Core {
         Counters::bump(&self.counters.staged_device_ops);
         if put {
             self.counters.add(crate::core::stats::Hot::EmulatedPuts);
-            // The source, staged in host memory: the request copies it out
-            // before this returns.
-            let mut staged = Vec::with_capacity(len);
-            region.read_to(at, len, &mut staged)?;
-            let heap = crate::sys::mem::HeapBuf::from_vec(staged);
-            let src = (heap.raw(), 0, len);
+            // Read through the device straight into each request (into a
+            // fragment of `sm`, where it builds them in place) before this
+            // returns.
+            let src = (PutSrc::Region(region.clone()), at, len);
             match done {
                 Some(d) => self.rma.start_put(link, key, offset, src, d),
                 None => self.rma.put_implicit(link, key, offset, src)?,
@@ -347,6 +347,32 @@ impl Core {
     }
 
     /// A complete message arrived from `src`.
+    /// [`on_message`](Self::on_message) of a message whose bytes stay
+    /// where they arrived (`body`: a fragment of `sm`, valid until this
+    /// returns). A put's request or part and a get's answer land in their
+    /// region from there (device memory through the device); any other
+    /// kind is copied out first.
+    pub(crate) fn on_message_in_place(
+        &self,
+        link: &dyn Link,
+        src: Rank,
+        kind: Kind,
+        tag: u64,
+        body: crate::sys::mem::RawBuf,
+    ) {
+        match kind {
+            Kind::PutReq | Kind::PutPart | Kind::GetResp => {
+                self.rma.handle_in_place(link, src, kind, tag, body)
+            }
+            _ => {
+                let mut data = Vec::with_capacity(body.len());
+                if body.read_into(0, body.len(), &mut data).is_ok() {
+                    self.on_message(link, src, kind, tag, Bytes::from(data));
+                }
+            }
+        }
+    }
+
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {
             Kind::User => self.deliver(src, tag, data),

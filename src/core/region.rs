@@ -278,6 +278,12 @@ pub(crate) trait DeviceMemory: Send + Sync {
     fn read(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
     /// Copy `src` in at `offset` from the host (blocking).
     fn write(&self, offset: u64, src: &[u8]) -> std::result::Result<(), String>;
+    /// Copy `dst.len()` bytes at `offset` out into host memory a peer may
+    /// also reach (a fragment of `sm`), blocking.
+    fn read_raw(&self, offset: u64, dst: RawBuf) -> std::result::Result<(), String>;
+    /// Copy `src` (host memory a peer may also reach) in at `offset`,
+    /// blocking.
+    fn write_raw(&self, offset: u64, src: RawBuf) -> std::result::Result<(), String>;
     /// The transport's own type, for its own operations.
     fn as_any(&self) -> &dyn Any;
 }
@@ -333,6 +339,31 @@ impl RegionInner {
                 d.write(off, src).map_err(AccessError::NotPermitted)
             }
             None => self.raw.write(off, src),
+        }
+    }
+
+    /// Write the bytes of `src` at `off`, straight from where they are
+    /// (a message's bytes in a fragment of `sm`, not copied out first):
+    /// device memory through the device, host memory by one copy.
+    pub(crate) fn write_from(&self, off: u64, src: RawBuf) -> Result<(), AccessError> {
+        match &self.device {
+            Some(d) => {
+                self.check_range(off, src.len())?;
+                d.write_raw(off, src).map_err(AccessError::NotPermitted)
+            }
+            None => self.raw.copy_from(off, &src, 0, src.len()),
+        }
+    }
+
+    /// Copy `dst.len()` bytes at `off` straight into `dst` (a fragment of
+    /// `sm` a message is built in): device memory through the device.
+    pub(crate) fn read_raw(&self, off: u64, dst: RawBuf) -> Result<(), AccessError> {
+        match &self.device {
+            Some(d) => {
+                self.check_range(off, dst.len())?;
+                d.read_raw(off, dst).map_err(AccessError::NotPermitted)
+            }
+            None => dst.copy_from(0, &self.raw, off, dst.len()),
         }
     }
 

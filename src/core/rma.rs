@@ -57,6 +57,73 @@ enum Pending {
     Atomic,
 }
 
+/// Where an emulated put's bytes come from.
+#[derive(Clone)]
+pub(crate) enum PutSrc {
+    /// Host memory.
+    Host(RawBuf),
+    /// A region, read through its device when it is device memory (the
+    /// host-staged path of `smcuda`).
+    Region(Arc<RegionInner>),
+}
+
+impl PutSrc {
+    /// Append `n` bytes from `off` to `buf`.
+    fn append(&self, off: u64, n: usize, buf: &mut Vec<u8>) -> Result<(), AccessError> {
+        match self {
+            PutSrc::Host(raw) => raw.read_into(off, n, buf),
+            PutSrc::Region(r) => r.read_to(off, n, buf),
+        }
+    }
+
+    /// Copy `dst.len()` bytes from `off` straight into `dst`.
+    fn copy_to(&self, off: u64, dst: RawBuf) -> Result<(), AccessError> {
+        match self {
+            PutSrc::Host(raw) => dst.copy_from(0, raw, off, dst.len()),
+            PutSrc::Region(r) => r.read_raw(off, dst),
+        }
+    }
+}
+
+/// The bytes of a request or answer after its header: in hand, or where
+/// they arrived (a fragment of `sm`, see [`Rma::handle_in_place`]).
+#[derive(Clone, Copy)]
+enum Payload<'a> {
+    Slice(&'a [u8]),
+    Raw(RawBuf),
+}
+
+impl Payload<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Slice(s) => s.len(),
+            Payload::Raw(r) => r.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Write the bytes into `region` at `off`.
+    fn write_into(&self, region: &RegionInner, off: u64) -> Result<(), AccessError> {
+        match self {
+            Payload::Slice(s) => region.write_at(off, s),
+            Payload::Raw(r) => region.write_from(off, *r),
+        }
+    }
+
+    /// The bytes as a little-endian word, if there are 8.
+    fn word(&self) -> Option<u64> {
+        let mut w = [0u8; 8];
+        match self {
+            Payload::Slice(s) => w.copy_from_slice(s.get(..8).filter(|_| s.len() == 8)?),
+            Payload::Raw(r) => r.read(0, &mut w).ok().filter(|_| r.len() == 8)?,
+        }
+        Some(u64::from_le_bytes(w))
+    }
+}
+
 struct Op {
     peer: Rank,
     /// When it was registered, in ms since [`Rma::epoch`].
@@ -327,7 +394,7 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        src: (RawBuf, u64, usize),
+        src: (PutSrc, u64, usize),
         done: Arc<Completion>,
     ) {
         // A failure to send completes `done` (see `send`).
@@ -341,7 +408,7 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        src: (RawBuf, u64, usize),
+        src: (PutSrc, u64, usize),
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
         let id = self.register(link.peer(), Pending::Put, done);
@@ -349,32 +416,60 @@ impl Rma {
     }
 
     /// Send the request(s) of a put with `id` (0: implicit): one request,
-    /// or from [`PUT_PART`] bytes a part at a time. A part that cannot be
-    /// sent fails the put (see `send`) and no more parts go.
+    /// or from [`PUT_PART`] bytes a part at a time (from what one message
+    /// built in place holds, where the link builds them: see
+    /// [`Link::fill_room`]). A part that cannot be sent fails the put (see
+    /// `send`) and no more parts go.
     fn send_put(
         &self,
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        src: (RawBuf, u64, usize),
+        src: (PutSrc, u64, usize),
         id: u64,
     ) -> Result<()> {
-        let (raw, src_off, len) = src;
-        if len <= PUT_PART {
-            let body = self.put_request(key, offset, src);
-            return self.send(link, Kind::PutReq, id, body);
+        let (src, src_off, len) = src;
+        let (single, part) = match link.fill_room() {
+            room if room > PART_HEADER => (
+                (room - REQ_HEADER).min(PUT_PART),
+                (room - PART_HEADER).min(PUT_PART - PART_HEADER),
+            ),
+            _ => (PUT_PART, PUT_PART - PART_HEADER),
+        };
+        if len <= single {
+            let head = req_header(key, offset);
+            let r = self.send_in_place(link, Kind::PutReq, id, &head, &src, src_off, len);
+            return match r {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    let body = self.put_request(key, offset, (&src, src_off, len));
+                    self.send(link, Kind::PutReq, id, body)
+                }
+                Err(e) => self.unsend(id, e),
+            };
         }
         let mut at = 0;
         while at < len {
-            let n = (PUT_PART - PART_HEADER).min(len - at);
-            let mut req = self.buffers.take(PART_HEADER + n);
-            req.extend_from_slice(&req_header(key, offset));
-            req.extend_from_slice(&(len as u64).to_le_bytes());
-            req.extend_from_slice(&(at as u64).to_le_bytes());
-            let r = raw
-                .read_into(src_off + at as u64, n, &mut req)
-                .map_err(Error::from)
-                .and_then(|()| link.submit_gathered(Kind::PutPart, id, self.buffers.freeze(req)));
+            let n = part.min(len - at);
+            let mut head = [0u8; PART_HEADER];
+            head[..REQ_HEADER].copy_from_slice(&req_header(key, offset));
+            head[REQ_HEADER..REQ_HEADER + 8].copy_from_slice(&(len as u64).to_le_bytes());
+            head[REQ_HEADER + 8..].copy_from_slice(&(at as u64).to_le_bytes());
+            let from = src_off + at as u64;
+            let r = match self.send_in_place(link, Kind::PutPart, id, &head, &src, from, n) {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    let mut req = self.buffers.take(PART_HEADER + n);
+                    req.extend_from_slice(&head);
+                    src.append(from, n, &mut req)
+                        .map_err(Error::from)
+                        .and_then(|()| {
+                            link.submit_gathered(Kind::PutPart, id, self.buffers.freeze(req))
+                        })
+                        .map(drop)
+                }
+                Err(e) => Err(e),
+            };
             if let Err(e) = r {
                 return self.unsend(id, e);
             }
@@ -383,11 +478,37 @@ impl Rma {
         Ok(())
     }
 
-    fn put_request(&self, key: &KeyId, offset: u64, src: (RawBuf, u64, usize)) -> Result<Bytes> {
+    /// Send a request of `head` and `n` bytes of `src` from `from` as one
+    /// message the link builds in place, the bytes read straight into it,
+    /// if it can now (see [`Link::try_send_filled`]).
+    #[allow(clippy::too_many_arguments)]
+    fn send_in_place(
+        &self,
+        link: &dyn Link,
+        kind: Kind,
+        id: u64,
+        head: &[u8],
+        src: &PutSrc,
+        from: u64,
+        n: usize,
+    ) -> Result<bool> {
+        if head.len() + n > link.fill_room() {
+            return Ok(false);
+        }
+        let sent = link.try_send_filled(kind, id, head, n, &mut |dst| {
+            src.copy_to(from, dst).map_err(Error::from)
+        })?;
+        if sent {
+            Counters::bump(&self.counters.emulated_sent_in_place);
+        }
+        Ok(sent)
+    }
+
+    fn put_request(&self, key: &KeyId, offset: u64, src: (&PutSrc, u64, usize)) -> Result<Bytes> {
         let (src, src_off, len) = src;
         let mut req = self.buffers.take(REQ_HEADER + len);
         req.extend_from_slice(&req_header(key, offset));
-        src.read_into(src_off, len, &mut req)
+        src.append(src_off, len, &mut req)
             .map(|()| self.buffers.freeze(req))
             .map_err(Error::from)
     }
@@ -401,18 +522,18 @@ impl Rma {
         link: &dyn Link,
         key: &KeyId,
         offset: u64,
-        src: (RawBuf, u64, usize),
+        src: (PutSrc, u64, usize),
     ) -> Result<()> {
-        let (raw, src_off, len) = src;
-        if len <= IMPLICIT_INLINE_MAX {
-            // Written straight into the transport's open bundle, if any.
-            let head = req_header(key, offset);
-            link.submit_gathered_with(Kind::PutReq, 0, REQ_HEADER + len, &mut |buf| {
-                buf.extend_from_slice(&head);
-                raw.read_into(src_off, len, buf).map_err(Error::from)
-            })?;
-        } else {
-            self.send_put(link, key, offset, src, 0)?;
+        match src {
+            (PutSrc::Host(raw), src_off, len) if len <= IMPLICIT_INLINE_MAX => {
+                // Written straight into the transport's open bundle, if any.
+                let head = req_header(key, offset);
+                link.submit_gathered_with(Kind::PutReq, 0, REQ_HEADER + len, &mut |buf| {
+                    buf.extend_from_slice(&head);
+                    raw.read_into(src_off, len, buf).map_err(Error::from)
+                })?;
+            }
+            src => self.send_put(link, key, offset, src, 0)?,
         }
         // Counted after the submission: a flush that reads the count sends
         // its request after this put's (one ordered stream per peer).
@@ -498,22 +619,31 @@ impl Rma {
         done: Option<Arc<Completion>>,
     ) -> Result<()> {
         // Above PUT_PART, parts whose answers (a status byte, then the
-        // data) fill one buffer class each; answered in order, so when the
-        // last part's answer lands every part's data is in `dst`.
-        let part = if len <= PUT_PART { len } else { PUT_PART - 1 };
+        // data) fill one buffer class each, or where the link builds
+        // messages in place, one such message each (`Link::fill_room`);
+        // answered in order, so when the last part's answer lands every
+        // part's data is in `dst`.
+        let part = match link.fill_room() {
+            room if room > 1 && len < room => len,
+            room if room > 1 => room.min(PUT_PART) - 1,
+            _ if len <= PUT_PART => len,
+            _ => PUT_PART - 1,
+        };
         let mut at = 0;
         loop {
             let n = part.min(len - at);
             let last = at + n == len;
             let pending = Pending::Get {
                 dst: dst.clone(),
-                offset: dst_offset + at as u64,
+                // (Saturating: ranges past the end are refused, by the
+                // target or by the write of the answer, not wrapped.)
+                offset: dst_offset.saturating_add(at as u64),
                 len: n,
                 quiet: !last,
-                whole: (last && at > 0).then(|| (offset, offset + len as u64)),
+                whole: (last && at > 0).then(|| (offset, offset.saturating_add(len as u64))),
             };
             let id = self.register(link.peer(), pending, done.clone().filter(|_| last));
-            let mut req = encode_req(key, offset + at as u64, 8);
+            let mut req = encode_req(key, offset.saturating_add(at as u64), 8);
             req.put_u64_le(n as u64);
             if let Err(e) = self.send(link, Kind::GetReq, id, Ok(req.freeze())) {
                 // A part that could not be sent fails the get: through its
@@ -787,15 +917,7 @@ impl Rma {
                 let Some((r, first, last)) = self.put_part(&data) else {
                     return self.malformed_put(src, id, "malformed put part");
                 };
-                // The whole put is checked for every part: a refused put
-                // writes nothing, is counted at its first part, and is
-                // answered (or recorded) at its last.
-                if first && r.is_err() {
-                    Counters::bump(&self.counters.access_refused);
-                }
-                if last {
-                    self.put_done(link, src, id, r);
-                }
+                self.part_done(link, src, id, r, first, last);
             }
             Kind::FlushReq => {
                 // Every implicit put the peer sent before this request was
@@ -818,6 +940,23 @@ impl Rma {
                     .and_then(|len| self.target(&key, off, len).map(|reg| (reg, len)));
                 let resp = match r {
                     Ok((reg, len)) => {
+                        // Read straight into the answer where the link
+                        // builds it in place.
+                        let from = PutSrc::Region(reg.clone());
+                        match self.send_in_place(link, Kind::GetResp, id, &[0], &from, off, len) {
+                            Ok(true) => return,
+                            Ok(false) => {}
+                            Err(Error::Access(e)) => {
+                                return self.answer(
+                                    link,
+                                    Kind::GetResp,
+                                    id,
+                                    encode_status(&Err(e), 0),
+                                )
+                            }
+                            // The link failed: nothing can answer.
+                            Err(_) => return,
+                        }
                         // A pooled buffer: a fresh one per large answer
                         // faulted its pages in every time.
                         let mut b = self.buffers.take(1 + len);
@@ -873,6 +1012,83 @@ impl Rma {
         }
     }
 
+    /// [`handle`](Self::handle) for a message whose bytes stay where they
+    /// arrived (`body`: a fragment of `sm`): a put's request or part, or a
+    /// get's answer, is written into its region from there, with no copy
+    /// first (device memory through the device). Anything else, and one
+    /// too short for its header, is copied out and handled as usual.
+    pub(crate) fn handle_in_place(
+        &self,
+        link: &dyn Link,
+        src: Rank,
+        kind: Kind,
+        id: u64,
+        body: RawBuf,
+    ) {
+        let head_len = match kind {
+            Kind::PutReq => REQ_HEADER,
+            Kind::PutPart => PART_HEADER,
+            Kind::GetResp => 1,
+            _ => usize::MAX,
+        };
+        let mut head = [0u8; PART_HEADER];
+        let split = (body.len() >= head_len)
+            .then(|| {
+                body.read(0, &mut head[..head_len]).ok()?;
+                body.slice(head_len as u64, body.len() - head_len).ok()
+            })
+            .flatten();
+        let Some(rest) = split.filter(|_| kind != Kind::GetResp || head[0] == 0) else {
+            // As it came (a refusal, too, is a few bytes).
+            let mut data = Vec::with_capacity(body.len());
+            if body.read_into(0, body.len(), &mut data).is_ok() {
+                self.handle(link, src, kind, id, Bytes::from(data));
+            }
+            return;
+        };
+        Counters::bump(&self.counters.emulated_landed_in_place);
+        let n = rest.len();
+        match kind {
+            Kind::PutReq => {
+                let Some((key, off, _)) = decode_req(&head[..REQ_HEADER]) else {
+                    return self.malformed_put(src, id, "short put request");
+                };
+                let r = self
+                    .target(&key, off, n)
+                    .and_then(|reg| reg.write_from(off, rest));
+                self.put_done(link, src, id, r);
+            }
+            Kind::PutPart => {
+                let Some((r, first, last)) = self.put_part_with(&head, Payload::Raw(rest)) else {
+                    return self.malformed_put(src, id, "malformed put part");
+                };
+                self.part_done(link, src, id, r, first, last);
+            }
+            _ => self.finish_with(src, kind, id, Some((Ok(()), Payload::Raw(rest)))),
+        }
+    }
+
+    /// A put part was written or refused (see `handle`).
+    fn part_done(
+        &self,
+        link: &dyn Link,
+        src: Rank,
+        id: u64,
+        r: Result<(), AccessError>,
+        first: bool,
+        last: bool,
+    ) {
+        // The whole put is checked for every part: a refused put writes
+        // nothing, is counted at its first part, and is answered (or
+        // recorded) at its last.
+        if first && r.is_err() {
+            Counters::bump(&self.counters.access_refused);
+        }
+        if last {
+            self.put_done(link, src, id, r);
+        }
+    }
+
     /// A put was written or refused: answer it, or (implicit: no answer)
     /// keep the first refusal for the peer's next flush request.
     fn put_done(&self, link: &dyn Link, src: Rank, id: u64, r: Result<(), AccessError>) {
@@ -900,14 +1116,25 @@ impl Rma {
     /// malformed, else the outcome and whether it was the first and the
     /// last part.
     fn put_part(&self, data: &[u8]) -> Option<(Result<(), AccessError>, bool, bool)> {
+        let head = data.get(..PART_HEADER)?;
+        self.put_part_with(head, Payload::Slice(&data[PART_HEADER..]))
+    }
+
+    /// [`put_part`](Self::put_part) of a part whose header is `head` and
+    /// whose bytes are `payload`.
+    fn put_part_with(
+        &self,
+        head: &[u8],
+        payload: Payload<'_>,
+    ) -> Option<(Result<(), AccessError>, bool, bool)> {
         let PutPart {
             key,
             start,
             len,
             at,
-            payload,
-        } = PutPart::decode(data)?;
-        let end = at + payload.len() as u64;
+            ..
+        } = PutPart::decode(head)?;
+        let end = at.checked_add(payload.len() as u64).filter(|e| *e <= len)?;
         let r = usize::try_from(len)
             .map_err(|_| AccessError::OutOfBounds {
                 offset: start,
@@ -915,7 +1142,7 @@ impl Rma {
                 len: 0,
             })
             .and_then(|len| self.check_target(&key, start, len))
-            .and_then(|reg| reg.write_at(start + at, payload));
+            .and_then(|reg| payload.write_into(&reg, start + at));
         Some((r, at == 0, end == len))
     }
 
@@ -972,6 +1199,19 @@ impl Rma {
     }
 
     fn finish(&self, src: Rank, kind: Kind, id: u64, data: &[u8]) {
+        let answer = decode_status(data).map(|(s, p)| (s, Payload::Slice(p)));
+        self.finish_with(src, kind, id, answer)
+    }
+
+    /// [`finish`](Self::finish) of an answer read as its status and what
+    /// follows (`None`: malformed).
+    fn finish_with(
+        &self,
+        src: Rank,
+        kind: Kind,
+        id: u64,
+        answer: Option<(Result<(), AccessError>, Payload<'_>)>,
+    ) {
         let (op, _settling) = {
             let mut ops = lock(&self.ops);
             match ops.get(&id) {
@@ -986,7 +1226,7 @@ impl Rma {
         let Some(op) = op else {
             return self.bad(src, "answer to an unknown operation");
         };
-        let Some((status, payload)) = decode_status(data) else {
+        let Some((status, payload)) = answer else {
             let e = Error::PeerMisbehaved {
                 rank: src,
                 what: "malformed RMA answer".into(),
@@ -1019,8 +1259,7 @@ impl Rma {
             ) => Err(Error::Access(AccessError::OutOfBounds { offset, end, len })),
             (Err(e), _, _) => Err(Error::Access(e)),
             (Ok(()), Pending::Atomic, Kind::AtomicResp) if payload.len() == 8 => {
-                let old = u64::from_le_bytes(payload.try_into().unwrap_or_default());
-                if let Some(c) = op.done {
+                if let (Some(c), Some(old)) = (op.done, payload.word()) {
                     c.complete_value(old);
                 }
                 return;
@@ -1032,7 +1271,7 @@ impl Rma {
                     dst, offset, len, ..
                 },
                 Kind::GetResp,
-            ) if payload.len() == len => dst.write_at(offset, payload).map_err(Error::from),
+            ) if payload.len() == len => payload.write_into(&dst, offset).map_err(Error::from),
             _ => Err(Error::PeerMisbehaved {
                 rank: src,
                 what: "RMA answer does not match the request".into(),
@@ -1124,6 +1363,35 @@ mod tests {
         assert!(matches!(r.take_failure(1), Some(Error::Closed)));
     }
 
+    /// Puts and gets give the same bytes and outcomes whether their
+    /// requests and answers are built in place and handed over where they
+    /// lie (as over `sm`: parts the size of a message built in place,
+    /// here 100 bytes) or as owned bytes; one out of range is refused
+    /// either way, its region untouched.
+    #[test]
+    fn puts_and_gets_in_place_match_those_in_owned_bytes() {
+        use crate::fuzz_support::{Outcome, RmaPair};
+        let data: Vec<u8> = (0..250u32).map(|i| (i * 7 + 1) as u8).collect();
+        for in_place in [false, true] {
+            let mut p = RmaPair::new(256, 256);
+            p.set_in_place(in_place);
+            let ops = [p.put(3, &data), p.put(250, &data[..10])];
+            p.deliver_requests();
+            p.deliver_answers();
+            assert!(matches!(p.outcome(ops[0]), Outcome::Done(_)), "{in_place}");
+            assert_eq!(p.outcome(ops[1]), Outcome::Failed, "{in_place}");
+            let t = p.target_bytes();
+            assert_eq!(&t[3..253], &data[..], "{in_place}");
+            assert!(t[..3].iter().chain(&t[253..]).all(|b| *b == 0));
+            let g = p.get(3, 5, 250);
+            p.deliver_requests();
+            p.deliver_answers();
+            assert!(matches!(p.outcome(g), Outcome::Done(_)), "{in_place}");
+            assert_eq!(&p.dst_bytes()[5..255], &data[..], "{in_place}");
+            assert_eq!(p.outstanding(), 0);
+        }
+    }
+
     /// `idle` says what `outstanding(peer) == 0` says, whatever order the
     /// natively posted operations finish in, and an implicit one's failure
     /// behind one still running still reaches the next flush.
@@ -1162,7 +1430,8 @@ mod tests {
         let to_2 = Wire::new(2);
         let src = HeapBuf::from_vec(vec![1; 8]);
         for to in [&to_1, &to_2] {
-            r.put_implicit(to, &[7; 16], 0, (src.raw(), 0, 8)).unwrap();
+            r.put_implicit(to, &[7; 16], 0, (PutSrc::Host(src.raw()), 0, 8))
+                .unwrap();
             r.flush_request(to).unwrap();
         }
         let (fa, fb) = (to_1.take(), to_2.take());
@@ -1223,9 +1492,12 @@ mod tests {
         let raw = src.raw();
         // Two good puts (one inline-sized, one through a request buffer)
         // and one to a key the target does not have.
-        ini.put_implicit(&to_tgt, &key, 10, (raw, 0, 8)).unwrap();
-        ini.put_implicit(&to_tgt, &[7; 16], 0, (raw, 0, 8)).unwrap();
-        ini.put_implicit(&to_tgt, &key, 100, (raw, 8, 56)).unwrap();
+        ini.put_implicit(&to_tgt, &key, 10, (PutSrc::Host(raw), 0, 8))
+            .unwrap();
+        ini.put_implicit(&to_tgt, &[7; 16], 0, (PutSrc::Host(raw), 0, 8))
+            .unwrap();
+        ini.put_implicit(&to_tgt, &key, 100, (PutSrc::Host(raw), 8, 56))
+            .unwrap();
         assert_eq!(ini.outstanding(1), 0, "implicit puts are not registered");
         ini.flush_request(&to_tgt).unwrap();
         assert_eq!(ini.outstanding(1), 1, "the flush request is");
@@ -1261,9 +1533,12 @@ mod tests {
         ini.flush_request(&to_tgt).unwrap();
         assert!(to_tgt.take().is_empty());
         // A peer that cannot be reached: the put and the flush fail now.
-        ini.put_implicit(&to_tgt, &key, 0, (raw, 0, 8)).unwrap();
+        ini.put_implicit(&to_tgt, &key, 0, (PutSrc::Host(raw), 0, 8))
+            .unwrap();
         to_tgt.down.store(true, Ordering::Relaxed);
-        assert!(ini.put_implicit(&to_tgt, &key, 0, (raw, 0, 8)).is_err());
+        assert!(ini
+            .put_implicit(&to_tgt, &key, 0, (PutSrc::Host(raw), 0, 8))
+            .is_err());
         let e = ini.flush_request(&to_tgt).unwrap_err();
         assert!(e.is_peer_lost(), "{e}");
         assert_eq!(

@@ -15,6 +15,10 @@ pub(crate) struct Counters {
     pub(crate) staged_device_ops: AtomicU64,
     /// Sends of device memory whose bytes the receiver copied.
     pub(crate) lent_sends: AtomicU64,
+    /// Emulated put requests and get answers built in place.
+    pub(crate) emulated_sent_in_place: AtomicU64,
+    /// Emulated puts and get answers written from where they arrived.
+    pub(crate) emulated_landed_in_place: AtomicU64,
     pub(crate) peers_lost: AtomicU64,
     /// Set once the address exchange is done.
     pub(crate) rendezvous_refused: AtomicU64,
@@ -164,6 +168,8 @@ impl Counters {
             access_refused: g(&self.access_refused),
             staged_device_ops: g(&self.staged_device_ops),
             lent_sends: g(&self.lent_sends),
+            emulated_sent_in_place: g(&self.emulated_sent_in_place),
+            emulated_landed_in_place: g(&self.emulated_landed_in_place),
             peers_lost: g(&self.peers_lost),
             rendezvous_refused: g(&self.rendezvous_refused),
             sends: self.hot.get(Hot::Sends),
@@ -223,6 +229,16 @@ pub struct Stats {
     /// the bytes out of the sender's region (the others with device memory
     /// went through the host, counted in `staged_device_ops`).
     pub lent_sends: u64,
+    /// Requests of emulated puts (whole or in parts) and answers to
+    /// emulated gets whose bytes were read straight from their memory
+    /// (a region, device memory through the device) into the message the
+    /// transport sends (a fragment of `sm`, pinned for the device where
+    /// `smcuda` runs), with no buffer between.
+    pub emulated_sent_in_place: u64,
+    /// Emulated put requests and get answers written into their region
+    /// straight from where they arrived (a fragment of `sm`), not copied
+    /// out first.
+    pub emulated_landed_in_place: u64,
     /// Remote atomics the transport carried natively (a hardware atomic on
     /// a peer's region mapped here).
     pub native_atomics: u64,

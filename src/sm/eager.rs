@@ -22,6 +22,7 @@ use super::segment::CHANNELS;
 use super::tx::{channel, Cursor, Pushed, TxState, USER};
 use super::{SmPeer, SmTransport};
 use crate::core::stats::Counters;
+use crate::sys::mem::RawBuf;
 use crate::transport::Kind as CoreKind;
 use crate::{Error, Result};
 
@@ -258,8 +259,6 @@ impl TxState {
                 return Ok(Pushed::Blocked);
             }
         }
-        let ring = peer.seg.inbound(t.seg.local_rank, ch);
-        let pi = peer.local as usize * CHANNELS + ch;
         let mut pushed = false;
         let r = loop {
             if at.started && at.sent == total {
@@ -299,19 +298,9 @@ impl TxState {
             raw.write(off, &h.encode())
                 .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
-            if !matches!(ring.push(&mut self.prod[pi], off), Ok(true)) {
-                // Cannot happen with an honest peer: each ring holds every
-                // fragment of our pool. A peer that scribbled on it is cut off.
-                self.free(i);
-                let what = "its inbound ring is full or corrupt";
-                self.misbehaved.push((peer.local, what.into()));
-                break Err(Error::PeerMisbehaved {
-                    rank: peer.rank,
-                    what: what.into(),
-                });
+            if let Err(e) = self.post_fragment(t, peer, ch, i, off) {
+                break Err(e);
             }
-            self.dest[i] = peer.local;
-            self.inflight[peer.local as usize] += 1;
             pushed = true;
             at.sent += n;
             at.started = true;
@@ -320,6 +309,83 @@ impl TxState {
             t.notify(peer);
         }
         r
+    }
+
+    /// Put fragment `i` (at `off`, written) on `peer`'s inbound ring of
+    /// channel `ch`: from now on it is the peer's until it comes back.
+    fn post_fragment(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        ch: usize,
+        i: usize,
+        off: u64,
+    ) -> Result<()> {
+        let ring = peer.seg.inbound(t.seg.local_rank, ch);
+        let pi = peer.local as usize * CHANNELS + ch;
+        if !matches!(ring.push(&mut self.prod[pi], off), Ok(true)) {
+            // Cannot happen with an honest peer: each ring holds every
+            // fragment of our pool. A peer that scribbled on it is cut off.
+            self.free(i);
+            let what = "its inbound ring is full or corrupt";
+            self.misbehaved.push((peer.local, what.into()));
+            return Err(Error::PeerMisbehaved {
+                rank: peer.rank,
+                what: what.into(),
+            });
+        }
+        self.dest[i] = peer.local;
+        self.inflight[peer.local as usize] += 1;
+        Ok(())
+    }
+
+    /// Push a message of `head` and `len` bytes that `fill` writes
+    /// straight into the fragment (see `Link::try_send_filled`), in one
+    /// fragment: `Ok(false)` when none that holds it is free. The caller
+    /// checked that nothing of its channel waits (`TxState::one_ready`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_filled(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        head: &[u8],
+        len: usize,
+        fill: &mut dyn FnMut(RawBuf) -> Result<()>,
+    ) -> Result<bool> {
+        let total = head.len() + len;
+        let ch = channel(kind);
+        let Some(i) = self.alloc(t, peer.local, total <= self.eager_payload(), ch) else {
+            return Ok(false);
+        };
+        let (off, size) = self.layout.frag(i);
+        if size - FRAG_HEADER < total {
+            self.free(i);
+            return Ok(false);
+        }
+        let h = FragHeader {
+            kind,
+            flags: FIRST | LAST,
+            len: total as u32,
+            tag,
+            total: total as u64,
+        };
+        let raw = t.seg.raw();
+        let body = off + FRAG_HEADER as u64;
+        let written = raw
+            .write(off, &h.encode())
+            .and_then(|_| raw.write(body, head))
+            .and_then(|_| raw.slice(body + head.len() as u64, len))
+            .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))
+            .and_then(&mut *fill);
+        if let Err(e) = written {
+            self.free(i);
+            return Err(e);
+        }
+        self.post_fragment(t, peer, ch, i, off)?;
+        t.notify(peer);
+        Ok(true)
     }
 }
 
@@ -429,6 +495,31 @@ impl RxState {
                         pool: t.core.buffers(),
                     };
                     t.core.deliver_with(p.rank, h.tag, len, make);
+                    if let Err(what) = self.release(t, p, idx, off) {
+                        return Step::Bad(what);
+                    }
+                    return Step::Took;
+                }
+                if h.flags & LAST != 0
+                    && matches!(
+                        h.kind.core(),
+                        Some(CoreKind::PutReq | CoreKind::PutPart | CoreKind::GetResp)
+                    )
+                {
+                    // A put's bytes, or a get's answer, in one fragment:
+                    // written into the region from here (no copy out
+                    // first), by the device for device memory. The
+                    // fragment goes back only once that is done.
+                    if h.total != u64::from(h.len) {
+                        return Step::Bad("message shorter than announced");
+                    }
+                    let Ok(body) = raw.slice(payload, h.len as usize) else {
+                        return Step::Bad("payload outside its segment");
+                    };
+                    if let (Some(kind), Some(link)) = (h.kind.core(), t.core.link(p.rank)) {
+                        t.core
+                            .on_message_in_place(&*link, p.rank, kind, h.tag, body);
+                    }
                     if let Err(what) = self.release(t, p, idx, off) {
                         return Step::Bad(what);
                     }

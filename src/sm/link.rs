@@ -10,6 +10,7 @@ use bytes::Bytes;
 
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
+use crate::sys::mem::RawBuf;
 use crate::transport::{Kind as CoreKind, Link};
 use crate::{Rank, Result};
 
@@ -39,6 +40,33 @@ impl Link for SmLink {
     fn submit(&self, kind: CoreKind, tag: u64, data: Bytes) -> Result<Option<Arc<Completion>>> {
         self.t
             .with_tx(|tx| tx.submit(&self.t, &self.peer, kind.into(), tag, data))
+    }
+
+    fn fill_room(&self) -> usize {
+        // A max fragment's payload (`TxState::max_payload`, without its lock).
+        self.t
+            .config
+            .max_size
+            .saturating_sub(super::frag::FRAG_HEADER)
+    }
+
+    fn try_send_filled(
+        &self,
+        kind: CoreKind,
+        tag: u64,
+        head: &[u8],
+        len: usize,
+        fill: &mut dyn FnMut(RawBuf) -> Result<()>,
+    ) -> Result<bool> {
+        self.t.with_tx(|tx| {
+            tx.try_send_filled(&self.t, &self.peer, kind.into(), tag, head, len, fill)
+        })
+    }
+
+    fn fill_memory(&self) -> Vec<RawBuf> {
+        // Ours, where messages to the peer are built; the peer's, where
+        // its messages to us are read.
+        vec![self.t.seg.raw(), self.peer.seg.raw()]
     }
 
     fn post(&self, op: crate::transport::OneSided<'_>) -> Result<crate::transport::Native> {

@@ -27,6 +27,7 @@ use super::rendezvous::Rndv;
 use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
+use crate::sys::mem::RawBuf;
 use crate::sys::ring::{ConsumerState, ProducerState};
 use crate::transport::Loss;
 use crate::{Error, Result};
@@ -166,16 +167,7 @@ impl TxState {
         tag: u64,
         data: &[u8],
     ) -> Result<bool> {
-        // Under `tx`: the fabric marks itself closed before its shutdown
-        // takes `tx` to fail the queues, so nothing queued here is missed.
-        if t.core.is_closed() {
-            return Err(Error::Closed);
-        }
-        if peer.is_lost() {
-            return Err(peer.lost_error());
-        }
-        let q = peer.local as usize * CHANNELS + channel(kind);
-        if data.len() > self.max_payload() || !self.queues[q].is_empty() {
+        if !self.one_ready(t, peer, kind, data.len())? {
             return Ok(false);
         }
         // The box carries user messages only (a lent message's
@@ -185,7 +177,69 @@ impl TxState {
                 return Ok(sent);
             }
         }
-        let need_max = data.len() > self.eager_payload();
+        if !self.one_fits(t, peer, kind, data.len()) {
+            return Ok(false);
+        }
+        // A fitting fragment is free, and `alloc` prefers the class that
+        // fits, so the message goes out in exactly one fragment (or, while
+        // the fast box still holds messages, not at all).
+        let mut at = Cursor::default();
+        match self.push(t, peer, kind, tag, data, &mut at)? {
+            Pushed::Done => Ok(true),
+            Pushed::Blocked if !at.started => Ok(false),
+            Pushed::Blocked => Err(Error::Misuse(
+                "internal: inline send pushed part of a message".into(),
+            )),
+        }
+    }
+
+    /// [`Link::try_send_filled`](crate::transport::Link::try_send_filled):
+    /// `head` and `len` bytes `fill` writes straight into the fragment, in
+    /// one fragment, if one is free now and nothing of the channel waits.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn try_send_filled(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        tag: u64,
+        head: &[u8],
+        len: usize,
+        fill: &mut dyn FnMut(RawBuf) -> Result<()>,
+    ) -> Result<bool> {
+        let total = head.len().saturating_add(len);
+        if !self.one_ready(t, peer, kind, total)? || !self.one_fits(t, peer, kind, total) {
+            return Ok(false);
+        }
+        // Not user messages: those must also wait for the fast box.
+        if channel(kind) == USER {
+            return Ok(false);
+        }
+        self.push_filled(t, peer, kind, tag, head, len, fill)
+    }
+
+    /// Whether a message of `len` bytes of `kind` may go to `peer` now as
+    /// one fragment, queue-wise: the fabric is open, the peer is there,
+    /// the message fits a fragment, and nothing of its channel waits.
+    #[inline]
+    fn one_ready(&self, t: &SmTransport, peer: &SmPeer, kind: Kind, len: usize) -> Result<bool> {
+        // Under `tx`: the fabric marks itself closed before its shutdown
+        // takes `tx` to fail the queues, so nothing queued here is missed.
+        if t.core.is_closed() {
+            return Err(Error::Closed);
+        }
+        if peer.is_lost() {
+            return Err(peer.lost_error());
+        }
+        let q = peer.local as usize * CHANNELS + channel(kind);
+        Ok(len <= self.max_payload() && self.queues[q].is_empty())
+    }
+
+    /// Whether a fragment that holds `len` bytes of `kind` is free for
+    /// `peer` (taking back what peers returned, if none is).
+    #[inline]
+    fn one_fits(&mut self, t: &SmTransport, peer: &SmPeer, kind: Kind, len: usize) -> bool {
+        let need_max = len > self.eager_payload();
         let reserve = if channel(kind) == USER {
             self.reserve
         } else {
@@ -202,21 +256,9 @@ impl TxState {
         };
         if !fits(self) {
             self.reclaim(t);
-            if !fits(self) {
-                return Ok(false);
-            }
+            return fits(self);
         }
-        // A fitting fragment is free, and `alloc` prefers the class that
-        // fits, so the message goes out in exactly one fragment (or, while
-        // the fast box still holds messages, not at all).
-        let mut at = Cursor::default();
-        match self.push(t, peer, kind, tag, data, &mut at)? {
-            Pushed::Done => Ok(true),
-            Pushed::Blocked if !at.started => Ok(false),
-            Pushed::Blocked => Err(Error::Misuse(
-                "internal: inline send pushed part of a message".into(),
-            )),
-        }
+        true
     }
 
     /// Send an owned message of `kind` to `peer`: a large user message by

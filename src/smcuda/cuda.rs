@@ -18,6 +18,7 @@ use super::gpu::{
     AllocKind, Bell, DeviceAlloc, DeviceInfo, Event, Gpu, GpuError, Imported, MemHandle, PtrInfo,
     Stream, UNSHAREABLE,
 };
+use crate::sys::mem::RawBuf;
 use crate::sys::sync::lock;
 
 /// Turn a driver result into ours.
@@ -815,6 +816,60 @@ impl Gpu for Cuda {
             // passed; the driver checks the device range.
             unsafe { cu::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()) },
             "cuMemcpyDtoH",
+        )
+    }
+
+    fn upload_raw(&self, dst: u64, src: RawBuf) -> Result<(), GpuError> {
+        self.bind(0)?;
+        check(
+            // SAFETY: a `RawBuf` is valid for reads of its length while its
+            // owner (the mapping it was cut from) lives, which spans this
+            // blocking call; no Rust reference into it exists. The driver
+            // checks the device range.
+            unsafe { cu::cuMemcpyHtoD_v2(dst, src.addr() as *const c_void, src.len()) },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    fn download_raw(&self, dst: RawBuf, src: u64) -> Result<(), GpuError> {
+        self.bind(0)?;
+        check(
+            // SAFETY: as in `upload_raw`, for writes: the range is valid
+            // and no reference into it exists.
+            unsafe { cu::cuMemcpyDtoH_v2(dst.addr() as *mut c_void, src, dst.len()) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    fn pin(&self, host: RawBuf) -> Result<(), GpuError> {
+        self.bind(0)?;
+        let r = check(
+            // SAFETY: the range is mapped for as long as its owner lives;
+            // the caller unpins it before that owner unmaps it (or the
+            // process ends). Page-locking changes no byte of it.
+            unsafe {
+                cu::cuMemHostRegister_v2(
+                    host.addr() as *mut c_void,
+                    host.len(),
+                    cu::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            },
+            "cuMemHostRegister",
+        );
+        match r {
+            // Pinned already (by this process, through another path).
+            Err(GpuError::Failed(e)) if e.contains("ALREADY_REGISTERED") => Ok(()),
+            r => r,
+        }
+    }
+
+    fn unpin(&self, host: RawBuf) -> Result<(), GpuError> {
+        self.bind(0)?;
+        check(
+            // SAFETY: only undoes a registration of this address; touches
+            // no memory.
+            unsafe { cu::cuMemHostUnregister(host.addr() as *mut c_void) },
+            "cuMemHostUnregister",
         )
     }
 }

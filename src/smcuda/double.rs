@@ -27,7 +27,10 @@
 //! so registering them is refused; the fabric's own allocations still
 //! export), `devices:N` (N devices, default 1), `not-ready:N` (the GPU
 //! layer says it is not ready the first N times it is asked, so a peer's
-//! IPC handshake is answered `NotReady` that often).
+//! IPC handshake is answered `NotReady` that often), `pinned-only`
+//! (a copy between device memory and host memory a peer may reach, a
+//! fragment of `sm`, fails unless that host memory was pinned: the
+//! check that the staged path goes through pinned memory).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -42,6 +45,7 @@ use super::gpu::{
     AllocKind, Bell, DeviceAlloc, DeviceInfo, Event, Gpu, GpuError, Imported, MemHandle, PtrInfo,
     Stream, UNSHAREABLE,
 };
+use crate::sys::mem::RawBuf;
 use crate::sys::shm::SharedMem;
 use crate::sys::sync::lock;
 
@@ -60,6 +64,7 @@ pub(crate) struct Faults {
     pub(crate) unshareable: bool,
     pub(crate) devices: u32,
     pub(crate) not_ready: u32,
+    pub(crate) pinned_only: bool,
 }
 
 impl Faults {
@@ -87,6 +92,7 @@ impl Faults {
                 "event" => f.event = true,
                 "skip-wait" => f.skip_wait = true,
                 "unshareable" => f.unshareable = true,
+                "pinned-only" => f.pinned_only = true,
                 "already-mapped" => f.already_mapped = num()?.min(u32::MAX as u64) as u32,
                 "copy-delay-ms" => f.copy_delay = Duration::from_millis(num()?),
                 "devices" => f.devices = num()?.clamp(1, 16) as u32,
@@ -255,6 +261,8 @@ struct State {
     pages: HashMap<(u32, u64), Arc<Page>>,
     already_mapped: u32,
     next: u64,
+    /// Host ranges pinned (`pin`), as start and length.
+    pinned: Vec<(usize, usize)>,
 }
 
 /// The test double of a GPU (see the module's documentation).
@@ -326,6 +334,7 @@ impl GpuDouble {
                 pages: HashMap::new(),
                 already_mapped: faults.already_mapped,
                 next: 1,
+                pinned: Vec::new(),
             }),
             faults,
             page: Arc::new(Page { map }),
@@ -780,6 +789,59 @@ impl Gpu for GpuDouble {
             .raw()
             .read(off, dst)
             .map_err(|e| failed("download", e))
+    }
+
+    fn upload_raw(&self, dst: u64, src: RawBuf) -> Result<(), GpuError> {
+        let st = lock(&self.state);
+        self.check_pinned(&st, &src, "upload")?;
+        let (m, off) = GpuDouble::find(&st, dst, src.len() as u64)?;
+        m.map
+            .raw()
+            .copy_from(off, &src, 0, src.len())
+            .map_err(|e| failed("upload", e))
+    }
+
+    fn download_raw(&self, dst: RawBuf, src: u64) -> Result<(), GpuError> {
+        let st = lock(&self.state);
+        self.check_pinned(&st, &dst, "download")?;
+        let (m, off) = GpuDouble::find(&st, src, dst.len() as u64)?;
+        dst.copy_from(0, &m.map.raw(), off, dst.len())
+            .map_err(|e| failed("download", e))
+    }
+
+    fn pin(&self, host: RawBuf) -> Result<(), GpuError> {
+        let mut st = lock(&self.state);
+        let (a, n) = (host.addr(), host.len());
+        // As the driver: a range overlapping one pinned already is refused.
+        if st.pinned.iter().any(|&(b, m)| a < b + m && b < a + n) {
+            return Err(failed("pin", "the range is pinned already"));
+        }
+        st.pinned.push((a, n));
+        Ok(())
+    }
+
+    fn unpin(&self, host: RawBuf) -> Result<(), GpuError> {
+        let mut st = lock(&self.state);
+        match st.pinned.iter().position(|&(b, _)| b == host.addr()) {
+            Some(i) => {
+                st.pinned.swap_remove(i);
+                Ok(())
+            }
+            None => Err(failed("unpin", "the range was not pinned")),
+        }
+    }
+}
+
+impl GpuDouble {
+    /// With `pinned-only`, refuse a copy with host memory outside every
+    /// pinned range.
+    fn check_pinned(&self, st: &State, host: &RawBuf, what: &str) -> Result<(), GpuError> {
+        let (a, n) = (host.addr(), host.len());
+        let inside = st.pinned.iter().any(|&(b, m)| b <= a && a + n <= b + m);
+        if self.faults.pinned_only && !inside {
+            return Err(failed(what, "host memory not pinned (pinned-only)"));
+        }
+        Ok(())
     }
 }
 

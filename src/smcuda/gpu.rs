@@ -10,6 +10,8 @@
 //! dereferences them.
 
 use std::os::fd::OwnedFd;
+
+use crate::sys::mem::RawBuf;
 use std::sync::Arc;
 
 /// Why device memory the user allocated cannot be registered: the driver
@@ -241,6 +243,22 @@ pub(crate) trait Gpu: Send + Sync {
 
     /// Copy device memory into host bytes, waiting until done.
     fn download(&self, dst: &mut [u8], src: u64) -> Result<(), GpuError>;
+
+    /// [`upload`](Self::upload) from host memory a peer may also reach
+    /// (a fragment of `sm`, read where it arrived).
+    fn upload_raw(&self, dst: u64, src: RawBuf) -> Result<(), GpuError>;
+
+    /// [`download`](Self::download) into host memory a peer may also
+    /// reach (a fragment of `sm` a message is built in).
+    fn download_raw(&self, dst: RawBuf, src: u64) -> Result<(), GpuError>;
+
+    /// Page-lock `host` for the device (`cuMemHostRegister`), so that
+    /// copies to and from it go by DMA at the link's speed, not through
+    /// the driver's own bounce buffers. Kept until [`unpin`](Self::unpin).
+    fn pin(&self, host: RawBuf) -> Result<(), GpuError>;
+
+    /// Undo [`pin`](Self::pin) of the range starting where `host` does.
+    fn unpin(&self, host: RawBuf) -> Result<(), GpuError>;
 }
 
 /// A peer's allocation mapped here, unmapped when the last holder lets go

@@ -37,6 +37,7 @@ use crate::core::completion::Completion;
 use crate::core::fabric::Core;
 use crate::core::region::{DeviceMemory, KeyHandle, KeyId, RegionInner};
 use crate::error::AccessError;
+use crate::sys::mem::RawBuf;
 use crate::sys::os::ProcWatch;
 use crate::sys::sync::lock;
 use crate::transport::{Kind, Link, Loss, Native, OneSided, Peer, Transport};
@@ -91,6 +92,18 @@ impl DeviceMemory for DeviceMem {
         let a = self.alloc.as_ref().ok_or("freed")?;
         self.gpu
             .upload(a.ptr + self.at + offset, src)
+            .map_err(|e| format!("writing device memory: {e}"))
+    }
+    fn read_raw(&self, offset: u64, dst: RawBuf) -> std::result::Result<(), String> {
+        let a = self.alloc.as_ref().ok_or("freed")?;
+        self.gpu
+            .download_raw(dst, a.ptr + self.at + offset)
+            .map_err(|e| format!("reading device memory: {e}"))
+    }
+    fn write_raw(&self, offset: u64, src: RawBuf) -> std::result::Result<(), String> {
+        let a = self.alloc.as_ref().ok_or("freed")?;
+        self.gpu
+            .upload_raw(a.ptr + self.at + offset, src)
             .map_err(|e| format!("writing device memory: {e}"))
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -148,6 +161,12 @@ pub(crate) struct SmcudaTransport {
     /// operations progress issues (not the receive path that took the
     /// answer: issuing opens the peer's memory).
     settle_due: Mutex<Vec<Rank>>,
+    /// The host memory of the message links (`sm`'s segments) pinned for
+    /// the device, so that the host-staged path's copies between device
+    /// memory and fragments go by DMA; unpinned at shutdown.
+    pinned: Mutex<Vec<RawBuf>>,
+    /// A pin was refused (logged once).
+    pin_refused: AtomicBool,
 }
 
 /// Where the handshake with one peer stands.
@@ -218,6 +237,8 @@ impl SmcudaTransport {
             staged: Mutex::new(HashMap::new()),
             handshakes: Mutex::new(HashMap::new()),
             settle_due: Mutex::new(Vec::new()),
+            pinned: Mutex::new(Vec::new()),
+            pin_refused: AtomicBool::new(false),
         }))
     }
 
@@ -583,6 +604,40 @@ impl SmcudaTransport {
         Ok((Box::new(mem), handle))
     }
 
+    /// Pin the host memory the message links build and read in-place
+    /// messages in (`Link::fill_memory`: our `sm` segment and each peer's),
+    /// once, before device memory exists here: the host-staged path copies
+    /// between device memory and those fragments (puts and get answers
+    /// read by the device straight into the fragment, and written from
+    /// the fragment they arrive in), and from pageable memory the driver
+    /// would copy through bounce buffers of its own. A refusal (a locked-
+    /// memory limit, a driver that cannot pin shared mappings) is logged
+    /// once; the copies then still work, slower.
+    fn pin_staging(&self) {
+        let mut pinned = lock(&self.pinned);
+        let me = self.core.rank();
+        for r in (0..self.core.size()).filter(|r| *r != me) {
+            let Some(link) = self.core.link(r) else {
+                continue;
+            };
+            for raw in link.fill_memory() {
+                if raw.len() == 0 || pinned.iter().any(|p| p.addr() == raw.addr()) {
+                    continue;
+                }
+                match self.gpu.pin(raw) {
+                    Ok(()) => pinned.push(raw),
+                    Err(e) => {
+                        if !self.pin_refused.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(
+                                "smcuda: pinning the message links' memory for the device refused ({e}): the host-staged path copies from pageable memory"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// From now on, operations with `peer` take the host-staged path.
     fn stage(&self, peer: Rank, why: String) {
         tracing::warn!(
@@ -737,6 +792,7 @@ impl Transport for SmcudaTransport {
         len: usize,
         id: &KeyId,
     ) -> Option<crate::transport::DeviceMade> {
+        self.pin_staging();
         let made = self
             .gpu
             .alloc(device, len as u64, self.kind)
@@ -751,6 +807,7 @@ impl Transport for SmcudaTransport {
         len: usize,
         id: &KeyId,
     ) -> Option<crate::transport::DeviceMade> {
+        self.pin_staging();
         let made = self
             .gpu
             .adopt(ptr, len as u64)
@@ -909,6 +966,11 @@ impl Transport for SmcudaTransport {
     }
 
     fn shutdown(&self) {
+        for raw in std::mem::take(&mut *lock(&self.pinned)) {
+            if let Err(e) = self.gpu.unpin(raw) {
+                tracing::debug!("smcuda: unpinning staging memory: {e}");
+            }
+        }
         // Operations still waiting for a handshake answer fail: nothing
         // will issue them now.
         let waiting: Vec<Waiting> = lock(&self.handshakes)

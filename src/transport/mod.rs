@@ -332,6 +332,38 @@ pub(crate) trait Link: Send + Sync {
     /// this peer, now (the caller's burst is complete).
     fn flush_gathered(&self) {}
 
+    /// The most bytes one message may carry through
+    /// [`try_send_filled`](Self::try_send_filled); 0 (the default): the
+    /// transport builds no message in place.
+    fn fill_room(&self) -> usize {
+        0
+    }
+
+    /// Send a message of `head` followed by `len` bytes that `fill` writes
+    /// straight into the transport's own memory for it (a fragment of
+    /// `sm`: a put's bytes read there from their region, device memory
+    /// included, with no buffer between), if it can go now as one piece:
+    /// nothing queued ahead of it and room free. `Ok(false)`: nothing was
+    /// sent (send it with [`submit`](Self::submit)). An error, also from
+    /// `fill`, is returned, and then nothing was sent.
+    fn try_send_filled(
+        &self,
+        _kind: Kind,
+        _tag: u64,
+        _head: &[u8],
+        _len: usize,
+        _fill: &mut dyn FnMut(RawBuf) -> Result<()>,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The host memory this link's in-place messages are built in and
+    /// read from (`sm`: our segment and the peer's), for a transport that
+    /// pins memory for its device's copies.
+    fn fill_memory(&self) -> Vec<RawBuf> {
+        Vec::new()
+    }
+
     /// Whether [`submit_gathered`](Self::submit_gathered) holds messages
     /// back until the next progress call: the future waiting on such a
     /// request sends its peer's held bundle at its first poll (with every
