@@ -83,6 +83,12 @@ fn render_text(r: &Report) -> String {
         let name = |t: &Option<String>| t.clone().unwrap_or_else(|| "none".into());
         let device = match (&r.device_memory, &r.one_sided) {
             (Some(t), _) => t.clone(),
+            // `sm` builds the requests in its fragments, which a process
+            // with device memory pins: one device copy into a fragment,
+            // one out of it.
+            (None, Some(t)) if t == "sm" => {
+                "staged through the host in pinned sm fragments".to_string()
+            }
             (None, Some(t)) => format!("staged through the host over {t}"),
             (None, None) => "none".into(),
         };
