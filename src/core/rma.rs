@@ -1369,6 +1369,7 @@ mod tests {
     /// here 100 bytes) or as owned bytes; one out of range is refused
     /// either way, its region untouched.
     #[test]
+    #[cfg(not(btl_loom))]
     fn puts_and_gets_in_place_match_those_in_owned_bytes() {
         use crate::fuzz_support::{Outcome, RmaPair};
         let data: Vec<u8> = (0..250u32).map(|i| (i * 7 + 1) as u8).collect();
