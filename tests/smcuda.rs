@@ -758,11 +758,20 @@ fn staged_by_choice(outs: &[std::process::Output]) {
     // Every put and get, the implicit put, the two with host memory (the
     // allocations are legacy: no forged-key pair, see `putget`).
     assert_eq!(n("staged"), 2 * SIZES.len() as u64 + 3);
+    // Through fragments: puts built in them, get answers written from them.
+    assert!(n("sent_in_place") >= 10 && n("landed_in_place") >= 10);
     let log = String::from_utf8_lossy(&outs[0].stderr);
     assert!(
         log.contains("BTL_SMCUDA_IPC=off"),
         "the reason is logged: {log}"
     );
+    for o in outs {
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !log.contains("pinning the message links' memory"),
+            "the fragments could not be pinned: {log}"
+        );
+    }
 }
 
 #[test]
