@@ -410,6 +410,9 @@ struct Wire {
     sent: Mutex<Vec<(Kind, u64, Bytes)>>,
     /// What one message built in place may hold (0: none is).
     room: usize,
+    /// In-place sends asked for; every third is refused (no room just
+    /// then), so the pooled path runs beside the in-place one.
+    asked: std::sync::atomic::AtomicUsize,
 }
 
 #[async_trait::async_trait]
@@ -439,7 +442,10 @@ impl Link for Wire {
         len: usize,
         fill: &mut dyn FnMut(crate::sys::mem::RawBuf) -> Result<()>,
     ) -> Result<bool> {
-        if self.room == 0 || head.len() + len > self.room {
+        let turn = self
+            .asked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.room == 0 || head.len() + len > self.room || turn % 3 == 2 {
             return Ok(false);
         }
         let body = crate::sys::mem::HeapBuf::from_vec(vec![0u8; len]);
@@ -506,11 +512,13 @@ impl RmaPair {
                 peer: 1,
                 sent: Mutex::new(Vec::new()),
                 room: 0,
+                asked: Default::default(),
             },
             to_ini: Wire {
                 peer: 0,
                 sent: Mutex::new(Vec::new()),
                 room: 0,
+                asked: Default::default(),
             },
             done: Vec::new(),
             in_place: false,
@@ -531,7 +539,9 @@ impl RmaPair {
 
     /// Give `rma` a message from `src` over `link`, as set.
     fn carry(&self, rma: &Rma, link: &Wire, src: u32, kind: Kind, id: u64, data: Bytes) {
-        if self.in_place {
+        // As `sm`: what fits one fragment lies there; longer messages are
+        // put together first.
+        if self.in_place && data.len() <= link.room {
             let buf = crate::sys::mem::HeapBuf::from_vec(data.to_vec());
             rma.handle_in_place(link, src, kind, id, buf.raw());
         } else {

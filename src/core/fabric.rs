@@ -346,7 +346,6 @@ impl Core {
         self.deliver_with(src, tag, bytes.len(), make);
     }
 
-    /// A complete message arrived from `src`.
     /// [`on_message`](Self::on_message) of a message whose bytes stay
     /// where they arrived (`body`: a fragment of `sm`, valid until this
     /// returns). A put's request or part and a get's answer land in their
@@ -373,6 +372,7 @@ impl Core {
         }
     }
 
+    /// A complete message arrived from `src`.
     pub(crate) fn on_message(&self, link: &dyn Link, src: Rank, kind: Kind, tag: u64, data: Bytes) {
         match kind {
             Kind::User => self.deliver(src, tag, data),

@@ -47,6 +47,10 @@ enum Pending {
         /// The last part of a get of several: the whole get's remote range,
         /// which its refusal reports (not the part's own).
         whole: Option<(u64, u64)>,
+        /// A get of several parts: the first failure of a part other than
+        /// the last that the last does not see itself (a device copy that
+        /// failed, a malformed answer), which the last part reports.
+        failed: Option<Arc<Mutex<Option<Error>>>>,
     },
     /// A flush request: once answered, every implicit put to the peer
     /// numbered up to `upto` is done (or its refusal is in the answer).
@@ -167,6 +171,9 @@ pub(crate) struct Rma {
     /// Target side: the first implicit put each peer had refused here
     /// since its last flush request (the answer to that request says so).
     refused: Mutex<HashMap<Rank, AccessError>>,
+    /// Target side: the first failure of a put part other than the last,
+    /// by sender and put id, for the last part's answer.
+    part_failed: Mutex<HashMap<(Rank, u64), AccessError>>,
     /// Per peer rank: operations taken out of `ops` whose outcome is not
     /// applied yet (an answer's data being written, an error being
     /// recorded, a retry being registered): counted by `outstanding`, so a
@@ -209,6 +216,10 @@ const PUT_PART: usize = 256 * 1024;
 /// A put part's header after `REQ_HEADER` (key, extent start): the
 /// extent's length and the part's offset in it.
 const PART_HEADER: usize = REQ_HEADER + 16;
+
+/// Failures of put parts other than the last kept at most, waiting for
+/// their last parts (see `Rma::part_done`).
+const PART_FAILURES_KEPT: usize = 4096;
 
 /// Implicit puts up to this many bytes are written into the request by
 /// the transport ([`Link::submit_gathered_with`]), where it bundles them.
@@ -326,6 +337,7 @@ impl Rma {
             implicit: (0..size).map(|_| Implicit::default()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
+            part_failed: Mutex::new(HashMap::new()),
             settling: (0..size).map(|_| AtomicU64::new(0)).collect(),
             settling_other: AtomicU64::new(0),
             heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
@@ -624,11 +636,12 @@ impl Rma {
         // answered in order, so when the last part's answer lands every
         // part's data is in `dst`.
         let part = match link.fill_room() {
-            room if room > 1 && len < room => len,
+            room if room > 1 && len < room.min(PUT_PART) => len,
             room if room > 1 => room.min(PUT_PART) - 1,
             _ if len <= PUT_PART => len,
             _ => PUT_PART - 1,
         };
+        let failed = (part < len).then(|| Arc::new(Mutex::new(None)));
         let mut at = 0;
         loop {
             let n = part.min(len - at);
@@ -641,6 +654,7 @@ impl Rma {
                 len: n,
                 quiet: !last,
                 whole: (last && at > 0).then(|| (offset, offset.saturating_add(len as u64))),
+                failed: failed.clone(),
             };
             let id = self.register(link.peer(), pending, done.clone().filter(|_| last));
             let mut req = encode_req(key, offset.saturating_add(at as u64), 8);
@@ -791,6 +805,7 @@ impl Rma {
     /// Fail everything pending on a lost peer.
     pub(crate) fn peer_lost(&self, peer: Rank, reason: &str) {
         lock(&self.refused).remove(&peer);
+        lock(&self.part_failed).retain(|(p, _), _| *p != peer);
         let ops = self.take_ops(|o| o.peer == peer);
         let err = || Error::PeerLost {
             rank: peer,
@@ -1046,8 +1061,12 @@ impl Rma {
             }
             return;
         };
-        Counters::bump(&self.counters.emulated_landed_in_place);
         let n = rest.len();
+        let landed = |r: &Result<(), AccessError>| {
+            if r.is_ok() {
+                Counters::bump(&self.counters.emulated_landed_in_place);
+            }
+        };
         match kind {
             Kind::PutReq => {
                 let Some((key, off, _)) = decode_req(&head[..REQ_HEADER]) else {
@@ -1056,12 +1075,14 @@ impl Rma {
                 let r = self
                     .target(&key, off, n)
                     .and_then(|reg| reg.write_from(off, rest));
+                landed(&r);
                 self.put_done(link, src, id, r);
             }
             Kind::PutPart => {
                 let Some((r, first, last)) = self.put_part_with(&head, Payload::Raw(rest)) else {
                     return self.malformed_put(src, id, "malformed put part");
                 };
+                landed(&r);
                 self.part_done(link, src, id, r, first, last);
             }
             _ => self.finish_with(src, kind, id, Some((Ok(()), Payload::Raw(rest)))),
@@ -1080,13 +1101,37 @@ impl Rma {
     ) {
         // The whole put is checked for every part: a refused put writes
         // nothing, is counted at its first part, and is answered (or
-        // recorded) at its last.
+        // recorded) at its last. A part that failed otherwise (a device
+        // copy) is remembered for the last to answer: an implicit put's
+        // failure goes straight to the peer's next flush, whose request
+        // comes after all its parts.
         if first && r.is_err() {
             Counters::bump(&self.counters.access_refused);
         }
-        if last {
-            self.put_done(link, src, id, r);
+        if !last {
+            if let Err(e) = r {
+                if id == 0 {
+                    lock(&self.refused).entry(src).or_insert(e);
+                } else {
+                    let mut f = lock(&self.part_failed);
+                    if f.len() >= PART_FAILURES_KEPT {
+                        // Only a peer that never sends its puts' last
+                        // parts gets here: forget, do not grow.
+                        f.clear();
+                    }
+                    f.entry((src, id)).or_insert(e);
+                }
+            }
+            return;
         }
+        let first_failure = (id != 0)
+            .then(|| lock(&self.part_failed).remove(&(src, id)))
+            .flatten();
+        let r = match (r, first_failure) {
+            (Ok(()), Some(e)) => Err(e),
+            (r, _) => r,
+        };
+        self.put_done(link, src, id, r);
     }
 
     /// A put was written or refused: answer it, or (implicit: no answer)
@@ -1226,18 +1271,40 @@ impl Rma {
         let Some(op) = op else {
             return self.bad(src, "answer to an unknown operation");
         };
+        // A part of a get of several: what failed in a part before the
+        // last goes to the last, which reports for the whole get.
+        let (quiet, failed) = match &op.what {
+            Pending::Get { quiet, failed, .. } => (*quiet, failed.clone()),
+            _ => (false, None),
+        };
+        let keep = |e: Error| {
+            if let Some(f) = &failed {
+                lock(f).get_or_insert(e);
+            }
+        };
         let Some((status, payload)) = answer else {
             let e = Error::PeerMisbehaved {
                 rank: src,
                 what: "malformed RMA answer".into(),
             };
-            self.settle(src, op.done, Err(e));
+            if quiet {
+                keep(e);
+            } else {
+                self.settle(src, op.done, Err(e));
+            }
             return self.bad(src, "malformed RMA answer");
         };
-        if matches!(op.what, Pending::Get { quiet: true, .. }) && status.is_err() {
-            // The get's last part reports the refusal.
+        if quiet && status.is_err() {
+            // A refusal of the range the last part is refused too, with
+            // the whole get's range; any other it must be told.
+            if let Err(e) = status {
+                if !matches!(e, AccessError::OutOfBounds { .. }) {
+                    keep(Error::Access(e));
+                }
+            }
             return;
         }
+        let in_place = matches!(payload, Payload::Raw(_));
         let r = match (status, op.what, kind) {
             (r, Pending::Flush { upto }, Kind::FlushAck) if payload.is_empty() => {
                 if let Some(i) = self.implicit.get(src as usize) {
@@ -1271,11 +1338,27 @@ impl Rma {
                     dst, offset, len, ..
                 },
                 Kind::GetResp,
-            ) if payload.len() == len => payload.write_into(&dst, offset).map_err(Error::from),
+            ) if payload.len() == len => {
+                let r = payload.write_into(&dst, offset).map_err(Error::from);
+                if in_place && r.is_ok() {
+                    Counters::bump(&self.counters.emulated_landed_in_place);
+                }
+                r
+            }
             _ => Err(Error::PeerMisbehaved {
                 rank: src,
                 what: "RMA answer does not match the request".into(),
             }),
+        };
+        if quiet {
+            if let Err(e) = r {
+                keep(e);
+            }
+            return;
+        }
+        let r = match (r, &failed) {
+            (Ok(()), Some(f)) => lock(f).take().map_or(Ok(()), Err),
+            (r, _) => r,
         };
         self.settle(src, op.done, r);
     }
@@ -1377,6 +1460,9 @@ mod tests {
             let mut p = RmaPair::new(256, 256);
             p.set_in_place(in_place);
             let ops = [p.put(3, &data), p.put(250, &data[..10])];
+            // In place: in parts of one 100-byte message each.
+            let parts = p.pending_ids().len();
+            assert_eq!(parts, if in_place { 6 } else { 2 }, "{in_place}");
             p.deliver_requests();
             p.deliver_answers();
             assert!(matches!(p.outcome(ops[0]), Outcome::Done(_)), "{in_place}");
@@ -1391,6 +1477,65 @@ mod tests {
             assert_eq!(&p.dst_bytes()[5..255], &data[..], "{in_place}");
             assert_eq!(p.outstanding(), 0);
         }
+    }
+
+    /// A part of a get before its last whose answer is malformed (as a
+    /// failed device copy, or any failure the last part does not see
+    /// itself) fails the whole get, through the last part's future, not
+    /// the next flush; a get whose parts all land completes.
+    #[test]
+    #[cfg(not(btl_loom))]
+    fn a_failed_part_before_the_last_fails_the_whole_get() {
+        use crate::fuzz_support::{Outcome, RmaPair};
+        for broken in [false, true] {
+            let mut p = RmaPair::new(256, 256);
+            p.set_in_place(true);
+            let g = p.get(0, 0, 250);
+            let ids = p.pending_ids();
+            assert!(ids.len() >= 3, "in parts: {ids:?}");
+            p.deliver_requests();
+            p.drop_answers();
+            let mut at = 0;
+            for (i, id) in ids.iter().enumerate() {
+                let n = 99.min(250 - at);
+                let mut body = vec![0u8];
+                body.extend(std::iter::repeat_n(i as u8, n));
+                if broken && i == 0 {
+                    body[0] = 7; // no such status
+                }
+                p.forge_answer(crate::fuzz_support::rma_kind::GET_RESP, *id, &body);
+                at += n;
+            }
+            let want_done = !broken;
+            assert_eq!(
+                matches!(p.outcome(g), Outcome::Done(_)),
+                want_done,
+                "broken: {broken}"
+            );
+            assert_eq!(p.outstanding(), 0);
+        }
+    }
+
+    /// A put part before the last that failed at the target (not for its
+    /// range, which every part is refused for) is answered at the last
+    /// part; an implicit put's goes to the next flush.
+    #[test]
+    fn a_put_part_that_failed_is_answered_at_the_last() {
+        let (tgt, _) = rma(2);
+        let to_ini = Wire::new(0);
+        let e = || Err(AccessError::NotPermitted("device copy".into()));
+        tgt.part_done(&to_ini, 0, 5, e(), false, false);
+        tgt.part_done(&to_ini, 0, 5, Ok(()), false, false);
+        assert!(to_ini.take().is_empty(), "nothing before the last part");
+        tgt.part_done(&to_ini, 0, 5, Ok(()), false, true);
+        let sent = to_ini.take();
+        assert_eq!(sent.len(), 1);
+        assert_eq!((sent[0].0, sent[0].1), (Kind::PutAck, 5));
+        assert!(matches!(decode_status(&sent[0].2), Some((Err(_), _))));
+        assert!(lock(&tgt.part_failed).is_empty());
+        // Implicit: no answer, the refusal kept for the flush.
+        tgt.part_done(&to_ini, 0, 0, e(), false, false);
+        assert!(lock(&tgt.refused).contains_key(&0));
     }
 
     /// `idle` says what `outstanding(peer) == 0` says, whatever order the

@@ -841,7 +841,7 @@ impl Gpu for Cuda {
         )
     }
 
-    fn pin(&self, host: RawBuf) -> Result<(), GpuError> {
+    fn pin(&self, host: RawBuf) -> Result<bool, GpuError> {
         self.bind(0)?;
         let r = check(
             // SAFETY: the range is mapped for as long as its owner lives;
@@ -857,9 +857,10 @@ impl Gpu for Cuda {
             "cuMemHostRegister",
         );
         match r {
-            // Pinned already (by this process, through another path).
-            Err(GpuError::Failed(e)) if e.contains("ALREADY_REGISTERED") => Ok(()),
-            r => r,
+            Ok(()) => Ok(true),
+            // Pinned already, by other code of this process: not ours.
+            Err(GpuError::Failed(e)) if e.contains("ALREADY_REGISTERED") => Ok(false),
+            Err(e) => Err(e),
         }
     }
 

@@ -809,15 +809,19 @@ impl Gpu for GpuDouble {
             .map_err(|e| failed("download", e))
     }
 
-    fn pin(&self, host: RawBuf) -> Result<(), GpuError> {
+    fn pin(&self, host: RawBuf) -> Result<bool, GpuError> {
         let mut st = lock(&self.state);
         let (a, n) = (host.addr(), host.len());
-        // As the driver: a range overlapping one pinned already is refused.
+        // As the driver: the same range again is "already registered", one
+        // overlapping a pinned range otherwise is refused.
+        if st.pinned.contains(&(a, n)) {
+            return Ok(false);
+        }
         if st.pinned.iter().any(|&(b, m)| a < b + m && b < a + n) {
-            return Err(failed("pin", "the range is pinned already"));
+            return Err(failed("pin", "the range overlaps a pinned one"));
         }
         st.pinned.push((a, n));
-        Ok(())
+        Ok(true)
     }
 
     fn unpin(&self, host: RawBuf) -> Result<(), GpuError> {

@@ -255,7 +255,9 @@ pub(crate) trait Gpu: Send + Sync {
     /// Page-lock `host` for the device (`cuMemHostRegister`), so that
     /// copies to and from it go by DMA at the link's speed, not through
     /// the driver's own bounce buffers. Kept until [`unpin`](Self::unpin).
-    fn pin(&self, host: RawBuf) -> Result<(), GpuError>;
+    /// `Ok(false)`: it was pinned already, by someone else (not ours to
+    /// unpin).
+    fn pin(&self, host: RawBuf) -> Result<bool, GpuError>;
 
     /// Undo [`pin`](Self::pin) of the range starting where `host` does.
     fn unpin(&self, host: RawBuf) -> Result<(), GpuError>;

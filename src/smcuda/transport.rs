@@ -167,6 +167,8 @@ pub(crate) struct SmcudaTransport {
     pinned: Mutex<Vec<RawBuf>>,
     /// A pin was refused (logged once).
     pin_refused: AtomicBool,
+    /// Start addresses of the ranges `pin_staging` asked for.
+    pin_tried: Mutex<std::collections::HashSet<usize>>,
 }
 
 /// Where the handshake with one peer stands.
@@ -239,6 +241,7 @@ impl SmcudaTransport {
             settle_due: Mutex::new(Vec::new()),
             pinned: Mutex::new(Vec::new()),
             pin_refused: AtomicBool::new(false),
+            pin_tried: Mutex::new(std::collections::HashSet::new()),
         }))
     }
 
@@ -614,18 +617,25 @@ impl SmcudaTransport {
     /// memory limit, a driver that cannot pin shared mappings) is logged
     /// once; the copies then still work, slower.
     fn pin_staging(&self) {
-        let mut pinned = lock(&self.pinned);
+        if self.core.is_closed() {
+            // Nothing would unpin it.
+            return;
+        }
+        let mut tried = lock(&self.pin_tried);
         let me = self.core.rank();
         for r in (0..self.core.size()).filter(|r| *r != me) {
             let Some(link) = self.core.link(r) else {
                 continue;
             };
             for raw in link.fill_memory() {
-                if raw.len() == 0 || pinned.iter().any(|p| p.addr() == raw.addr()) {
+                // Each range once, whatever came of it (our segment is in
+                // every link; a refusal is not asked again).
+                if raw.len() == 0 || !tried.insert(raw.addr()) {
                     continue;
                 }
                 match self.gpu.pin(raw) {
-                    Ok(()) => pinned.push(raw),
+                    Ok(true) => lock(&self.pinned).push(raw),
+                    Ok(false) => {}
                     Err(e) => {
                         if !self.pin_refused.swap(true, Ordering::Relaxed) {
                             tracing::warn!(
