@@ -1295,8 +1295,8 @@ impl Rma {
             return self.bad(src, "malformed RMA answer");
         };
         if quiet && status.is_err() {
-            // A refusal of the range the last part is refused too, with
-            // the whole get's range; any other it must be told.
+            // The last part is refused for the range too (and reports
+            // the whole get's); any other refusal it must be told of.
             if let Err(e) = status {
                 if !matches!(e, AccessError::OutOfBounds { .. }) {
                     keep(Error::Access(e));
