@@ -207,12 +207,12 @@ impl TxState {
         len: usize,
         fill: &mut dyn FnMut(RawBuf) -> Result<()>,
     ) -> Result<bool> {
-        let total = head.len().saturating_add(len);
-        if !self.one_ready(t, peer, kind, total)? || !self.one_fits(t, peer, kind, total) {
-            return Ok(false);
-        }
         // Not user messages: those must also wait for the fast box.
         if channel(kind) == USER {
+            return Ok(false);
+        }
+        let total = head.len().saturating_add(len);
+        if !self.one_ready(t, peer, kind, total)? || !self.one_fits(t, peer, kind, total) {
             return Ok(false);
         }
         self.push_filled(t, peer, kind, tag, head, len, fill)
