@@ -59,8 +59,8 @@ async fn send_recv_sizes(config: Config, sizes: &[usize]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_recv_all_sizes_over_sm() {
-    // The default eager fragment carries 16384 - 24 bytes.
-    let sizes = [0, 1, 4072, 16359, 16360, 16361, 65536, 1 << 20, 16 << 20];
+    // The default eager fragment carries 16384 - 64 bytes.
+    let sizes = [0, 1, 4032, 16319, 16320, 16321, 65536, 1 << 20, 16 << 20];
     send_recv_sizes(Config::default(), &sizes).await;
 }
 
@@ -77,14 +77,14 @@ async fn send_recv_edges_with_4k_eager_and_32k_max_fragments() {
         49,
         1024,
         1025,
-        4071,
-        4072,
-        4073,
+        4031,
+        4032,
+        4033,
         16383,
         16384,
-        32743,
-        32744,
-        32745,
+        32703,
+        32704,
+        32705,
         65536,
         100_003,
         1 << 20,

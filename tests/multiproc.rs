@@ -61,23 +61,23 @@ fn rank_main() {
 }
 
 /// Around the fast box's limit (1024), a 4 KiB fragment's payload, the default
-/// eager fragment's (16384 - 24) and a max fragment's (131072 - 24).
+/// eager fragment's (16384 - 64) and a max fragment's (131072 - 64).
 const SIZES: [usize; 17] = [
     0,
     1,
     1023,
     1024,
     1025,
-    4071,
-    4072,
-    4073,
-    16359,
-    16360,
-    16361,
+    4031,
+    4032,
+    4033,
+    16319,
+    16320,
+    16321,
     65536,
-    131047,
-    131048,
-    131049,
+    131007,
+    131008,
+    131009,
     1 << 20,
     16 << 20,
 ];
@@ -87,9 +87,9 @@ async fn sizes(f: Fabric) {
         let ep = f.endpoint(1).unwrap();
         assert_eq!(ep.transport(), "sm");
         // Small ones through the allocation-free inline path too.
-        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4072, 16360]).await;
+        send_sizes(&ep, 3, &SIZES, &[0, 1, 100, 4032, 16320]).await;
     } else {
-        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4072, 16360]).await;
+        expect_sizes(&f, 0, 3, &SIZES, &[0, 1, 100, 4032, 16320]).await;
     }
     f.close().await.unwrap();
 }
@@ -175,7 +175,7 @@ async fn midstream(f: Fabric) {
 /// Sizes of every path a message takes: the fast box, one fragment (and
 /// its edges), several, a single copy, a split copy.
 const LEND_SIZES: [usize; 11] = [
-    0, 8, 1000, 1024, 1025, 4096, 16359, 16360, 16361, 20_000, 70_000,
+    0, 8, 1000, 1024, 1025, 4096, 16319, 16320, 16321, 20_000, 70_000,
 ];
 
 /// Rank 0 streams messages of `LEND_SIZES` in turn on tag 6, and a small

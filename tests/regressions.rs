@@ -50,8 +50,8 @@ async fn r1_inline_send_never_pushes_part_of_a_message() {
     let mut rx2 = f[2].receiver(9).unwrap();
     e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // 32744 + 2*4072: max frag + 2 eager, blocked at rank 1 (tag 1 over budget)
-    e1.send(1, Bytes::from(vec![2u8; 32744 + 8144]))
+    // 32704 + 2*4032: max frag + 2 eager, blocked at rank 1 (tag 1 over budget)
+    e1.send(1, Bytes::from(vec![2u8; 32704 + 8064]))
         .await
         .unwrap();
     let data = vec![5u8; 10000];
@@ -114,7 +114,7 @@ async fn r3_sends_keep_flowing_after_a_busy_pool() {
     let mut rx2 = f[2].receiver(9).unwrap();
     e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    e1.send(1, Bytes::from(vec![2u8; 32744 + 8144]))
+    e1.send(1, Bytes::from(vec![2u8; 32704 + 8064]))
         .await
         .unwrap();
     let data = vec![5u8; 10000];

@@ -70,7 +70,7 @@ impl SmConfig {
 
     /// Check that the settings make sense together.
     pub(crate) fn validate(&self) -> Result<()> {
-        let frag = super::FRAG_HEADER;
+        let frag = super::FRAG_BODY;
         if self.eager_size < frag + 8 || self.eager_size % 8 != 0 {
             return Err(Error::Config(format!(
                 "sm eager fragment size {} must be a multiple of 8 and at least {}",

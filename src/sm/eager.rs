@@ -15,7 +15,7 @@
 use bytes::Bytes;
 
 use super::fbox;
-use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::frag::{FragHeader, FIRST, FRAG_BODY, FRAG_HEADER, LAST};
 use super::kind::Kind;
 use super::rx::{RxState, Step};
 use super::segment::CHANNELS;
@@ -106,11 +106,11 @@ impl FreeList {
 
 impl TxState {
     pub(super) fn eager_payload(&self) -> usize {
-        self.layout.p.eager_size as usize - FRAG_HEADER
+        self.layout.p.eager_size as usize - FRAG_BODY
     }
 
     pub(super) fn max_payload(&self) -> usize {
-        self.layout.p.max_size as usize - FRAG_HEADER
+        self.layout.p.max_size as usize - FRAG_BODY
     }
 
     /// Take back fragments peers returned. Returns how many.
@@ -269,7 +269,7 @@ impl TxState {
                 break Ok(Pushed::Blocked);
             };
             let (off, size) = self.layout.frag(i);
-            let n = rem.min(size - FRAG_HEADER);
+            let n = rem.min(size - FRAG_BODY);
             let mut flags = 0;
             if !at.started {
                 flags |= FIRST;
@@ -289,14 +289,14 @@ impl TxState {
             // receiver read them last, and a plain copy would wait for
             // each line's ownership in turn (the store buffer holds only
             // a few dozen stores).
-            let end = off + (FRAG_HEADER + n).min(PREFETCH_WRITE) as u64;
+            let end = off + (FRAG_BODY + n).min(PREFETCH_WRITE) as u64;
             let mut line = off & !63;
             while line < end {
                 raw.prefetch_write(line);
                 line += 64;
             }
             raw.write(off, &h.encode())
-                .and_then(|_| raw.write(off + FRAG_HEADER as u64, &data[at.sent..at.sent + n]))
+                .and_then(|_| raw.write(off + FRAG_BODY as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
             if let Err(e) = self.post_fragment(t, peer, ch, i, off) {
                 break Err(e);
@@ -360,7 +360,7 @@ impl TxState {
             return Ok(false);
         };
         let (off, size) = self.layout.frag(i);
-        if size - FRAG_HEADER < total {
+        if size - FRAG_BODY < total {
             self.free(i);
             return Ok(false);
         }
@@ -372,7 +372,7 @@ impl TxState {
             total: total as u64,
         };
         let raw = t.seg.raw();
-        let body = off + FRAG_HEADER as u64;
+        let body = off + FRAG_BODY as u64;
         let written = raw
             .write(off, &h.encode())
             .and_then(|_| raw.write(body, head))
@@ -444,14 +444,14 @@ impl RxState {
         if raw.read(off, &mut hb).is_err() {
             return Step::Bad("fragment outside its segment");
         }
-        let h = match FragHeader::decode(&hb, size - FRAG_HEADER) {
+        let h = match FragHeader::decode(&hb, size - FRAG_BODY) {
             Ok(h) => h,
             Err(_) => return Step::Bad("malformed fragment header"),
         };
         if channel(h.kind) != ch {
             return Step::Bad("message kind on the wrong channel");
         }
-        let payload = off + FRAG_HEADER as u64;
+        let payload = off + FRAG_BODY as u64;
         match &mut self.partial[idx] {
             None => {
                 if h.flags & FIRST == 0 {
@@ -610,12 +610,12 @@ impl RxState {
         raw.prefetch_read(off, size.min(PREFETCH_FRAGMENT));
         let mut hb = [0u8; FRAG_HEADER];
         raw.read(off, &mut hb).ok()?;
-        let h = FragHeader::decode(&hb, size - FRAG_HEADER).ok()?;
+        let h = FragHeader::decode(&hb, size - FRAG_BODY).ok()?;
         if h.kind != Kind::User || h.flags & (FIRST | LAST) != FIRST | LAST || h.tag != tag {
             return None;
         }
         buf.clear();
-        raw.read_into(off + FRAG_HEADER as u64, h.len as usize, buf)
+        raw.read_into(off + FRAG_BODY as u64, h.len as usize, buf)
             .ok()?;
         if let Err(what) = self.release(t, p, idx, off) {
             Counters::bump(&t.core.counters().bad_frames);

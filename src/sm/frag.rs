@@ -1,4 +1,5 @@
-//! The 24-byte header at the start of every shared-memory fragment.
+//! The 24-byte header at the start of every shared-memory fragment. The
+//! payload follows at [`FRAG_BODY`], the fragment's second cache line.
 //!
 //! ```text
 //! 0  kind   u8     (sm::kind::Kind)
@@ -17,6 +18,11 @@ use super::kind::Kind;
 
 /// Bytes of the fragment header.
 pub(crate) const FRAG_HEADER: usize = 24;
+
+/// Where a fragment's payload starts: the header has the first cache line
+/// to itself, so the payload starts on a line of its own and is copied in
+/// and out whole lines at a time, as aligned as the user's buffer.
+pub(crate) const FRAG_BODY: usize = 64;
 
 /// First fragment of a message.
 pub(crate) const FIRST: u8 = 1;

@@ -47,7 +47,7 @@ impl Link for SmLink {
         self.t
             .config
             .max_size
-            .saturating_sub(super::frag::FRAG_HEADER)
+            .saturating_sub(super::frag::FRAG_BODY)
     }
 
     fn try_send_filled(

@@ -53,7 +53,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub(crate) use frag::FRAG_HEADER;
+pub(crate) use frag::FRAG_BODY;
 
 use crate::core::fabric::Core;
 use crate::core::region::{KeyId, Mapped, RemoteKey};

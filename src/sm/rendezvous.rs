@@ -17,7 +17,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::eager::{MAX_MESSAGE, RESERVE_LIMIT};
-use super::frag::{FragHeader, FIRST, FRAG_HEADER, LAST};
+use super::frag::{FragHeader, FIRST, FRAG_BODY, LAST};
 use super::kind::Kind;
 use super::rx::{RxState, Step};
 use super::segment::CHANNELS;
@@ -282,11 +282,7 @@ impl RxState {
             return Step::Bad("malformed rendezvous announcement");
         }
         let mut rts = [0u8; RTS_LEN];
-        if p.seg
-            .raw()
-            .read(off + FRAG_HEADER as u64, &mut rts)
-            .is_err()
-        {
+        if p.seg.raw().read(off + FRAG_BODY as u64, &mut rts).is_err() {
             return Step::Bad("payload outside its segment");
         }
         self.rendezvous(t, p, idx, Held::Ring(off), h.tag, &rts)

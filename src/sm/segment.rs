@@ -29,7 +29,7 @@ use crate::sys::sync::{lock, AtomicU32};
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
-pub(crate) const VERSION: u32 = 6;
+pub(crate) const VERSION: u32 = 7;
 pub(crate) const HEADER_LEN: usize = 4096;
 const STATE_OFF: usize = 256;
 const ARMED_OFF: usize = 320;
@@ -76,7 +76,7 @@ impl Layout {
         if p.local_size == 0
             || p.eager_count == 0
             || p.max_count == 0
-            || p.eager_size < super::FRAG_HEADER as u32 + 8
+            || p.eager_size < super::FRAG_BODY as u32 + 8
             || p.max_size < p.eager_size
             || p.eager_size % 8 != 0
             || p.max_size % 8 != 0

@@ -120,7 +120,7 @@ struct Args {
 
     /// Exact message sizes instead of the powers of two from --min-size to
     /// --max-size, comma-separated (K, M suffixes), e.g. the edges of a
-    /// protocol: `--sizes 48,49,16359,16360,16361`. Run in the order given.
+    /// protocol: `--sizes 48,49,16319,16320,16321`. Run in the order given.
     #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = size, conflicts_with_all = ["min_size", "max_size"])]
     sizes: Vec<usize>,
 
