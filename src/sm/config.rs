@@ -9,7 +9,7 @@ pub struct SmConfig {
     /// Size of an eager fragment, header included; a message that fits in
     /// one (and is too big for the fast box) takes one. 16 KiB, so that
     /// every message below `cma_min` does: with 4 KiB ones a 4 KiB message
-    /// (24 bytes too many) and an 8 KiB one take a max fragment, and their
+    /// (its header's cache line too many) and an 8 KiB one take a max fragment, and their
     /// half round trips are 1.13-1.14x longer. Env: `BTL_SM_EAGER`.
     pub eager_size: usize,
     /// Number of eager fragments per process. Env: `BTL_SM_EAGER_COUNT`.
