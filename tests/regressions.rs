@@ -51,9 +51,14 @@ async fn r1_inline_send_never_pushes_part_of_a_message() {
     e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     // 32704 + 2*4032: max frag + 2 eager, blocked at rank 1 (tag 1 over budget)
-    e1.send(1, Bytes::from(vec![2u8; 32704 + 8064]))
-        .await
-        .unwrap();
+    // It fits the pool whole: its send completes without rank 1 reading.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        e1.send(1, Bytes::from(vec![2u8; 32704 + 8064])),
+    )
+    .await
+    .expect("a message that fits the free fragments is handed over at once")
+    .unwrap();
     let data = vec![5u8; 10000];
     let fut = e2.send_inline(9, &data);
     let h = {
@@ -114,9 +119,14 @@ async fn r3_sends_keep_flowing_after_a_busy_pool() {
     let mut rx2 = f[2].receiver(9).unwrap();
     e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    e1.send(1, Bytes::from(vec![2u8; 32704 + 8064]))
-        .await
-        .unwrap();
+    // It fits the pool whole: its send completes without rank 1 reading.
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        e1.send(1, Bytes::from(vec![2u8; 32704 + 8064])),
+    )
+    .await
+    .expect("a message that fits the free fragments is handed over at once")
+    .unwrap();
     let data = vec![5u8; 10000];
     let fut = e2.send_inline(9, &data);
     let mut rx1 = f[1].receiver(1).unwrap();
