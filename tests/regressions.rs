@@ -40,6 +40,23 @@ fn small() -> Config {
     }
 }
 
+/// Leave rank 0's pool (`small()`: 4 eager fragments, 1 max) held by rank
+/// 1, which reads nothing yet (tag 1 over budget): a 2000-byte message,
+/// then one of a max fragment and 2 eager ones (32704 + 2*4032). The
+/// second fits the free fragments whole, so its send completes without
+/// rank 1 reading.
+async fn hold_the_pool(e1: &async_btl::Endpoint) {
+    e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        e1.send(1, Bytes::from(vec![2u8; 32704 + 8064])),
+    )
+    .await
+    .expect("a message that fits the free fragments is handed over at once")
+    .unwrap();
+}
+
 /// An inline send must never push part of a message (and then queue the
 /// whole message again, which makes the receiver cut the sender off).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,17 +65,7 @@ async fn r1_inline_send_never_pushes_part_of_a_message() {
     let e1 = f[0].endpoint(1).unwrap();
     let e2 = f[0].endpoint(2).unwrap();
     let mut rx2 = f[2].receiver(9).unwrap();
-    e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // 32704 + 2*4032: max frag + 2 eager, blocked at rank 1 (tag 1 over budget)
-    // It fits the pool whole: its send completes without rank 1 reading.
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        e1.send(1, Bytes::from(vec![2u8; 32704 + 8064])),
-    )
-    .await
-    .expect("a message that fits the free fragments is handed over at once")
-    .unwrap();
+    hold_the_pool(&e1).await;
     let data = vec![5u8; 10000];
     let fut = e2.send_inline(9, &data);
     let h = {
@@ -117,16 +124,7 @@ async fn r3_sends_keep_flowing_after_a_busy_pool() {
     let e1 = f[0].endpoint(1).unwrap();
     let e2 = f[0].endpoint(2).unwrap();
     let mut rx2 = f[2].receiver(9).unwrap();
-    e1.send(1, Bytes::from(vec![1u8; 2000])).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // It fits the pool whole: its send completes without rank 1 reading.
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        e1.send(1, Bytes::from(vec![2u8; 32704 + 8064])),
-    )
-    .await
-    .expect("a message that fits the free fragments is handed over at once")
-    .unwrap();
+    hold_the_pool(&e1).await;
     let data = vec![5u8; 10000];
     let fut = e2.send_inline(9, &data);
     let mut rx1 = f[1].receiver(1).unwrap();
