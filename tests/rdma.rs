@@ -30,24 +30,6 @@ fn job(n: u32, scenario: &str, extra: &[(&str, &str)]) -> Job {
     spawn_job(n, scenario, &env)
 }
 
-/// Why these tests cannot run here, if they cannot.
-fn no_rdma() -> Option<String> {
-    if !cfg!(feature = "rdma") {
-        return Some("built without the `rdma` feature (cargo test --features rdma)".into());
-    }
-    let out = std::process::Command::new("fi_info")
-        .args(["-p", "tcp;ofi_rxm", "-t", "FI_EP_RDM", "-n", "127.0.0.1"])
-        .output();
-    match out {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!(
-            "libfabric offers no tcp;ofi_rxm on 127.0.0.1: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Some(format!("fi_info (libfabric-bin) cannot run: {e}")),
-    }
-}
-
 macro_rules! need_rdma {
     () => {
         if let Some(why) = no_rdma() {
@@ -63,7 +45,14 @@ fn rank_main() {
     let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
         return; // the parent test process: nothing to do here
     };
-    let rt = rank_runtime();
+    let rt = if std::env::var_os("BTL_TEST_CURRENT_THREAD").is_some() {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    } else {
+        rank_runtime()
+    };
     rt.block_on(async {
         if scenario == "mismatch" {
             return mismatch().await;
@@ -86,6 +75,7 @@ fn rank_main() {
             "serve3" => serve3(f).await,
             "idle" => idle(f).await,
             "lend" => lend(f).await,
+            "compute" => compute(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -353,6 +343,24 @@ async fn idle(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Rank 0 computes for two and a half peer timeouts without yielding (its
+/// one runtime thread blocked, the progress task starved), then sends:
+/// neither rank may take the other for dead meanwhile.
+async fn compute(f: Fabric) {
+    f.barrier().await.unwrap();
+    if f.rank() == 0 {
+        std::thread::sleep(Duration::from_millis(2500));
+        let ep = f.endpoint(1).unwrap();
+        ep.send(1, pattern(64, 3)).await.unwrap();
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        assert_eq!(rx.recv().await.unwrap().data, pattern(64, 3));
+    }
+    f.barrier().await.unwrap();
+    println!("peers_lost={}", f.stats().peers_lost);
+    f.close().await.unwrap();
+}
+
 /// The receiver does not read for three peer timeouts: the sender must wait
 /// (bounded memory), not declare it lost, then everything arrives.
 async fn stall(f: Fabric) {
@@ -537,6 +545,19 @@ fn rdma_idle_ranks_sleep_on_the_completion_queue() {
         // Adaptive spinning after the last work, keepalives and the
         // heartbeat cost a few ms; a spinning task would use ~2000.
         assert!(ms < 500, "rank {r} used {ms} ms of CPU in 2 s of idleness");
+    }
+}
+
+#[test]
+fn rdma_a_rank_that_computes_past_the_peer_timeout_is_not_lost() {
+    need_rdma!();
+    // Rank 0 on a current-thread runtime: its blocking loop starves the
+    // progress task; the liveness thread reads what waits in the
+    // completion queue (rank 1's pings) and pings rank 1.
+    let outs = job(2, "compute", &[("BTL_TEST_CURRENT_THREAD", "1")]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
     }
 }
 

@@ -2149,6 +2149,13 @@ impl Transport for RdmaTransport {
     }
 
     fn check_peers(&self) {
+        // Read the completion queue first: called by the liveness watch
+        // after a stall of this process (a user loop that starved the
+        // progress task), the peers' pings wait there, and a
+        // manual-progress provider (tcp) moves our own pings only while
+        // it is read. (From the progress task it finds what is new since
+        // its last poll.)
+        self.progress();
         self.service();
     }
 

@@ -704,3 +704,21 @@ pub async fn atomics_scenario(f: async_btl::Fabric, adds: u64, locked: u64) {
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
+
+/// Why these tests cannot run here, if they cannot.
+pub fn no_rdma() -> Option<String> {
+    if !cfg!(feature = "rdma") {
+        return Some("built without the `rdma` feature (cargo test --features rdma)".into());
+    }
+    let out = std::process::Command::new("fi_info")
+        .args(["-p", "tcp;ofi_rxm", "-t", "FI_EP_RDM", "-n", "127.0.0.1"])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!(
+            "libfabric offers no tcp;ofi_rxm on 127.0.0.1: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(format!("fi_info (libfabric-bin) cannot run: {e}")),
+    }
+}
