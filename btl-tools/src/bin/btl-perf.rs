@@ -62,7 +62,8 @@ put_bw (fi_writemsg with FI_DELIVERY_COMPLETE), get_lat and get_bw
 
 With the ranks pinned to two cores (the default), rank 0 also reads the
 machine's own hop before and after each run: an 8-byte ping-pong between
-two of its threads on the ranks' cores, no library in between. The report
+two threads on the ranks' cores, in a child process (the rank keeps the
+threads it had), no library in between. The report
 gives it in a `# floor:` line and warns when it moved by more than 1.5x:
 on a VM whose speed changes while it runs, such a run compares points
 taken at different speeds.
@@ -242,6 +243,10 @@ fn size(s: &str) -> Result<usize, String> {
 const TTY_VAR: &str = "BTL_PERF_TTY";
 
 fn main() -> ExitCode {
+    // Started by rank 0 to read the machine's floor apart from it.
+    if let Some(code) = btl_tools::perf::floor::probe_main() {
+        return code;
+    }
     let args = Args::parse();
     if args.min_size > args.max_size {
         eprintln!("btl-perf: --min-size is above --max-size");

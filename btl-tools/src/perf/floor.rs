@@ -1,8 +1,11 @@
 //! The machine's own floor for a small-message hop, read around each run: an
-//! 8-byte ping-pong between two threads of rank 0, pinned to the two ranks'
-//! cores, through two atomic words on cache lines of their own. No library,
-//! no protocol: one line crossing between the cores per hop, which is what
-//! any shared-memory transport's small-message latency rests on.
+//! 8-byte ping-pong between two threads, pinned to the two ranks' cores,
+//! through two atomic words on cache lines of their own. No library, no
+//! protocol: one line crossing between the cores per hop, which is what
+//! any shared-memory transport's small-message latency rests on. Rank 0
+//! reads it in a child process of its own ([`best_floor_apart`]), so the
+//! rank keeps the threads it had: a rank with one thread keeps the C
+//! library's single-thread fast paths (see `BTL_LIVENESS`).
 //!
 //! Why: shared and virtual machines change speed every few minutes (a
 //! line crossing can take four times as long in one phase as in the
@@ -118,6 +121,52 @@ pub fn best_floor(cores: (usize, usize)) -> Option<f64> {
     (0..READINGS)
         .filter_map(|_| line_floor(cores, ROUND_TRIPS))
         .min_by(f64::total_cmp)
+}
+
+/// The variable that has a process started by [`best_floor_apart`] read
+/// the floor and exit (see [`probe_main`]): the two cores, `A,B`.
+pub const PROBE_VAR: &str = "BTL_PERF_FLOOR_PROBE";
+
+/// [`best_floor`] read by a child process: this executable, run again with
+/// [`PROBE_VAR`] (its `main` calls [`probe_main`] first). `None` when the
+/// child cannot start or reads no floor.
+pub fn best_floor_apart(cores: (usize, usize)) -> Option<f64> {
+    let exe = std::env::current_exe().ok()?;
+    let out = std::process::Command::new(exe)
+        .env(PROBE_VAR, format!("{},{}", cores.0, cores.1))
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .ok()
+        .filter(|f: &f64| f.is_finite() && *f > 0.0)
+}
+
+/// In a process started by [`best_floor_apart`]: pin to the first core,
+/// read the floor, print it in µs and say how that went; `None` in any
+/// other process.
+pub fn probe_main() -> Option<std::process::ExitCode> {
+    let v = std::env::var(PROBE_VAR).ok()?;
+    let cores = v
+        .split_once(',')
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+    let floor = cores.and_then(|c: (usize, usize)| {
+        pin_current_thread(c.0).ok()?;
+        best_floor(c)
+    });
+    Some(match floor {
+        Some(f) => {
+            println!("{f}");
+            std::process::ExitCode::SUCCESS
+        }
+        None => std::process::ExitCode::FAILURE,
+    })
 }
 
 /// Half of one round trip, in µs, when `round_trips` took `elapsed`.

@@ -179,7 +179,7 @@ pub async fn run(
     let config = s.config()?;
     // Before rank 1 has anything to do but wait for the bootstrap.
     let floor_cores = floor_cores(s, &job);
-    let floor_before = floor_cores.and_then(super::floor::best_floor);
+    let floor_before = floor_cores.and_then(super::floor::best_floor_apart);
     // One async-btl run per compared transport (or one under `transport`),
     // with its label.
     let runs: Vec<(Config, Option<String>)> = if s.compare.is_empty() {
@@ -260,7 +260,7 @@ pub async fn run(
     if let Some(cores) = floor_cores {
         header.floors.push(Floor {
             before: floor_before,
-            after: super::floor::best_floor(cores),
+            after: super::floor::best_floor_apart(cores),
         });
     }
     Ok(Some(Report::new(header, samples)))
@@ -580,8 +580,8 @@ fn header(
 }
 
 /// The ranks' two cores when rank 0 reads the machine's own hop there
-/// (both ranks on its node, pinned apart): rank 0 reads it from its pinned
-/// thread while rank 1 waits or is done.
+/// (both ranks on its node, pinned apart): rank 0 has a child process read
+/// it while rank 1 waits or is done.
 fn floor_cores(s: &Settings, job: &JobInfo) -> Option<(usize, usize)> {
     match s.cores {
         (Some(a), Some(b)) if a != b && job.rank == 0 && job.local_size == 2 && job.size == 2 => {
