@@ -67,6 +67,43 @@ impl std::str::FromStr for CopyMode {
     }
 }
 
+/// Who checks the peers' liveness while no progress task can run: a user
+/// loop that never yields keeps a current-thread runtime's progress tasks
+/// from running, yet a dead peer must still fail what waits on it, and
+/// silence-timed peers (`udp`, `rdma`) must still hear from this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Liveness {
+    /// A thread of the fabric's own (`btl-liveness`) checks the peers,
+    /// and sends the keep-alives of `udp` and `rdma`, whenever the
+    /// progress tasks missed three heartbeats: a process may compute for
+    /// longer than the peer timeouts without yielding. The default.
+    #[default]
+    Thread,
+    /// No thread while the process has only one: the progress tasks and
+    /// the library calls a user loop makes (`try_recv`, polls of the
+    /// fabric's futures) check the peers, and a thread starts only once the
+    /// process has several. A single-threaded process keeps the C
+    /// library's single-thread fast paths (glibc then takes mutexes, as
+    /// libfabric does for each message, without a locked instruction), at
+    /// a price: a loop that neither yields nor calls the library for
+    /// longer than the `udp` or `rdma` peer timeout is taken for dead by
+    /// those peers. On other C libraries than glibc, the same as `Thread`.
+    Inline,
+}
+
+impl std::str::FromStr for Liveness {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "thread" => Ok(Liveness::Thread),
+            "inline" => Ok(Liveness::Inline),
+            other => Err(Error::Config(format!(
+                "unknown liveness mode {other:?}: use thread or inline"
+            ))),
+        }
+    }
+}
+
 /// Settings of a [`Fabric`](crate::Fabric).
 ///
 /// Start from [`Config::from_env`] (defaults with the `BTL_*` variables
@@ -94,6 +131,9 @@ pub struct Config {
     pub spin: Duration,
     /// How often peers are checked for liveness. Env: `BTL_HEARTBEAT_MS`.
     pub heartbeat: Duration,
+    /// Who checks the peers while the progress tasks cannot run (see
+    /// [`Liveness`]). Env: `BTL_LIVENESS` (`thread`, `inline`).
+    pub liveness: Liveness,
     /// The routine for copies from 32 KiB to below half the L2 (see
     /// [`CopyMode`]).
     /// Env: `BTL_COPY` (`auto`, `libc`, `vector`).
@@ -142,6 +182,7 @@ impl Default for Config {
             progress: ProgressMode::Adaptive,
             spin: Duration::from_micros(200),
             heartbeat: Duration::from_millis(100),
+            liveness: Liveness::Thread,
             copy: CopyMode::Auto,
             sm: Default::default(),
             recv_budget: 32 << 20,
@@ -169,6 +210,9 @@ impl Config {
         let mut c = Config::default();
         if let Some(v) = get("BTL_PROGRESS") {
             c.progress = v.parse()?;
+        }
+        if let Some(v) = get("BTL_LIVENESS") {
+            c.liveness = v.parse()?;
         }
         if let Some(v) = get("BTL_COPY") {
             c.copy = v.parse()?;
@@ -306,5 +350,16 @@ mod tests {
         }
         let e = with("fast").unwrap_err().to_string();
         assert!(e.contains("auto, libc or vector"), "{e}");
+    }
+
+    #[test]
+    fn liveness_names() {
+        let with = |v: &str| Config::from_lookup(|k| (k == "BTL_LIVENESS").then(|| v.to_string()));
+        assert_eq!(Config::default().liveness, Liveness::Thread);
+        for (v, want) in [("thread", Liveness::Thread), (" Inline ", Liveness::Inline)] {
+            assert_eq!(with(v).unwrap().liveness, want, "{v}");
+        }
+        let e = with("none").unwrap_err().to_string();
+        assert!(e.contains("thread or inline"), "{e}");
     }
 }

@@ -95,7 +95,8 @@
 //! On either, peer liveness does not depend on the caller's tasks: a small
 //! watchdog thread per fabric checks peers when the progress tasks have not
 //! run for a few heartbeats, so a loop that never yields still sees
-//! [`Error::PeerLost`]. `BTL_PROGRESS=interrupt` (no spinning) suits a rank
+//! [`Error::PeerLost`] (a single-threaded process may do without the
+//! thread: see [`Liveness`]). `BTL_PROGRESS=interrupt` (no spinning) suits a rank
 //! that shares its core with other busy work.
 //!
 //! ## Configuration and logs
@@ -144,7 +145,7 @@ pub use crate::core::fabric::{Fabric, FabricBuilder, MemoryKind};
 pub use crate::core::region::{MemoryRegion, PageBuf, RegisterMemory, RemoteKey};
 pub use crate::core::stats::Stats;
 pub use crate::sys::mem::CopyChoice;
-pub use config::{Config, CopyMode, ProgressMode};
+pub use config::{Config, CopyMode, Liveness, ProgressMode};
 pub use error::{AccessError, Error, Result};
 pub use exchange::{AddressExchange, JobExchange, LocalExchange};
 pub use rdma::config::RdmaConfig;

@@ -1090,6 +1090,21 @@ async fn starved(f: Fabric) {
     };
     println!("starved_lost={}", u8::from(lost));
     println!("starved_ms={}", start.elapsed().as_millis());
+    println!(
+        "liveness_thread={}",
+        u8::from(threads().iter().any(|t| t == "btl-liveness"))
+    );
+}
+
+/// The names of this process's threads.
+fn threads() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .map(|t| {
+            let comm = t.unwrap().path().join("comm");
+            std::fs::read_to_string(comm).unwrap().trim().to_string()
+        })
+        .collect()
 }
 
 #[test]
@@ -1105,6 +1120,9 @@ fn a_peer_dies_while_a_user_loop_starves_the_progress_task() {
         "rank 0 never saw the loss (starved_ms={:?})",
         value(&outs[0], "starved_ms")
     );
+    // By default the liveness thread made the checks (the single-threaded
+    // case, `BTL_LIVENESS=inline`, is `tests/liveness.rs`).
+    assert_eq!(value(&outs[0], "liveness_thread").as_deref(), Some("1"));
 }
 
 #[test]

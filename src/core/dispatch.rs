@@ -351,6 +351,11 @@ pub(crate) trait Progress: Send + Sync {
     /// the work done.
     fn turns(&self, turns: usize) -> usize;
 
+    /// An inline poll found nothing, at `now_ns` on the dispatcher's clock:
+    /// the moment for checks a starved progress task would have made
+    /// (see [`Liveness::Inline`](crate::Liveness::Inline)). Default: none.
+    fn idle(&self, _now_ns: u64) {}
+
     /// Take the next message for `tag` into `buf` from a transport that
     /// can hand it over without a progress turn (see
     /// [`Transport::take_direct`](crate::transport::Transport::take_direct));
@@ -767,6 +772,7 @@ impl Dispatcher {
             self.policy.touch();
             return true;
         }
+        h.idle(now);
         false
     }
 

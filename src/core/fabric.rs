@@ -621,6 +621,13 @@ struct FabricProgress {
     all: Arc<Vec<Arc<dyn Transport>>>,
     /// The transports whose `takes_direct` is true.
     direct: Vec<Arc<dyn Transport>>,
+    /// The liveness watch, while it runs without a thread
+    /// ([`Liveness::Inline`](crate::Liveness::Inline)).
+    watch: Option<Arc<crate::core::progress::Watch>>,
+    /// The heartbeat, in ns.
+    heartbeat_ns: u64,
+    /// When the inline paths next run the watch, on the dispatcher's clock.
+    next_check_ns: AtomicU64,
 }
 
 impl crate::core::dispatch::Progress for FabricProgress {
@@ -638,6 +645,16 @@ impl crate::core::dispatch::Progress for FabricProgress {
             // (`Hot::spinning_idle`).
         }
         0
+    }
+
+    fn idle(&self, now_ns: u64) {
+        let Some(w) = &self.watch else { return };
+        if now_ns < self.next_check_ns.load(Ordering::Relaxed) {
+            return;
+        }
+        self.next_check_ns
+            .store(now_ns.saturating_add(self.heartbeat_ns), Ordering::Relaxed);
+        w.inline();
     }
 
     fn take_direct(
@@ -988,6 +1005,19 @@ impl Fabric {
         // forever); the fabric and, while it is open, each receiver that
         // used it hold it strongly. One list for all transports.
         let transports = Arc::new(transports);
+        let beats: Vec<_> = transports
+            .iter()
+            .map(|_| crate::core::progress::Beat::new())
+            .collect();
+        // Liveness that no user loop can starve (see `progress::Watch`).
+        let watch = crate::core::progress::Watch::start(
+            transports
+                .iter()
+                .zip(&beats)
+                .map(|(t, b)| (Arc::downgrade(t), b.clone()))
+                .collect(),
+            &core,
+        );
         let poller: crate::core::dispatch::Poller = Arc::new(FabricProgress {
             direct: transports
                 .iter()
@@ -995,12 +1025,11 @@ impl Fabric {
                 .cloned()
                 .collect(),
             all: transports.clone(),
+            watch: (!watch.threaded()).then(|| watch.clone()),
+            heartbeat_ns: u64::try_from(core.config.heartbeat.as_nanos()).unwrap_or(u64::MAX),
+            next_check_ns: AtomicU64::new(0),
         });
         core.dispatcher.set_progress_hook(&poller);
-        let beats: Vec<_> = transports
-            .iter()
-            .map(|_| crate::core::progress::Beat::new())
-            .collect();
         let drivers = transports
             .iter()
             .zip(&beats)
@@ -1009,23 +1038,10 @@ impl Fabric {
                     t.clone(),
                     core.clone(),
                     b.clone(),
+                    watch.clone(),
                 ))
             })
             .collect();
-        // Liveness that no user loop can starve (see `progress::watchdog`).
-        let watched = transports
-            .iter()
-            .zip(beats)
-            .map(|(t, b)| (Arc::downgrade(t), b))
-            .collect();
-        if let Err(e) = crate::core::progress::watchdog(
-            watched,
-            Arc::downgrade(&core),
-            core.closed.clone(),
-            core.config.heartbeat,
-        ) {
-            tracing::warn!("no liveness watchdog thread ({e}): peer losses are seen only while the progress tasks run");
-        }
         Ok(Fabric {
             core,
             transports,

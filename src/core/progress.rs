@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use crate::config::ProgressMode;
+use crate::config::{Liveness, ProgressMode};
 use crate::core::fabric::Core;
 use crate::transport::Transport;
 
@@ -73,51 +73,123 @@ impl Beat {
     }
 }
 
-/// How many heartbeats a progress task may miss before the watchdog
-/// checks its peers itself.
+/// How many heartbeats a progress task may miss before the liveness
+/// watch checks its peers itself.
 const MISSED_BEATS: u32 = 3;
 
-/// Start the liveness watchdog of a fabric: an OS thread that checks each
-/// transport's peers itself whenever its progress task has not for
-/// [`MISSED_BEATS`] heartbeats (a user task that never yields on a
-/// current-thread runtime, or a runtime whose workers are all busy, starves
-/// the progress tasks: a dead peer must still fail what waits on it), and
-/// expires unanswered one-sided operations then too. It holds the
-/// transports and the core weakly and ends when the fabric closes.
-pub(crate) fn watchdog(
+/// The liveness watch of a fabric: checks each transport's peers itself
+/// whenever its progress task has not for [`MISSED_BEATS`] heartbeats (a
+/// user task that never yields on a current-thread runtime, or a runtime
+/// whose workers are all busy, starves the progress tasks: a dead peer
+/// must still fail what waits on it), and expires unanswered one-sided
+/// operations then too. Under [`Liveness::Thread`] a thread of its own
+/// (`btl-liveness`) runs it; under [`Liveness::Inline`] the inline progress
+/// paths do, until the process has a second thread (see [`Watch::inline`]).
+/// It holds the transports and the core weakly.
+pub(crate) struct Watch {
     transports: Vec<(Weak<dyn Transport>, Arc<Beat>)>,
     core: Weak<Core>,
     closed: Arc<AtomicBool>,
     heartbeat: Duration,
-) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("btl-liveness".into())
-        .spawn(move || loop {
-            std::thread::sleep(heartbeat);
-            if closed.load(Ordering::Acquire) {
-                return;
-            }
-            let mut alive = false;
-            let mut starved = false;
-            for (t, beat) in &transports {
-                let Some(t) = t.upgrade() else { continue };
-                alive = true;
-                if beat.age() >= heartbeat * MISSED_BEATS && !closed.load(Ordering::Acquire) {
-                    t.check_peers();
-                    beat.touch();
-                    starved = true;
+    /// Whether the thread was started (or tried to start).
+    thread: AtomicBool,
+    /// Held by the inline check under way, so none nests in another.
+    checking: std::sync::Mutex<()>,
+}
+
+impl Watch {
+    /// The watch of `transports` (each with the beat its progress task
+    /// keeps); under [`Liveness::Thread`], or in a process that already
+    /// has several threads, its thread is started now.
+    pub(crate) fn start(
+        transports: Vec<(Weak<dyn Transport>, Arc<Beat>)>,
+        core: &Arc<Core>,
+    ) -> Arc<Watch> {
+        let w = Arc::new(Watch {
+            transports,
+            core: Arc::downgrade(core),
+            closed: core.closed.clone(),
+            heartbeat: core.config.heartbeat,
+            thread: AtomicBool::new(false),
+            checking: std::sync::Mutex::new(()),
+        });
+        if core.config.liveness == Liveness::Thread || !crate::sys::os::single_threaded() {
+            w.start_thread();
+        }
+        w
+    }
+
+    /// Whether its thread runs (or was tried).
+    pub(crate) fn threaded(&self) -> bool {
+        self.thread.load(Ordering::Relaxed)
+    }
+
+    /// Start the thread, once.
+    fn start_thread(self: &Arc<Self>) {
+        if self.thread.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let w = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("btl-liveness".into())
+            .spawn(move || loop {
+                std::thread::sleep(w.heartbeat);
+                if w.closed.load(Ordering::Acquire) || !w.check() {
+                    return;
                 }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("no liveness watchdog thread ({e}): peer losses are seen only while the progress tasks run or the library is called");
+        }
+    }
+
+    /// One pass: check the peers of every transport whose progress task
+    /// missed its beats, then expire unanswered operations if any did.
+    /// `false` once the fabric's transports are gone.
+    fn check(&self) -> bool {
+        let mut alive = false;
+        let mut starved = false;
+        for (t, beat) in &self.transports {
+            let Some(t) = t.upgrade() else { continue };
+            alive = true;
+            if beat.age() >= self.heartbeat * MISSED_BEATS && !self.closed.load(Ordering::Acquire) {
+                t.check_peers();
+                beat.touch();
+                starved = true;
             }
-            if starved {
-                if let Some(c) = core.upgrade() {
-                    c.expire_answers(c.config.answer_timeout);
-                }
+        }
+        if starved {
+            if let Some(c) = self.core.upgrade() {
+                c.expire_answers(c.config.answer_timeout);
             }
-            if !alive {
-                return;
-            }
-        })
-        .map(drop)
+        }
+        alive
+    }
+
+    /// From an inline progress path, about once a heartbeat: while the
+    /// process has one thread, do the thread's pass here; once it has
+    /// several, start the thread (a starved runtime thread would no longer
+    /// be the only one that could look).
+    pub(crate) fn inline(self: &Arc<Self>) {
+        if self.threaded() || self.closed.load(Ordering::Acquire) {
+            return;
+        }
+        if !crate::sys::os::single_threaded() {
+            self.start_thread();
+            return;
+        }
+        if let Ok(_g) = self.checking.try_lock() {
+            self.check();
+        }
+    }
+
+    /// From a progress task's heartbeat: start the thread once the process
+    /// has several.
+    fn on_beat(self: &Arc<Self>) {
+        if !self.threaded() && !crate::sys::os::single_threaded() {
+            self.start_thread();
+        }
+    }
 }
 
 /// Wait a while for a receiver polling progress inline: until it stops
@@ -135,17 +207,30 @@ async fn stand_back(core: &Core) {
 
 /// Check `t`'s peers and expire unanswered operations when a heartbeat
 /// has passed since `last_check`, and note the check on `beat`.
-fn heartbeat(t: &dyn Transport, core: &Core, beat: &Beat, last_check: &mut Instant, now: Instant) {
+fn heartbeat(
+    t: &dyn Transport,
+    core: &Core,
+    watch: &Arc<Watch>,
+    beat: &Beat,
+    last_check: &mut Instant,
+    now: Instant,
+) {
     if now.duration_since(*last_check) >= core.config.heartbeat {
         t.check_peers();
         core.expire_answers(core.config.answer_timeout);
         beat.touch();
+        watch.on_beat();
         *last_check = now;
     }
 }
 
 /// Drive `t` until the fabric closes.
-pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat>) {
+pub(crate) async fn drive(
+    t: Arc<dyn Transport>,
+    core: Arc<Core>,
+    beat: Arc<Beat>,
+    watch: Arc<Watch>,
+) {
     let cfg = core.config.clone();
     let mut last_work = Instant::now();
     let mut last_check = Instant::now();
@@ -160,14 +245,14 @@ pub(crate) async fn drive(t: Arc<dyn Transport>, core: Arc<Core>, beat: Arc<Beat
             // rather than race it for each message (what this task found
             // would be queued, in a buffer each), checking the peers on
             // time still.
-            heartbeat(&*t, &core, &beat, &mut last_check, Instant::now());
+            heartbeat(&*t, &core, &watch, &beat, &mut last_check, Instant::now());
             stand_back(&core).await;
             continue;
         }
         let before = woken();
         let work = t.progress();
         let now = Instant::now();
-        heartbeat(&*t, &core, &beat, &mut last_check, now);
+        heartbeat(&*t, &core, &watch, &beat, &mut last_check, now);
         if work > 0 {
             core.dispatcher.note_work();
             last_work = now;

@@ -14,6 +14,27 @@ pub(crate) fn uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Whether this process has had only one thread so far, as the C library
+/// keeps track of it for its own single-thread fast paths (glibc's
+/// `__libc_single_threaded`, looked up once at run time). `false` where
+/// the C library keeps no such flag, as if the process had several.
+pub(crate) fn single_threaded() -> bool {
+    static FLAG: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let flag = *FLAG.get_or_init(|| {
+        // SAFETY: dlsym reads the NUL-terminated name and returns an
+        // address or null; RTLD_DEFAULT searches the objects already loaded.
+        unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__libc_single_threaded".as_ptr()) as usize }
+    });
+    if flag == 0 {
+        return false;
+    }
+    // SAFETY: `flag` is the address of glibc's `char __libc_single_threaded`,
+    // a global that lives as long as the process. glibc clears it (and never
+    // sets it again) in `pthread_create`; a volatile byte read sees either
+    // value whole, and a stale `true` is corrected on the next call.
+    unsafe { std::ptr::read_volatile(flag as *const u8) != 0 }
+}
+
 /// Whether a process with this pid exists (zombies count as existing).
 pub(crate) fn pid_exists(pid: u32) -> bool {
     if pid == 0 || pid > i32::MAX as u32 {

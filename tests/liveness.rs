@@ -1,0 +1,184 @@
+//! `BTL_LIVENESS=inline` in rank processes that really have one thread:
+//! no libtest harness (it runs tests on threads of its own), `udp` only
+//! (`sm` serves its memory from a thread), the launcher's TCP rendezvous
+//! (the directory one reads files on tokio's blocking threads). The parent
+//! starts two copies of this binary with [`LocalJob`]; rank 1 dies while
+//! rank 0 polls `try_recv` in a loop that never yields, so the progress
+//! task never runs: rank 0's own library calls must find the loss, and no
+//! thread may have been started for it; over `udp`, then (built with the
+//! `rdma` feature, where libfabric has `tcp;ofi_rxm`) over `rdma`. A second
+//! `udp` job checks that a rank that starts a thread of its own gets the
+//! liveness thread back.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use async_btl::launch::LocalJob;
+use async_btl::Fabric;
+
+mod common;
+
+fn main() {
+    if std::env::var_os("BTL_RANK").is_some() {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(rank());
+        return;
+    }
+    if !single_threaded_libc() {
+        println!("skipped: this C library keeps no single-thread flag (glibc does), so BTL_LIVENESS=inline always starts the thread");
+        return;
+    }
+    const UDP: &[(&str, &str)] = &[
+        ("BTL_TRANSPORTS", "udp"),
+        ("BTL_UDP_PEER_TIMEOUT_MS", "1000"),
+    ];
+    let alone = job("alone", UDP);
+    assert_eq!(
+        alone.get("lost").map(String::as_str),
+        Some("1"),
+        "{alone:?}"
+    );
+    assert_eq!(
+        alone.get("threads").map(String::as_str),
+        Some("1"),
+        "{alone:?}"
+    );
+    assert_eq!(
+        alone.get("liveness_thread").map(String::as_str),
+        Some("0"),
+        "{alone:?}"
+    );
+    println!("test udp_single_threaded_rank_sees_the_loss_through_its_own_calls ... ok");
+
+    let joined = job("joined", UDP);
+    assert_eq!(
+        joined.get("lost").map(String::as_str),
+        Some("1"),
+        "{joined:?}"
+    );
+    assert_eq!(
+        joined.get("liveness_thread").map(String::as_str),
+        Some("1"),
+        "{joined:?}"
+    );
+    println!("test a_rank_that_starts_a_thread_gets_the_liveness_thread ... ok");
+
+    // `rdma` checks its peers' silence only when asked (`check_peers`):
+    // here the liveness watch, run from the loop's `try_recv`, asks.
+    if let Some(why) = common::no_rdma() {
+        println!(
+            "test rdma_single_threaded_rank_sees_the_loss_through_its_own_calls ... skipped: {why}"
+        );
+        return;
+    }
+    let rdma = job(
+        "alone",
+        &[
+            ("BTL_TRANSPORTS", "rdma"),
+            ("BTL_RDMA_PROVIDER", "tcp;ofi_rxm"),
+            ("BTL_RDMA_ADDR", "127.0.0.1"),
+            ("BTL_RDMA_PEER_TIMEOUT_MS", "1000"),
+        ],
+    );
+    assert_eq!(rdma.get("lost").map(String::as_str), Some("1"), "{rdma:?}");
+    assert_eq!(
+        rdma.get("threads").map(String::as_str),
+        Some("1"),
+        "{rdma:?}"
+    );
+    assert_eq!(
+        rdma.get("liveness_thread").map(String::as_str),
+        Some("0"),
+        "{rdma:?}"
+    );
+    println!("test rdma_single_threaded_rank_sees_the_loss_through_its_own_calls ... ok");
+}
+
+/// Whether glibc's `__libc_single_threaded` is there to read.
+fn single_threaded_libc() -> bool {
+    cfg!(all(target_os = "linux", target_env = "gnu"))
+}
+
+/// Run the scenario `how` in a 2-rank job with `env`; what rank 0 wrote.
+fn job(how: &str, env: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    let dir = std::env::temp_dir().join(format!(
+        "abtl-liveness-{}-{how}-{}",
+        std::process::id(),
+        env[0].1
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let code = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(
+            env.iter()
+                .fold(LocalJob::new(exe, 2), |j, (k, v)| j.env(k, v))
+                .keep_going(true)
+                .timeout(Some(Duration::from_secs(60)))
+                .env("BTL_LIVENESS", "inline")
+                .env("BTL_TEST_HOW", how)
+                .env("BTL_TEST_OUT", &dir)
+                .run(),
+        )
+        .unwrap();
+    // Rank 1 aborts by design: the job's code is its signal's.
+    assert_ne!(code, 124, "the job timed out");
+    let text = std::fs::read_to_string(out_file(&dir)).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn out_file(dir: &Path) -> PathBuf {
+    dir.join("rank0.txt")
+}
+
+async fn rank() {
+    let f = Fabric::from_env().await.expect("fabric from launcher env");
+    if f.rank() == 1 {
+        f.endpoint(0).unwrap().send(1, vec![7u8; 8]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        std::process::abort();
+    }
+    let mut rx = f.receiver(1).unwrap();
+    rx.recv().await.unwrap();
+    if std::env::var("BTL_TEST_HOW").as_deref() == Ok("joined") {
+        // A thread of the application's own, alive while rank 0 waits.
+        std::thread::spawn(|| std::thread::sleep(Duration::from_secs(30)));
+    }
+    let start = Instant::now();
+    let lost = loop {
+        match rx.try_recv() {
+            Ok(Some(m)) => panic!("unexpected message {m:?}"),
+            Ok(None) => {}
+            Err(e) => break e.is_peer_lost(),
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            break false;
+        }
+        std::hint::spin_loop();
+    };
+    let names: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .map(|t| {
+            let comm = t.unwrap().path().join("comm");
+            std::fs::read_to_string(comm).unwrap().trim().to_string()
+        })
+        .collect();
+    let text = format!(
+        "lost={}\nms={}\nthreads={}\nliveness_thread={}\nnames={names:?}\n",
+        u8::from(lost),
+        start.elapsed().as_millis(),
+        names.len(),
+        u8::from(names.iter().any(|n| n == "btl-liveness")),
+    );
+    let dir = PathBuf::from(std::env::var_os("BTL_TEST_OUT").unwrap());
+    std::fs::write(out_file(&dir), text).unwrap();
+}
