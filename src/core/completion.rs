@@ -92,6 +92,23 @@ impl Completion {
         }
     }
 
+    /// Have `cx`'s task woken when the result comes in, without taking
+    /// it (for an operation no future waits on, whose slot has no waker of
+    /// its own to displace). `false` when it is in already.
+    pub(crate) fn wake_when_done(&self, cx: &mut Context<'_>) -> bool {
+        let mut st = lock(&self.state);
+        match &mut *st {
+            State::Waiting(w) => {
+                match w {
+                    Some(old) if old.will_wake(cx.waker()) => {}
+                    _ => *w = Some(cx.waker().clone()),
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Poll for the result; registers the task's waker while pending.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let mut st = lock(&self.state);
@@ -180,5 +197,25 @@ mod tests {
             c.poll(&mut cx),
             Poll::Ready(Err(crate::Error::Misuse(_)))
         ));
+    }
+
+    #[test]
+    fn a_watcher_is_woken_and_the_result_left_for_its_owner() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let woken = Arc::new(Count(Default::default()));
+        let w = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&w);
+        let c = Completion::new();
+        assert!(c.wake_when_done(&mut cx));
+        assert!(c.wake_when_done(&mut cx), "the same waker again");
+        c.complete(Err(crate::Error::Closed));
+        assert_eq!(woken.0.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(!c.wake_when_done(&mut cx), "done: nothing to wait for");
+        assert!(matches!(c.take_done(), Some(Err(crate::Error::Closed))));
     }
 }

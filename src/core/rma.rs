@@ -726,6 +726,18 @@ impl Rma {
         running
     }
 
+    /// Have `cx`'s task woken when the oldest implicit operation still
+    /// running that a transport posted natively to `peer` finishes (a
+    /// flush waiting without spinning); `false` when there is none (or it
+    /// finished just now).
+    pub(crate) fn wake_on_native(&self, peer: Rank, cx: &mut std::task::Context<'_>) -> bool {
+        let native = lock(&self.native);
+        native
+            .iter()
+            .find(|(p, c, implicit)| *p == peer && *implicit && !c.is_done())
+            .is_some_and(|(_, c, _)| c.wake_when_done(cx))
+    }
+
     /// Natively posted operations on `peer` still running; the finished
     /// ones are dropped from the list (an implicit one's failure kept for
     /// the next flush).
