@@ -11,7 +11,7 @@
 //! liveness thread back.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_btl::launch::LocalJob;
 use async_btl::Fabric;
@@ -20,11 +20,7 @@ mod common;
 
 fn main() {
     if std::env::var_os("BTL_RANK").is_some() {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(rank());
+        common::current_thread_runtime().block_on(rank());
         return;
     }
     if !single_threaded_libc() {
@@ -35,34 +31,15 @@ fn main() {
         ("BTL_TRANSPORTS", "udp"),
         ("BTL_UDP_PEER_TIMEOUT_MS", "1000"),
     ];
-    let alone = job("alone", UDP);
-    assert_eq!(
-        alone.get("lost").map(String::as_str),
-        Some("1"),
-        "{alone:?}"
-    );
-    assert_eq!(
-        alone.get("threads").map(String::as_str),
-        Some("1"),
-        "{alone:?}"
-    );
-    assert_eq!(
-        alone.get("liveness_thread").map(String::as_str),
-        Some("0"),
-        "{alone:?}"
+    expect(
+        &job("alone", UDP),
+        &[("lost", "1"), ("threads", "1"), ("liveness_thread", "0")],
     );
     println!("test udp_single_threaded_rank_sees_the_loss_through_its_own_calls ... ok");
 
-    let joined = job("joined", UDP);
-    assert_eq!(
-        joined.get("lost").map(String::as_str),
-        Some("1"),
-        "{joined:?}"
-    );
-    assert_eq!(
-        joined.get("liveness_thread").map(String::as_str),
-        Some("1"),
-        "{joined:?}"
+    expect(
+        &job("joined", UDP),
+        &[("lost", "1"), ("liveness_thread", "1")],
     );
     println!("test a_rank_that_starts_a_thread_gets_the_liveness_thread ... ok");
 
@@ -83,18 +60,18 @@ fn main() {
             ("BTL_RDMA_PEER_TIMEOUT_MS", "1000"),
         ],
     );
-    assert_eq!(rdma.get("lost").map(String::as_str), Some("1"), "{rdma:?}");
-    assert_eq!(
-        rdma.get("threads").map(String::as_str),
-        Some("1"),
-        "{rdma:?}"
-    );
-    assert_eq!(
-        rdma.get("liveness_thread").map(String::as_str),
-        Some("0"),
-        "{rdma:?}"
+    expect(
+        &rdma,
+        &[("lost", "1"), ("threads", "1"), ("liveness_thread", "0")],
     );
     println!("test rdma_single_threaded_rank_sees_the_loss_through_its_own_calls ... ok");
+}
+
+/// Check what rank 0 wrote against `want`.
+fn expect(got: &std::collections::HashMap<String, String>, want: &[(&str, &str)]) {
+    for (k, v) in want {
+        assert_eq!(got.get(*k).map(String::as_str), Some(*v), "{k} in {got:?}");
+    }
 }
 
 /// Whether glibc's `__libc_single_threaded` is there to read.
@@ -111,10 +88,7 @@ fn job(how: &str, env: &[(&str, &str)]) -> std::collections::HashMap<String, Str
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = std::env::current_exe().unwrap();
-    let code = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
+    let code = common::current_thread_runtime()
         .block_on(
             env.iter()
                 .fold(LocalJob::new(exe, 2), |j, (k, v)| j.env(k, v))
@@ -153,29 +127,12 @@ async fn rank() {
         // A thread of the application's own, alive while rank 0 waits.
         std::thread::spawn(|| std::thread::sleep(Duration::from_secs(30)));
     }
-    let start = Instant::now();
-    let lost = loop {
-        match rx.try_recv() {
-            Ok(Some(m)) => panic!("unexpected message {m:?}"),
-            Ok(None) => {}
-            Err(e) => break e.is_peer_lost(),
-        }
-        if start.elapsed() > Duration::from_secs(15) {
-            break false;
-        }
-        std::hint::spin_loop();
-    };
-    let names: Vec<String> = std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .map(|t| {
-            let comm = t.unwrap().path().join("comm");
-            std::fs::read_to_string(comm).unwrap().trim().to_string()
-        })
-        .collect();
+    let (lost, took) = common::spin_until_lost(&mut rx);
+    let names = common::thread_names();
     let text = format!(
         "lost={}\nms={}\nthreads={}\nliveness_thread={}\nnames={names:?}\n",
         u8::from(lost),
-        start.elapsed().as_millis(),
+        took.as_millis(),
         names.len(),
         u8::from(names.iter().any(|n| n == "btl-liveness")),
     );

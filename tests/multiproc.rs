@@ -20,10 +20,7 @@ fn rank_main() {
         || scenario == "starved"
         || std::env::var_os("BTL_TEST_CURRENT_THREAD").is_some()
     {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
+        current_thread_runtime()
     } else {
         rank_runtime()
     };
@@ -1076,35 +1073,13 @@ async fn starved(f: Fabric) {
     }
     let mut rx = f.receiver(1).unwrap();
     rx.recv().await.unwrap();
-    let start = std::time::Instant::now();
-    let lost = loop {
-        match rx.try_recv() {
-            Ok(Some(m)) => panic!("unexpected message {m:?}"),
-            Ok(None) => {}
-            Err(e) => break e.is_peer_lost(),
-        }
-        if start.elapsed() > Duration::from_secs(15) {
-            break false;
-        }
-        std::hint::spin_loop();
-    };
+    let (lost, took) = spin_until_lost(&mut rx);
     println!("starved_lost={}", u8::from(lost));
-    println!("starved_ms={}", start.elapsed().as_millis());
+    println!("starved_ms={}", took.as_millis());
     println!(
         "liveness_thread={}",
-        u8::from(threads().iter().any(|t| t == "btl-liveness"))
+        u8::from(thread_names().iter().any(|t| t == "btl-liveness"))
     );
-}
-
-/// The names of this process's threads.
-fn threads() -> Vec<String> {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .map(|t| {
-            let comm = t.unwrap().path().join("comm");
-            std::fs::read_to_string(comm).unwrap().trim().to_string()
-        })
-        .collect()
 }
 
 #[test]

@@ -46,10 +46,7 @@ fn rank_main() {
         return; // the parent test process: nothing to do here
     };
     let rt = if std::env::var_os("BTL_TEST_CURRENT_THREAD").is_some() {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
+        current_thread_runtime()
     } else {
         rank_runtime()
     };

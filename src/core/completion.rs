@@ -20,6 +20,14 @@ enum State {
     Taken,
 }
 
+/// Keep `cx`'s waker in `w` (unless the one there wakes the same task).
+fn register(w: &mut Option<Waker>, cx: &Context<'_>) {
+    match w {
+        Some(old) if old.will_wake(cx.waker()) => {}
+        _ => *w = Some(cx.waker().clone()),
+    }
+}
+
 /// A one-shot completion slot.
 pub(crate) struct Completion {
     state: Mutex<State>,
@@ -99,10 +107,7 @@ impl Completion {
         let mut st = lock(&self.state);
         match &mut *st {
             State::Waiting(w) => {
-                match w {
-                    Some(old) if old.will_wake(cx.waker()) => {}
-                    _ => *w = Some(cx.waker().clone()),
-                }
+                register(w, cx);
                 true
             }
             _ => false,
@@ -114,10 +119,7 @@ impl Completion {
         let mut st = lock(&self.state);
         match &mut *st {
             State::Waiting(w) => {
-                match w {
-                    Some(old) if old.will_wake(cx.waker()) => {}
-                    _ => *w = Some(cx.waker().clone()),
-                }
+                register(w, cx);
                 Poll::Pending
             }
             State::Done(_) => match std::mem::replace(&mut *st, State::Taken) {

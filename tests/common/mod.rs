@@ -127,6 +127,45 @@ impl Job {
 
 /// The runtime a rank of a test job runs its scenario on: multi-thread,
 /// two workers, I/O and timers on.
+/// A current-thread runtime, for a rank whose one thread must truly stop
+/// (a blocking loop starves its tasks), or stay the process's only one.
+pub fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Poll `rx.try_recv()` in a loop that never yields (the progress tasks
+/// of a current-thread runtime never run) until it fails: whether it
+/// failed with `PeerLost` (`false` after 15 s without), and when.
+pub fn spin_until_lost(rx: &mut async_btl::Receiver) -> (bool, Duration) {
+    let start = Instant::now();
+    let lost = loop {
+        match rx.try_recv() {
+            Ok(Some(m)) => panic!("unexpected message {m:?}"),
+            Ok(None) => {}
+            Err(e) => break e.is_peer_lost(),
+        }
+        if start.elapsed() > Duration::from_secs(15) {
+            break false;
+        }
+        std::hint::spin_loop();
+    };
+    (lost, start.elapsed())
+}
+
+/// The names of this process's threads.
+pub fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .map(|t| {
+            let comm = t.unwrap().path().join("comm");
+            std::fs::read_to_string(comm).unwrap().trim().to_string()
+        })
+        .collect()
+}
+
 pub fn rank_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
