@@ -72,7 +72,7 @@ fn rank_main() {
             "serve3" => serve3(f).await,
             "idle" => idle(f).await,
             "lend" => lend(f).await,
-            "compute" => compute(f).await,
+            "compute" => compute_scenario(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -337,24 +337,6 @@ async fn idle(f: Fabric) {
     let used = cpu_time() - before;
     println!("idle_cpu_ms={}", used.as_millis());
     f.barrier().await.unwrap();
-    f.close().await.unwrap();
-}
-
-/// Rank 0 computes for two and a half peer timeouts without yielding (its
-/// one runtime thread blocked, the progress task starved), then sends:
-/// neither rank may take the other for dead meanwhile.
-async fn compute(f: Fabric) {
-    f.barrier().await.unwrap();
-    if f.rank() == 0 {
-        std::thread::sleep(Duration::from_millis(2500));
-        let ep = f.endpoint(1).unwrap();
-        ep.send(1, pattern(64, 3)).await.unwrap();
-    } else {
-        let mut rx = f.receiver(1).unwrap();
-        assert_eq!(rx.recv().await.unwrap().data, pattern(64, 3));
-    }
-    f.barrier().await.unwrap();
-    println!("peers_lost={}", f.stats().peers_lost);
     f.close().await.unwrap();
 }
 

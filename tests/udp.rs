@@ -72,7 +72,11 @@ fn rank_main() {
     let Ok(scenario) = std::env::var("BTL_TEST_SCENARIO") else {
         return; // the parent test process: nothing to do here
     };
-    let rt = rank_runtime();
+    let rt = if std::env::var_os("BTL_TEST_CURRENT_THREAD").is_some() {
+        current_thread_runtime()
+    } else {
+        rank_runtime()
+    };
     rt.block_on(async {
         if scenario == "mixed" {
             return mixed().await;
@@ -97,6 +101,7 @@ fn rank_main() {
             "v6sizes" => v6sizes(f).await,
             "bursts" => bursts(f).await,
             "dropped" => dropped(f).await,
+            "compute" => compute_scenario(f).await,
             other => panic!("unknown scenario {other}"),
         }
     });
@@ -643,6 +648,18 @@ fn udp_put_get_emulated_with_bounds_and_forged_keys() {
     let refused: u64 = value(&outs[1], "refused").unwrap().parse().unwrap();
     assert!(refused >= 2, "target counted {refused} refusals");
     assert_eq!(value(&outs[0], "direct_puts").as_deref(), Some("0"));
+}
+
+#[test]
+fn udp_a_rank_that_computes_past_the_peer_timeout_is_not_lost() {
+    // Rank 0 on a current-thread runtime: its blocking loop starves the
+    // progress task; the liveness thread drains what waits in its socket
+    // (rank 1's keep-alives) and sends its own.
+    let outs = job(2, "compute", &[("BTL_TEST_CURRENT_THREAD", "1")]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
+    }
 }
 
 #[test]

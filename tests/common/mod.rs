@@ -761,3 +761,21 @@ pub fn no_rdma() -> Option<String> {
         Err(e) => Some(format!("fi_info (libfabric-bin) cannot run: {e}")),
     }
 }
+
+/// Rank 0 computes for two and a half peer timeouts without yielding (its
+/// one runtime thread blocked, the progress task starved), then sends:
+/// neither rank may take the other for dead meanwhile.
+pub async fn compute_scenario(f: async_btl::Fabric) {
+    f.barrier().await.unwrap();
+    if f.rank() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(2500));
+        let ep = f.endpoint(1).unwrap();
+        ep.send(1, pattern(64, 3)).await.unwrap();
+    } else {
+        let mut rx = f.receiver(1).unwrap();
+        assert_eq!(rx.recv().await.unwrap().data, pattern(64, 3));
+    }
+    f.barrier().await.unwrap();
+    println!("peers_lost={}", f.stats().peers_lost);
+    f.close().await.unwrap();
+}
