@@ -81,8 +81,11 @@ pub enum Liveness {
     Thread,
     /// No thread while the process has only one: the progress tasks and
     /// the library calls a user loop makes (`try_recv`, polls of the
-    /// fabric's futures) check the peers, and a thread starts only once the
-    /// process has several. A single-threaded process keeps the C
+    /// fabric's futures) check the peers, and the thread starts once the
+    /// process is seen to have several (at the next heartbeat of a
+    /// progress task or the next such call: a process that starts a thread
+    /// and at once blocks its runtime's only thread has no watch until it
+    /// calls the library again). A single-threaded process keeps the C
     /// library's single-thread fast paths (glibc then takes mutexes, as
     /// libfabric does for each message, without a locked instruction), at
     /// a price: a loop that neither yields nor calls the library for

@@ -5,10 +5,12 @@
 //! starts two copies of this binary with [`LocalJob`]; rank 1 dies while
 //! rank 0 polls `try_recv` in a loop that never yields, so the progress
 //! task never runs: rank 0's own library calls must find the loss, and no
-//! thread may have been started for it; over `udp`, then (built with the
-//! `rdma` feature, where libfabric has `tcp;ofi_rxm`) over `rdma`. A second
-//! `udp` job checks that a rank that starts a thread of its own gets the
-//! liveness thread back.
+//! thread may have been started for it; over `udp` (whose own progress
+//! pass also judges silence), then (built with the `rdma` feature, where
+//! libfabric has `tcp;ofi_rxm`) over `rdma`, whose progress pass does not:
+//! there only the liveness watch, run from the loop's calls, finds the
+//! loss. A second `udp` job checks that a rank that starts a thread of its
+//! own gets the liveness thread back.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

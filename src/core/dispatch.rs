@@ -351,7 +351,8 @@ pub(crate) trait Progress: Send + Sync {
     /// the work done.
     fn turns(&self, turns: usize) -> usize;
 
-    /// An inline poll found nothing, at `now_ns` on the dispatcher's clock:
+    /// An inline poll found nothing (or found work, once in
+    /// [`IDLE_EVERY`] such polls), at `now_ns` on the dispatcher's clock:
     /// the moment for checks a starved progress task would have made
     /// (see [`Liveness::Inline`](crate::Liveness::Inline)). Default: none.
     fn idle(&self, _now_ns: u64) {}
@@ -595,7 +596,15 @@ struct Hot {
     gave_way: AtomicU64,
     /// Hot polls that found nothing since then (Relaxed: a hint).
     misses: std::sync::atomic::AtomicU32,
+    /// Inline polls whose first turn found work (Relaxed, a plain load
+    /// and store: a hint; see [`IDLE_EVERY`]).
+    found: std::sync::atomic::AtomicU32,
 }
+
+/// An inline poll whose first turn found work reads no clock, so it does
+/// not reach [`Progress::idle`]; every this many of them it does, so the
+/// checks made there still run while every poll finds a message.
+const IDLE_EVERY: u32 = 256;
 
 impl Hot {
     fn now_ns(&self) -> u64 {
@@ -698,6 +707,7 @@ impl Dispatcher {
                 inline: AtomicU64::new(0),
                 op_polls: AtomicU64::new(0),
                 gave_way: AtomicU64::new(0),
+                found: std::sync::atomic::AtomicU32::new(0),
                 misses: std::sync::atomic::AtomicU32::new(0),
             },
         })
@@ -765,6 +775,12 @@ impl Dispatcher {
             self.policy.touch();
             // No fresh time for `stay_hot`: it reads the clock if needed.
             self.policy.polled.store(0, Ordering::Relaxed);
+            let found = &self.policy.found;
+            let n = found.load(Ordering::Relaxed).wrapping_add(1);
+            found.store(n, Ordering::Relaxed);
+            if n % IDLE_EVERY == 0 {
+                h.idle(self.policy.now_ns());
+            }
             return true;
         }
         let now = self.policy.poll_now();

@@ -1226,13 +1226,12 @@ impl Future for Flush {
             // still runs natively, when there is one (its completion found
             // by the progress task); else, and as a fallback, re-check on
             // a short timer (completions of many kinds feed this, and the
-            // timer wheel ticks each millisecond: a window of gets whose
-            // target answered late lost that much each time).
-            if self.ep.core.rma.wake_on_native(self.ep.peer, cx) {
-                // It may have been the last, done between the two looks.
-                if let Some(r) = self.over() {
-                    return Poll::Ready(r);
-                }
+            // timer wheel rounds it up to its millisecond tick, longer
+            // than a window of operations takes).
+            self.ep.core.rma.wake_on_native(self.ep.peer, cx);
+            // The last may have finished since the look above.
+            if let Some(r) = self.over() {
+                return Poll::Ready(r);
             }
             let tick = self.tick.get_or_insert_with(|| {
                 Box::pin(tokio::time::sleep(std::time::Duration::from_micros(100)))

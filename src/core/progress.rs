@@ -91,8 +91,10 @@ pub(crate) struct Watch {
     core: Weak<Core>,
     closed: Arc<AtomicBool>,
     heartbeat: Duration,
-    /// Whether the thread was started (or tried to start).
+    /// Whether the thread was started.
     thread: AtomicBool,
+    /// Whether starting it failed (it is not tried again).
+    no_thread: AtomicBool,
     /// Held by the inline check under way, so none nests in another.
     checking: std::sync::Mutex<()>,
 }
@@ -111,6 +113,7 @@ impl Watch {
             closed: core.closed.clone(),
             heartbeat: core.config.heartbeat,
             thread: AtomicBool::new(false),
+            no_thread: AtomicBool::new(false),
             checking: std::sync::Mutex::new(()),
         });
         if core.config.liveness == Liveness::Thread || !crate::sys::os::single_threaded() {
@@ -119,14 +122,14 @@ impl Watch {
         w
     }
 
-    /// Whether its thread runs (or was tried).
+    /// Whether its thread runs.
     pub(crate) fn threaded(&self) -> bool {
         self.thread.load(Ordering::Relaxed)
     }
 
     /// Start the thread, once.
     fn start_thread(self: &Arc<Self>) {
-        if self.thread.swap(true, Ordering::Relaxed) {
+        if self.no_thread.load(Ordering::Relaxed) || self.thread.swap(true, Ordering::Relaxed) {
             return;
         }
         let w = self.clone();
@@ -140,6 +143,9 @@ impl Watch {
             });
         if let Err(e) = spawned {
             tracing::warn!("no liveness watchdog thread ({e}): peer losses are seen only while the progress tasks run or the library is called");
+            // The inline checks go on (under `Inline`; no second try).
+            self.no_thread.store(true, Ordering::Relaxed);
+            self.thread.store(false, Ordering::Relaxed);
         }
     }
 
@@ -176,17 +182,26 @@ impl Watch {
         }
         if !crate::sys::os::single_threaded() {
             self.start_thread();
-            return;
+            if self.threaded() {
+                return;
+            }
         }
-        if let Ok(_g) = self.checking.try_lock() {
-            self.check();
-        }
+        // (A check that panicked leaves the lock poisoned: go on.)
+        let _g = match self.checking.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        self.check();
     }
 
     /// From a progress task's heartbeat: start the thread once the process
     /// has several.
     fn on_beat(self: &Arc<Self>) {
-        if !self.threaded() && !crate::sys::os::single_threaded() {
+        if !self.threaded()
+            && !self.no_thread.load(Ordering::Relaxed)
+            && !crate::sys::os::single_threaded()
+        {
             self.start_thread();
         }
     }

@@ -728,14 +728,15 @@ impl Rma {
 
     /// Have `cx`'s task woken when the oldest implicit operation still
     /// running that a transport posted natively to `peer` finishes (a
-    /// flush waiting without spinning); `false` when there is none (or it
-    /// finished just now).
-    pub(crate) fn wake_on_native(&self, peer: Rank, cx: &mut std::task::Context<'_>) -> bool {
+    /// flush waiting without spinning), if there is one.
+    pub(crate) fn wake_on_native(&self, peer: Rank, cx: &mut std::task::Context<'_>) {
         let native = lock(&self.native);
-        native
+        if let Some((_, c, _)) = native
             .iter()
             .find(|(p, c, implicit)| *p == peer && *implicit && !c.is_done())
-            .is_some_and(|(_, c, _)| c.wake_when_done(cx))
+        {
+            c.wake_when_done(cx);
+        }
     }
 
     /// Natively posted operations on `peer` still running; the finished

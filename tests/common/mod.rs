@@ -125,8 +125,6 @@ impl Job {
     }
 }
 
-/// The runtime a rank of a test job runs its scenario on: multi-thread,
-/// two workers, I/O and timers on.
 /// A current-thread runtime, for a rank whose one thread must truly stop
 /// (a blocking loop starves its tasks), or stay the process's only one.
 pub fn current_thread_runtime() -> tokio::runtime::Runtime {
@@ -166,6 +164,8 @@ pub fn thread_names() -> Vec<String> {
         .collect()
 }
 
+/// The runtime a rank of a test job runs its scenario on: multi-thread,
+/// two workers, I/O and timers on.
 pub fn rank_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
