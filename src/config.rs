@@ -87,8 +87,8 @@ pub enum Liveness {
     /// and at once blocks its runtime's only thread has no watch until it
     /// calls the library again). A single-threaded process keeps the C
     /// library's single-thread fast paths (glibc then takes mutexes, as
-    /// libfabric does for each message, without a locked instruction), at
-    /// a price: a loop that neither yields nor calls the library for
+    /// libfabric does for each message, and makes system calls more
+    /// cheaply), at a price: a loop that neither yields nor calls the library for
     /// longer than the `udp` or `rdma` peer timeout is taken for dead by
     /// those peers. On other C libraries than glibc, the same as `Thread`.
     Inline,
