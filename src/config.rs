@@ -91,6 +91,9 @@ pub enum Liveness {
     /// cheaply), at a price: a loop that neither yields nor calls the library for
     /// longer than the `udp` or `rdma` peer timeout is taken for dead by
     /// those peers. On other C libraries than glibc, the same as `Thread`.
+    /// `sm` hands its memory to same-node peers from a thread of its own
+    /// (`btl-share`), so a process with `sm` peers has several threads
+    /// anyway: this is for ranks alone on their node (`rdma`, `udp`).
     Inline,
 }
 

@@ -45,6 +45,14 @@ fn main() {
     );
     println!("test a_rank_that_starts_a_thread_gets_the_liveness_thread ... ok");
 
+    // The directory rendezvous (Open MPI's and the test jobs' default)
+    // keeps a rank single-threaded too.
+    expect(
+        &dir_job(UDP),
+        &[("lost", "1"), ("threads", "1"), ("liveness_thread", "0")],
+    );
+    println!("test a_rank_booted_through_a_directory_stays_single_threaded ... ok");
+
     // `rdma` checks its peers' silence only when asked (`check_peers`):
     // here the liveness watch, run from the loop's `try_recv`, asks.
     if let Some(why) = common::no_rdma() {
@@ -106,6 +114,32 @@ fn job(how: &str, env: &[(&str, &str)]) -> std::collections::HashMap<String, Str
     assert_ne!(code, 124, "the job timed out");
     let text = std::fs::read_to_string(out_file(&dir)).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
+    parse(&text)
+}
+
+/// The `alone` scenario in a 2-rank job booted through a rendezvous
+/// directory (`tests/common`'s jobs); what rank 0 wrote.
+fn dir_job(env: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+    let dir = std::env::temp_dir().join(format!("abtl-liveness-{}-dir", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.to_str().unwrap().to_string();
+    let mut all = env.to_vec();
+    all.extend([
+        ("BTL_LIVENESS", "inline"),
+        ("BTL_TEST_HOW", "alone"),
+        ("BTL_TEST_OUT", out.as_str()),
+    ]);
+    let outs = common::spawn_job(2, "alone", &all).wait(Duration::from_secs(60));
+    let text = std::fs::read_to_string(out_file(&dir)).unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&dir);
+    if text.is_empty() {
+        common::dump(&outs);
+    }
+    parse(&text)
+}
+
+/// `key=value` lines.
+fn parse(text: &str) -> std::collections::HashMap<String, String> {
     text.lines()
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))

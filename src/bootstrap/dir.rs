@@ -60,13 +60,13 @@ pub(super) async fn gather(
     let deadline = Instant::now() + timeout;
     let bytes = encode_entry(job, round, mine)?;
     let name = format!("g{round}-rank-{}", job.rank);
-    let (d, b) = (dir.to_path_buf(), bytes);
-    blocking(move || write_atomic(&d, &name, &b)).await?;
+    // Small files, written and read on the calling thread (no fsync):
+    // a single-threaded rank stays one (see `Liveness::Inline`).
+    write_atomic(dir, &name, &bytes)?;
 
     let mut blobs: Vec<Option<Vec<u8>>> = vec![None; job.size as usize];
     let mut pause = Duration::from_millis(2);
     loop {
-        // Small files on a local or shared file system: read inline.
         for rank in 0..job.size {
             if blobs[rank as usize].is_none() {
                 blobs[rank as usize] = read_entry(job, dir, round, rank)?;
@@ -91,15 +91,8 @@ pub(super) async fn gather(
         tokio::time::sleep(pause.min(deadline - Instant::now())).await;
         pause = (pause * 2).min(Duration::from_millis(50));
     }
-    let (d, size, rank) = (dir.to_path_buf(), job.size, job.rank);
-    blocking(move || finish_round(&d, round, rank, size)).await?;
+    finish_round(dir, round, job.rank, job.size)?;
     Ok(blobs.into_iter().flatten().collect())
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Bootstrap(format!("directory rendezvous task failed: {e}")))?
 }
 
 /// Create `dir` (0700) and check that we own it and others cannot write it.
