@@ -624,10 +624,6 @@ struct FabricProgress {
     /// The liveness watch, while it runs without a thread
     /// ([`Liveness::Inline`](crate::Liveness::Inline)).
     watch: Option<Arc<crate::core::progress::Watch>>,
-    /// The heartbeat, in ns.
-    heartbeat_ns: u64,
-    /// When the inline paths next run the watch, on the dispatcher's clock.
-    next_check_ns: AtomicU64,
 }
 
 impl crate::core::dispatch::Progress for FabricProgress {
@@ -648,13 +644,9 @@ impl crate::core::dispatch::Progress for FabricProgress {
     }
 
     fn idle(&self, now_ns: u64) {
-        let Some(w) = &self.watch else { return };
-        if now_ns < self.next_check_ns.load(Ordering::Relaxed) {
-            return;
+        if let Some(w) = &self.watch {
+            w.inline(now_ns);
         }
-        self.next_check_ns
-            .store(now_ns.saturating_add(self.heartbeat_ns), Ordering::Relaxed);
-        w.inline();
     }
 
     fn take_direct(
@@ -1026,8 +1018,6 @@ impl Fabric {
                 .collect(),
             all: transports.clone(),
             watch: (!watch.threaded()).then(|| watch.clone()),
-            heartbeat_ns: u64::try_from(core.config.heartbeat.as_nanos()).unwrap_or(u64::MAX),
-            next_check_ns: AtomicU64::new(0),
         });
         core.dispatcher.set_progress_hook(&poller);
         let drivers = transports

@@ -95,6 +95,9 @@ pub(crate) struct Watch {
     thread: AtomicBool,
     /// Whether starting it failed (it is not tried again).
     no_thread: AtomicBool,
+    /// When the inline paths next run the watch, in ns on the dispatcher's
+    /// clock (see [`Watch::inline`]).
+    next_inline_ns: AtomicU64,
     /// Held by the inline check under way, so none nests in another.
     checking: std::sync::Mutex<()>,
 }
@@ -114,6 +117,7 @@ impl Watch {
             heartbeat: core.config.heartbeat,
             thread: AtomicBool::new(false),
             no_thread: AtomicBool::new(false),
+            next_inline_ns: AtomicU64::new(0),
             checking: std::sync::Mutex::new(()),
         });
         if core.config.liveness == Liveness::Thread || !crate::sys::os::single_threaded() {
@@ -172,12 +176,19 @@ impl Watch {
         alive
     }
 
-    /// From an inline progress path, about once a heartbeat: while the
-    /// process has one thread, do the thread's pass here; once it has
-    /// several, start the thread (a starved runtime thread would no longer
-    /// be the only one that could look).
-    pub(crate) fn inline(self: &Arc<Self>) {
-        if self.threaded() || self.closed.load(Ordering::Acquire) {
+    /// From an inline progress path at `now_ns` (the dispatcher's clock),
+    /// acting about once a heartbeat: while the process has one thread, do
+    /// the thread's pass here; once it has several, start the thread (a
+    /// starved runtime thread would no longer be the only one that could
+    /// look).
+    pub(crate) fn inline(self: &Arc<Self>, now_ns: u64) {
+        if self.threaded() || now_ns < self.next_inline_ns.load(Ordering::Relaxed) {
+            return;
+        }
+        let heartbeat_ns = u64::try_from(self.heartbeat.as_nanos()).unwrap_or(u64::MAX);
+        self.next_inline_ns
+            .store(now_ns.saturating_add(heartbeat_ns), Ordering::Relaxed);
+        if self.closed.load(Ordering::Acquire) {
             return;
         }
         if !crate::sys::os::single_threaded() {
