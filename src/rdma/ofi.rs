@@ -28,10 +28,12 @@ struct RawMr {
 
 /// The shim's `struct abtl_cqe`.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct Cqe {
-    /// The context the operation was posted with.
-    pub(crate) ctx: *mut c_void,
+    /// The address of the context the operation was posted with (an
+    /// address, not a pointer: an entry is only looked up by it, never
+    /// read through it).
+    pub(crate) ctx: usize,
     /// What completed (`FI_SEND`, `FI_RECV`, ...).
     pub(crate) flags: u64,
     /// Bytes received, for a receive.

@@ -45,7 +45,7 @@ struct abtl_ep {
 
 /* One completion, as the transport reads it. */
 struct abtl_cqe {
-    void *ctx;
+    uintptr_t ctx; /* the operation's context, as an address */
     uint64_t flags;
     uint64_t len;
     uint64_t src;
@@ -404,7 +404,7 @@ int abtl_cq_read(struct abtl_ep *e, struct abtl_cqe *out, size_t n)
     if (got < 0)
         return (int)got;
     for (i = 0; i < got; i++) {
-        out[i].ctx = ent[i].op_context;
+        out[i].ctx = (uintptr_t)ent[i].op_context;
         out[i].flags = ent[i].flags;
         out[i].len = ent[i].len;
         out[i].src = (uint64_t)src[i];

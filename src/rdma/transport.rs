@@ -218,6 +218,10 @@ struct Turn {
     /// Receive buffers whose messages were delivered from them, to be
     /// posted again by the next call.
     spent: Vec<(Vec<u8>, Ctx)>,
+    /// Buffers wait in `State::returned` for the next call to post them.
+    returned: bool,
+    /// Where completions are read into.
+    cqe: [Cqe; 32],
 }
 
 /// A sequenced frame that arrived, in its peer's order.
@@ -1094,6 +1098,7 @@ impl RdmaTransport {
                 // The message cannot be read, and everything after it from
                 // this peer waits behind it: the peer is lost (by the next
                 // progress call, outside the lock), never left hanging.
+                self.backlog.store(true, Ordering::Relaxed);
                 st.lose_later.push((
                     op.peer,
                     format!(
@@ -1415,7 +1420,7 @@ impl RdmaTransport {
         out: &mut Vec<Delivery>,
         lost: &mut Vec<(Rank, String, Loss)>,
     ) -> bool {
-        let Some(op) = st.ops.remove(&(e.ctx as usize)) else {
+        let Some(op) = st.ops.remove(&e.ctx) else {
             return false;
         };
         match &op {
@@ -1996,9 +2001,21 @@ impl Transport for RdmaTransport {
     }
 
     fn progress(&self) -> usize {
-        let Ok(mut turn) = self.turn.try_lock() else {
+        let Ok(mut guard) = self.turn.try_lock() else {
             return 0;
         };
+        let turn = &mut *guard;
+        // With no buffer to post again and nothing held back, a poll looks
+        // at the completion queue alone, without the transport's lock: an
+        // idle poll costs little more than the provider's, and a poller
+        // spinning on an empty queue sees a completion that much sooner.
+        let mut first = None;
+        if turn.spent.is_empty() && !turn.returned && !self.backlog.load(Ordering::Relaxed) {
+            match self.ep.read_cq(&mut turn.cqe) {
+                Read::Done(0) => return 0,
+                r => first = Some(r),
+            }
+        }
         let mut work = 0;
         let mut out = std::mem::take(&mut turn.out);
         // Completions read, and of those the ones that did something a
@@ -2021,23 +2038,21 @@ impl Transport for RdmaTransport {
                 self.repost(&mut st, buf, ctx);
             }
             st.deferred = 0;
-            let mut cqe = [Cqe {
-                ctx: std::ptr::null_mut(),
-                flags: 0,
-                len: 0,
-                src: 0,
-            }; 32];
             for _ in 0..4 {
-                match self.ep.read_cq(&mut cqe) {
+                let read = match first.take() {
+                    Some(r) => r,
+                    None => self.ep.read_cq(&mut turn.cqe),
+                };
+                match read {
                     Read::Done(0) => break,
                     Read::Done(n) => {
                         seen += n;
-                        for e in &cqe[..n] {
+                        for e in &turn.cqe[..n] {
                             if self.on_completion(&mut st, e, &mut out, &mut lost) {
                                 work += 1;
                             }
                         }
-                        if n < cqe.len() {
+                        if n < turn.cqe.len() {
                             // The queue is drained: reading it again costs
                             // the provider's progress (a system call on
                             // tcp) on the path of every message.
@@ -2078,6 +2093,7 @@ impl Transport for RdmaTransport {
                     .drain(..)
                     .map(|(r, why)| (r, why, Loss::Misbehaved)),
             );
+            turn.returned = !st.returned.is_empty();
         }
         for (rank, why, how) in lost {
             self.lose(rank, &why, how);
