@@ -220,6 +220,8 @@ struct Turn {
     spent: Vec<(Vec<u8>, Ctx)>,
     /// Buffers wait in `State::returned` for the next call to post them.
     returned: bool,
+    /// Calls that found completions since the progress task last parked.
+    since_park: u32,
     /// Where completions are read into.
     cqe: [Cqe; 32],
 }
@@ -417,6 +419,11 @@ struct State {
     frames: Vec<Vec<u8>>,
 }
 
+/// Progress calls that find completions with no park between them after
+/// which the runtime stops watching the completion queue's fd (see
+/// `RdmaTransport::wait`).
+const UNWATCH_AFTER: u32 = 256;
+
 /// The completion queue's fd, for tokio: the endpoint owns it, and is
 /// kept open by the `Arc` beside it for as long as tokio watches the fd.
 struct WaitFd {
@@ -428,6 +435,25 @@ impl AsRawFd for WaitFd {
     fn as_raw_fd(&self) -> RawFd {
         self.fd
     }
+}
+
+/// Have the current runtime watch `fd`, the wait fd of `ep`'s completion
+/// queue, for reading, until the returned handle is dropped.
+fn watch(fd: RawFd, ep: &Arc<Ep>) -> std::io::Result<AsyncFd<WaitFd>> {
+    // SAFETY: the fd belongs to the endpoint, which `WaitFd` keeps open
+    // (it holds an `Arc` of it) for the whole life of the `AsyncFd`;
+    // libfabric never closes or replaces a completion queue's wait fd
+    // before the queue itself is closed.
+    unsafe {
+        AsyncFd::register_with_interest(
+            WaitFd {
+                fd,
+                _ep: ep.clone(),
+            },
+            tokio::io::Interest::READABLE,
+        )
+    }
+    .map_err(|e| e.into())
 }
 
 /// Which providers the transport takes without being told, best first;
@@ -547,7 +573,13 @@ pub(crate) struct RdmaTransport {
     core: Arc<Core>,
     config: RdmaConfig,
     ep: Arc<Ep>,
-    fd: AsyncFd<WaitFd>,
+    /// The completion queue's wait fd (see `wait`).
+    wait_fd: RawFd,
+    /// The runtime's watch of it, kept between parks while the progress
+    /// task parks often, dropped by a stream that runs long without one.
+    watched: Mutex<Option<AsyncFd<WaitFd>>>,
+    /// The progress task parked since the last progress call.
+    parked: AtomicBool,
     me: RdmaAddr,
     job: u64,
     /// Remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`).
@@ -599,20 +631,11 @@ impl RdmaTransport {
             .wait_fd()
             .map_err(|e| Error::Config(format!("rdma {prov}: {e}")))?;
         let ep = Arc::new(ep);
-        // SAFETY: the fd belongs to the endpoint, which `WaitFd` keeps open
-        // (it holds an `Arc` of it) for the whole life of the `AsyncFd`;
-        // libfabric never closes or replaces a completion queue's wait fd
-        // before the queue itself is closed.
-        let fd = unsafe {
-            AsyncFd::register_with_interest(
-                WaitFd {
-                    fd,
-                    _ep: ep.clone(),
-                },
-                tokio::io::Interest::READABLE,
-            )
-        }
-        .map_err(|e| Error::os("rdma: watching the completion queue's fd", e.into()))?;
+        // Checked here, so that a runtime that cannot watch the fd is a
+        // clear error at open rather than a progress task that only ever
+        // sleeps.
+        let watched =
+            watch(fd, &ep).map_err(|e| Error::os("rdma: watching the completion queue's fd", e))?;
         let name = ep.name().map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let me = RdmaAddr {
             provider: prov.clone(),
@@ -635,7 +658,7 @@ impl RdmaTransport {
             prov_key: mr_mode & c.mr_prov_key != 0,
             config,
             ep,
-            fd,
+            wait_fd: fd,
             me,
             core,
             peers: OnceLock::new(),
@@ -655,6 +678,8 @@ impl RdmaTransport {
             counters: Counters::default(),
             armed: AtomicBool::new(false),
             kick: Notify::new(),
+            watched: Mutex::new(Some(watched)),
+            parked: AtomicBool::new(false),
             backlog: AtomicBool::new(false),
         }))
     }
@@ -2076,6 +2101,19 @@ impl Transport for RdmaTransport {
             let backlog = || {
                 self.backlog.load(Ordering::Relaxed) && self.backlog.swap(false, Ordering::Relaxed)
             };
+            if seen > 0 {
+                if self.parked.load(Ordering::Relaxed) {
+                    self.parked.store(false, Ordering::Relaxed);
+                    turn.since_park = 0;
+                }
+                turn.since_park += 1;
+                if turn.since_park == UNWATCH_AFTER {
+                    // A stream: stop the runtime's watch (see `wait`).
+                    if let Ok(mut w) = self.watched.try_lock() {
+                        drop(w.take());
+                    }
+                }
+            }
             if seen > 0 || backlog() {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
                     self.repost(&mut st, buf, ctx);
@@ -2150,8 +2188,28 @@ impl Transport for RdmaTransport {
         } else {
             timeout
         };
+        // While the fd is watched, every packet the provider's sockets take
+        // also runs the runtime's epoll callback (the wait fd is an epoll
+        // set of them): a cost on the path of every message of a stream
+        // that never parks. So a stream drops the watch (see `progress`),
+        // and the next park watches again; a fd already readable when
+        // watched is reported at once, so a completion that came after
+        // `arm` is not slept through.
+        self.parked.store(true, Ordering::Relaxed);
+        let kept = lock(&self.watched).take();
+        let fd = match kept.map_or_else(|| watch(self.wait_fd, &self.ep), Ok) {
+            Ok(fd) => fd,
+            Err(e) => {
+                tracing::warn!("rdma: watching the completion queue's fd: {e}");
+                tokio::select! {
+                    _ = self.kick.notified() => {}
+                    _ = tokio::time::sleep(until.min(BUSY_WAIT)) => {}
+                }
+                return;
+            }
+        };
         tokio::select! {
-            r = self.fd.readable() => {
+            r = fd.readable() => {
                 // Cleared here and checked again by the next `arm`
                 // (`fi_trywait`), so a completion that came meanwhile is
                 // never slept through.
@@ -2162,6 +2220,7 @@ impl Transport for RdmaTransport {
             _ = self.kick.notified() => {}
             _ = tokio::time::sleep(until) => {}
         }
+        *lock(&self.watched) = Some(fd);
     }
 
     fn check_peers(&self) {
