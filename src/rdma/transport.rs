@@ -1414,9 +1414,8 @@ impl RdmaTransport {
     /// body sent from where it lies.
     fn frame(&self, spare: &mut Vec<Vec<u8>>, h: Header, data: Bytes) -> (Vec<u8>, Option<Bytes>) {
         if self.gather && data.len() >= SEND_IN_PLACE {
-            let mut frame = Vec::with_capacity(wire::HEADER);
-            h.encode(&mut frame);
-            return (frame, Some(data));
+            // The header alone, in a recycled small frame.
+            return (copied_frame(spare, h, &[]), Some(data));
         }
         (copied_frame(spare, h, &data), None)
     }
