@@ -26,4 +26,9 @@ pub struct RdmaStats {
     /// Regions the provider could not register (peers reach those
     /// through the target's progress instead).
     pub registration_failures: u64,
+    /// Times the runtime stopped watching the completion queue's wait fd
+    /// because, over a heartbeat, progress found completions and the
+    /// progress task never parked (a stream); its next park watches it
+    /// again.
+    pub cq_unwatches: u64,
 }

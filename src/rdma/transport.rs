@@ -92,6 +92,7 @@ struct Counters {
     reposts: AtomicU64,
     foreign: AtomicU64,
     reg_failures: AtomicU64,
+    unwatches: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -220,8 +221,6 @@ struct Turn {
     spent: Vec<(Vec<u8>, Ctx)>,
     /// Buffers wait in `State::returned` for the next call to post them.
     returned: bool,
-    /// Calls that found completions since the progress task last parked.
-    since_park: u32,
     /// Where completions are read into.
     cqe: [Cqe; 32],
 }
@@ -314,11 +313,17 @@ const SMALL_FRAME: usize = wire::HEADER + SEND_IN_PLACE;
 /// Small frames kept for reuse, at most.
 const SPARE_FRAMES: usize = 256;
 
-/// Keep the buffer of a sent frame for the next small one, if it is one.
-fn recycle(spare: &mut Vec<Vec<u8>>, mut frame: Vec<u8>) {
-    if frame.capacity() == SMALL_FRAME && spare.len() < SPARE_FRAMES {
+/// Keep the buffer of a sent frame for the next small one (`spare`) or the
+/// next header sent before a body in place (`headers`), if it is one.
+fn recycle(spare: &mut Vec<Vec<u8>>, headers: &mut Vec<Vec<u8>>, mut frame: Vec<u8>) {
+    let keep = match frame.capacity() {
+        SMALL_FRAME => spare,
+        wire::HEADER => headers,
+        _ => return,
+    };
+    if keep.len() < SPARE_FRAMES {
         frame.clear();
-        spare.push(frame);
+        keep.push(frame);
     }
 }
 
@@ -417,12 +422,9 @@ struct State {
     spare: Vec<Ctx>,
     /// Buffers of completed small frames, for the next ones.
     frames: Vec<Vec<u8>>,
+    /// Buffers of completed header-only frames, for the next ones.
+    headers: Vec<Vec<u8>>,
 }
-
-/// Progress calls that find completions with no park between them after
-/// which the runtime stops watching the completion queue's fd (see
-/// `RdmaTransport::wait`).
-const UNWATCH_AFTER: u32 = 256;
 
 /// The completion queue's fd, for tokio: the endpoint owns it, and is
 /// kept open by the `Arc` beside it for as long as tokio watches the fd.
@@ -434,6 +436,20 @@ struct WaitFd {
 impl AsRawFd for WaitFd {
     fn as_raw_fd(&self) -> RawFd {
         self.fd
+    }
+}
+
+/// A watch of the wait fd taken out for one wait, put back when dropped.
+struct Kept<'a> {
+    slot: &'a Mutex<Option<AsyncFd<WaitFd>>>,
+    fd: Option<AsyncFd<WaitFd>>,
+}
+
+impl Drop for Kept<'_> {
+    fn drop(&mut self) {
+        if let Some(fd) = self.fd.take() {
+            *lock(self.slot) = Some(fd);
+        }
     }
 }
 
@@ -453,7 +469,7 @@ fn watch(fd: RawFd, ep: &Arc<Ep>) -> std::io::Result<AsyncFd<WaitFd>> {
             tokio::io::Interest::READABLE,
         )
     }
-    .map_err(|e| e.into())
+    .map_err(Into::into)
 }
 
 /// Which providers the transport takes without being told, best first;
@@ -578,8 +594,13 @@ pub(crate) struct RdmaTransport {
     /// The runtime's watch of it, kept between parks while the progress
     /// task parks often, dropped by a stream that runs long without one.
     watched: Mutex<Option<AsyncFd<WaitFd>>>,
-    /// The progress task parked since the last progress call.
+    /// The progress task parked since the last liveness check.
     parked: AtomicBool,
+    /// A progress call found completions since the last liveness check
+    /// (with no park: a stream, see `wait`).
+    found: AtomicBool,
+    /// Watching the fd failed once (later failures are not warned of).
+    watch_failed: AtomicBool,
     me: RdmaAddr,
     job: u64,
     /// Remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`).
@@ -673,6 +694,7 @@ impl RdmaTransport {
                 lose_later: Vec::new(),
                 spare: Vec::new(),
                 frames: Vec::new(),
+                headers: Vec::new(),
             }),
             turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
@@ -680,6 +702,8 @@ impl RdmaTransport {
             kick: Notify::new(),
             watched: Mutex::new(Some(watched)),
             parked: AtomicBool::new(false),
+            found: AtomicBool::new(false),
+            watch_failed: AtomicBool::new(false),
             backlog: AtomicBool::new(false),
         }))
     }
@@ -923,10 +947,15 @@ impl RdmaTransport {
         if eager {
             let mut st = lock(&self.st);
             self.check_alive(peer)?;
-            let State { peers, frames, .. } = &mut *st;
+            let State {
+                peers,
+                frames,
+                headers,
+                ..
+            } = &mut *st;
             let ps = &mut peers[peer.rank as usize];
             let h = self.header(ps, Type::Eager, kind, tag);
-            let (mut frame, mut body) = self.frame(frames, h, data);
+            let (mut frame, mut body) = self.frame(frames, headers, h, data);
             let free = ps.queue.is_empty() && ps.credits > 0 && ps.backoff_until.is_none();
             if free {
                 // Nothing ahead of it and a credit in hand: post it now,
@@ -962,7 +991,12 @@ impl RdmaTransport {
             bump(&self.counters.in_pieces);
             let piece = data.len().div_ceil(n);
             let count = data.len().div_ceil(piece);
-            let State { peers, frames, .. } = &mut *st;
+            let State {
+                peers,
+                frames,
+                headers,
+                ..
+            } = &mut *st;
             let ps = &mut peers[peer.rank as usize];
             if !ps.queue.is_empty() || ps.credits < count as u32 {
                 bump(&self.counters.credit_waits);
@@ -973,7 +1007,7 @@ impl RdmaTransport {
                 let typ = if last { Type::Eager } else { Type::Part };
                 let chunk = data.slice(i * piece..data.len().min((i + 1) * piece));
                 let h = self.header(ps, typ, kind, tag);
-                let (frame, body) = self.frame(frames, h, chunk);
+                let (frame, body) = self.frame(frames, headers, h, chunk);
                 ps.queue.push_back(Out {
                     frame,
                     body,
@@ -1412,10 +1446,20 @@ impl RdmaTransport {
     /// An eager frame of `h` and `data`: one buffer, or (a body worth not
     /// copying, and a provider that gathers) the header alone with the
     /// body sent from where it lies.
-    fn frame(&self, spare: &mut Vec<Vec<u8>>, h: Header, data: Bytes) -> (Vec<u8>, Option<Bytes>) {
+    fn frame(
+        &self,
+        spare: &mut Vec<Vec<u8>>,
+        headers: &mut Vec<Vec<u8>>,
+        h: Header,
+        data: Bytes,
+    ) -> (Vec<u8>, Option<Bytes>) {
         if self.gather && data.len() >= SEND_IN_PLACE {
-            // The header alone, in a recycled small frame.
-            return (copied_frame(spare, h, &[]), Some(data));
+            // The header alone, in a recycled header-sized buffer.
+            let mut frame = headers
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(wire::HEADER));
+            h.encode(&mut frame);
+            return (frame, Some(data));
         }
         (copied_frame(spare, h, &data), None)
     }
@@ -1487,7 +1531,10 @@ impl RdmaTransport {
                 if st.spare.len() < 256 {
                     st.spare.push(ctx);
                 }
-                recycle(&mut st.frames, frame);
+                let State {
+                    frames, headers, ..
+                } = st;
+                recycle(frames, headers, frame);
                 false
             }
             Op::Rma(op) => {
@@ -1760,6 +1807,7 @@ impl RdmaTransport {
             reposts: g(&c.reposts),
             foreign_messages: g(&c.foreign),
             registration_failures: g(&c.reg_failures),
+            cq_unwatches: g(&c.unwatches),
         }
     }
 }
@@ -1779,6 +1827,7 @@ impl Drop for RdmaTransport {
                 lose_later: Vec::new(),
                 spare: Vec::new(),
                 frames: Vec::new(),
+                headers: Vec::new(),
             },
         );
         self.ep
@@ -2100,18 +2149,8 @@ impl Transport for RdmaTransport {
             let backlog = || {
                 self.backlog.load(Ordering::Relaxed) && self.backlog.swap(false, Ordering::Relaxed)
             };
-            if seen > 0 {
-                if self.parked.load(Ordering::Relaxed) {
-                    self.parked.store(false, Ordering::Relaxed);
-                    turn.since_park = 0;
-                }
-                turn.since_park += 1;
-                if turn.since_park == UNWATCH_AFTER {
-                    // A stream: stop the runtime's watch (see `wait`).
-                    if let Ok(mut w) = self.watched.try_lock() {
-                        drop(w.take());
-                    }
-                }
+            if seen > 0 && !self.found.load(Ordering::Relaxed) {
+                self.found.store(true, Ordering::Relaxed);
             }
             if seen > 0 || backlog() {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
@@ -2188,18 +2227,24 @@ impl Transport for RdmaTransport {
             timeout
         };
         // While the fd is watched, every packet the provider's sockets take
-        // also runs the runtime's epoll callback (the wait fd is an epoll
-        // set of them): a cost on the path of every message of a stream
-        // that never parks. So a stream drops the watch (see `progress`),
-        // and the next park watches again; a fd already readable when
-        // watched is reported at once, so a completion that came after
-        // `arm` is not slept through.
+        // may also run the runtime's epoll callback (over tcp the wait fd
+        // is an epoll set of them): a cost on the path of every message of
+        // a stream that never parks. So a liveness check that finds a
+        // stream since the last one drops the watch (`check_peers`), and
+        // the next park watches again; a fd already readable when watched
+        // is reported at once, so a completion that came after `arm` is
+        // not slept through.
         self.parked.store(true, Ordering::Relaxed);
         let kept = lock(&self.watched).take();
         let fd = match kept.map_or_else(|| watch(self.wait_fd, &self.ep), Ok) {
             Ok(fd) => fd,
             Err(e) => {
-                tracing::warn!("rdma: watching the completion queue's fd: {e}");
+                // Polled every few milliseconds instead.
+                if self.watch_failed.swap(true, Ordering::Relaxed) {
+                    tracing::debug!("rdma: watching the completion queue's fd: {e}");
+                } else {
+                    tracing::warn!("rdma: watching the completion queue's fd: {e}");
+                }
                 tokio::select! {
                     _ = self.kick.notified() => {}
                     _ = tokio::time::sleep(until.min(BUSY_WAIT)) => {}
@@ -2207,6 +2252,13 @@ impl Transport for RdmaTransport {
                 return;
             }
         };
+        // Put back when the wait ends, also when it is cancelled (the
+        // driver selects it against other wake-ups).
+        let kept = Kept {
+            slot: &self.watched,
+            fd: Some(fd),
+        };
+        let Some(fd) = kept.fd.as_ref() else { return };
         tokio::select! {
             r = fd.readable() => {
                 // Cleared here and checked again by the next `arm`
@@ -2219,7 +2271,6 @@ impl Transport for RdmaTransport {
             _ = self.kick.notified() => {}
             _ = tokio::time::sleep(until) => {}
         }
-        *lock(&self.watched) = Some(fd);
     }
 
     fn check_peers(&self) {
@@ -2231,6 +2282,17 @@ impl Transport for RdmaTransport {
         // its last poll.)
         self.progress();
         self.service();
+        // Completions found since the last check, and no park: a stream,
+        // which the runtime need not watch the fd for (see `wait`).
+        let found = self.found.swap(false, Ordering::Relaxed);
+        let parked = self.parked.swap(false, Ordering::Relaxed);
+        if found && !parked {
+            if let Ok(mut w) = self.watched.try_lock() {
+                if w.take().is_some() {
+                    bump(&self.counters.unwatches);
+                }
+            }
+        }
     }
 
     fn drained(&self) -> bool {
