@@ -72,6 +72,7 @@ fn rank_main() {
             "serve3" => serve3(f).await,
             "idle" => idle(f).await,
             "wake" => wake(f).await,
+            "held" => held(f).await,
             "lend" => lend(f).await,
             "compute" => compute_scenario(f).await,
             other => panic!("unknown scenario {other}"),
@@ -402,6 +403,82 @@ async fn wake(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Messages of `HELD` from rank 1 on a tag over its budget are held by
+/// rank 0 while rank 2 streams on another tag; rank 0 then takes them.
+const HELD: u32 = 300;
+
+/// Rank 1 sends [`HELD`] 1 KiB messages on tag 7, more than rank 0's tag
+/// budget and rank 1's credits hold, and waits; rank 2 streams on tag 8
+/// until rank 0 says stop (tag 9). Rank 0 drains tag 8 all along, takes
+/// tag 7 only after a pause, by when rank 1's frames wait in rank 0 for
+/// room, and times taking them all: each take makes room, and what rank 1
+/// has waiting must be delivered then, though rank 1, out of credits,
+/// sends nothing more and rank 2's stream keeps rank 0's progress busy.
+async fn held(f: Fabric) {
+    match f.rank() {
+        0 => {
+            let mut stream = f.receiver(8).unwrap();
+            let drain = tokio::spawn(async move {
+                let mut n = 0u64;
+                loop {
+                    let m = stream.recv().await.unwrap();
+                    if m.data[..] == b"end"[..] {
+                        return n;
+                    }
+                    n += 1;
+                }
+            });
+            let mut rx = f.receiver(7).unwrap();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let start = std::time::Instant::now();
+            for i in 0..HELD {
+                let m = rx.recv().await.unwrap();
+                assert_eq!(m.src, 1);
+                assert_eq!(m.data.len(), 1024);
+                assert_eq!(m.data[..4], i.to_le_bytes(), "message {i} of rank 1");
+            }
+            println!("held_ms={}", start.elapsed().as_millis());
+            f.endpoint(2)
+                .unwrap()
+                .send_inline(9, b"stop")
+                .await
+                .unwrap();
+            let streamed = drain.await.unwrap();
+            println!("streamed={streamed}");
+        }
+        1 => {
+            let ep = f.endpoint(0).unwrap();
+            for i in 0..HELD {
+                let mut m = vec![0u8; 1024];
+                m[..4].copy_from_slice(&i.to_le_bytes());
+                ep.send_inline(7, &m).await.unwrap();
+            }
+        }
+        _ => {
+            let ep = f.endpoint(0).unwrap();
+            let mut stop = f.receiver(9).unwrap();
+            let stopped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let watch = {
+                let stopped = stopped.clone();
+                tokio::spawn(async move {
+                    stop.recv().await.unwrap();
+                    stopped.store(true, std::sync::atomic::Ordering::Relaxed);
+                })
+            };
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                ep.send_inline(8, &[0u8; 64]).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            ep.send_inline(8, b"end").await.unwrap();
+            watch.await.unwrap();
+        }
+    }
+    println!("credit_waits={}", f.stats().rdma.credit_waits);
+    println!("peers_lost={}", f.stats().peers_lost);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 /// The receiver does not read for three peer timeouts: the sender must wait
 /// (bounded memory), not declare it lost, then everything arrives.
 async fn stall(f: Fabric) {
@@ -616,6 +693,33 @@ fn rdma_parked_progress_is_woken_by_the_fd_after_a_stream() {
             // Woken by the fd, it takes a few milliseconds at most.
             assert!(ms < 350, "rank {r}: the round trip took {ms} ms");
         }
+    }
+}
+
+#[test]
+fn rdma_frames_held_for_room_are_delivered_while_another_peer_streams() {
+    need_rdma!();
+    // Tag budgets of 4 KiB: rank 1's messages wait in rank 0 for room.
+    // Pings every 5 s: a held frame delivered only when its sender is
+    // heard from again would wait that long.
+    let env = [
+        ("BTL_RECV_BUDGET", "4096"),
+        ("BTL_RDMA_PEER_TIMEOUT_MS", "20000"),
+    ];
+    let outs = job(3, "held", &env).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let ms: u64 = value(&outs[0], "held_ms").unwrap().parse().unwrap();
+    let streamed: u64 = value(&outs[0], "streamed").unwrap().parse().unwrap();
+    println!("rank 0 took the held messages in {ms} ms, beside {streamed} streamed ones");
+    assert!(streamed > 0, "rank 2 streamed nothing");
+    // Rank 1 ran out of credits: its frames did wait in rank 0.
+    let waits: u64 = value(&outs[1], "credit_waits").unwrap().parse().unwrap();
+    assert!(waits > 0, "rank 1 never waited for credits");
+    // Delivered as room is made, it takes milliseconds; one wait for the
+    // sender's ping is 5 s.
+    assert!(ms < 3000, "taking the held messages took {ms} ms");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
     }
 }
 

@@ -390,6 +390,22 @@ struct PeerState {
     fetch_retry: VecDeque<FetchOp>,
     /// Posts to the peer wait until then (its connection went down).
     backoff_until: Option<Instant>,
+    /// It is in `State::attend`.
+    attend: bool,
+}
+
+impl PeerState {
+    /// Whether something of the peer's waits on a later pass: frames held
+    /// or being read, frames or operations to post, credits to return.
+    fn waiting(&self, half: u32) -> bool {
+        !self.arrived.is_empty()
+            || !self.queue.is_empty()
+            || !self.ctrl.is_empty()
+            || !self.rma_retry.is_empty()
+            || !self.fetch_retry.is_empty()
+            || self.backoff_until.is_some()
+            || self.owed >= half
+    }
 }
 
 struct Peer {
@@ -424,6 +440,24 @@ struct State {
     frames: Vec<Vec<u8>>,
     /// Buffers of completed header-only frames, for the next ones.
     headers: Vec<Vec<u8>>,
+    /// Peers the next progress pass looks at (delivers in order, starts
+    /// reads, posts what waits): those a completion concerned, and those
+    /// with something still waiting (see [`PeerState::waiting`]). A pass
+    /// over every peer is made only when `backlog` asks for it, so a
+    /// message costs the same in a job of two ranks or of thousands.
+    attend: Vec<Rank>,
+}
+
+impl State {
+    /// Have the next pass look at peer `r`.
+    fn attend(&mut self, r: Rank) {
+        if let Some(ps) = self.peers.get_mut(r as usize) {
+            if !ps.attend {
+                ps.attend = true;
+                self.attend.push(r);
+            }
+        }
+    }
 }
 
 /// The completion queue's fd, for tokio: the endpoint owns it, and is
@@ -695,6 +729,7 @@ impl RdmaTransport {
                 spare: Vec::new(),
                 frames: Vec::new(),
                 headers: Vec::new(),
+                attend: Vec::new(),
             }),
             turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
@@ -714,6 +749,11 @@ impl RdmaTransport {
 
     fn peer_list(&self) -> impl Iterator<Item = &Arc<Peer>> {
         self.peers.get().into_iter().flatten().flatten()
+    }
+
+    /// Owed credits worth a frame of their own.
+    fn half_credits(&self) -> u32 {
+        (self.config.credits / 2).max(1)
     }
 
     fn lost_error(&self, p: &Peer) -> Error {
@@ -1209,6 +1249,7 @@ impl RdmaTransport {
             return None;
         }
         let credits = self.config.credits;
+        st.attend(rank);
         let ps = &mut st.peers[rank as usize];
         ps.heard = ps.heard.wrapping_add(1);
         ps.credits = ps.credits.saturating_add(h.credits).min(credits);
@@ -1331,8 +1372,8 @@ impl RdmaTransport {
     /// Start reading announced rendezvous messages, in order, as far as
     /// [`READ_AHEAD`] and their tags' room allow (the first one waiting is
     /// read whatever its size, once its tag has room).
-    fn start_reads(&self, st: &mut State) {
-        for p in self.peer_list() {
+    fn start_reads(&self, st: &mut State, ranks: &[Rank]) {
+        for p in ranks.iter().filter_map(|&r| self.peer(r)) {
             if p.lost.load(Ordering::Acquire) {
                 continue;
             }
@@ -1376,13 +1417,48 @@ impl RdmaTransport {
         }
     }
 
-    /// Move in-order frames of every peer to `out`, as far as their tags
+    /// One pass over the peers in `st.attend`: deliver what is in order,
+    /// start rendezvous reads, post what waits; those with something still
+    /// waiting stay for the next pass. Returns the frames and operations
+    /// posted.
+    fn attend(&self, st: &mut State, out: &mut Vec<Delivery>) -> usize {
+        let ranks = std::mem::take(&mut st.attend);
+        for &r in &ranks {
+            st.peers[r as usize].attend = false;
+        }
+        self.deliver(st, out, &ranks);
+        self.start_reads(st, &ranks);
+        let mut work = 0;
+        for p in ranks.iter().filter_map(|&r| self.peer(r)) {
+            if !p.lost.load(Ordering::Acquire) {
+                work += self.push(st, p);
+            }
+        }
+        let half = self.half_credits();
+        for &r in &ranks {
+            let lost = self
+                .peer(r)
+                .map_or(true, |p| p.lost.load(Ordering::Acquire));
+            if !lost && st.peers[r as usize].waiting(half) {
+                st.attend(r);
+            }
+        }
+        // Its capacity, for the next pass.
+        if st.attend.is_empty() {
+            let mut ranks = ranks;
+            ranks.clear();
+            st.attend = ranks;
+        }
+        work
+    }
+
+    /// Move in-order frames of `ranks` to `out`, as far as their tags
     /// have room; return credits owed.
-    fn deliver(&self, st: &mut State, out: &mut Vec<Delivery>) {
-        let half = (self.config.credits / 2).max(1);
+    fn deliver(&self, st: &mut State, out: &mut Vec<Delivery>, ranks: &[Rank]) {
+        let half = self.half_credits();
         let window = 2 * self.config.credits;
         let mut bad = Vec::new();
-        for p in self.peer_list() {
+        for p in ranks.iter().filter_map(|&r| self.peer(r)) {
             let r = p.rank as usize;
             let ps = &mut st.peers[r];
             loop {
@@ -1565,6 +1641,7 @@ impl RdmaTransport {
                     Some(op.rts.cookie),
                 );
                 ps.ctrl.push_back(fin);
+                st.attend(op.peer);
                 true
             }
         }
@@ -1828,6 +1905,7 @@ impl Drop for RdmaTransport {
                 spare: Vec::new(),
                 frames: Vec::new(),
                 headers: Vec::new(),
+                attend: Vec::new(),
             },
         );
         self.ep
@@ -2152,16 +2230,18 @@ impl Transport for RdmaTransport {
             if seen > 0 && !self.found.load(Ordering::Relaxed) {
                 self.found.store(true, Ordering::Relaxed);
             }
-            if seen > 0 || backlog() {
+            let full = backlog();
+            if seen > 0 || full {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
                     self.repost(&mut st, buf, ctx);
                 }
-                self.deliver(&mut st, &mut out);
-                self.start_reads(&mut st);
-                for p in self.peer_list() {
-                    if !p.lost.load(Ordering::Acquire) {
-                        work += self.push(&mut st, p);
+                if full {
+                    for p in self.peer_list() {
+                        st.attend(p.rank);
                     }
+                }
+                if !st.attend.is_empty() {
+                    work += self.attend(&mut st, &mut out);
                 }
             }
             lost.extend(
