@@ -703,27 +703,55 @@ impl Rma {
         peer: Option<Rank>,
         first: bool,
     ) -> usize {
+        if first {
+            // Only up to the first of `peer`'s still running: the entries
+            // kept before it close up over the finished ones, and the rest
+            // is not walked (a flush polls while a window completes, about
+            // in order).
+            let mut kept = 0;
+            let mut at = 0;
+            let mut running = 0;
+            while let Some((p, c, implicit)) = native.get(at) {
+                if peer.is_some_and(|peer| *p != peer) {
+                    native.swap(kept, at);
+                    kept += 1;
+                } else if !self.finished(*p, c, *implicit) {
+                    running = 1;
+                    break;
+                }
+                at += 1;
+            }
+            native.drain(kept..at);
+            return running;
+        }
         let mut running = 0;
         native.retain(|(p, c, implicit)| {
             if peer.is_some_and(|peer| *p != peer) || (first && running > 0) {
                 return true;
             }
-            if *implicit {
-                match c.take_done() {
-                    None => {}
-                    Some(Ok(())) => return false,
-                    Some(Err(e)) => {
-                        lock(&self.failed).entry(*p).or_insert(e);
-                        return false;
-                    }
-                }
-            } else if c.is_done() {
+            if self.finished(*p, c, *implicit) {
                 return false;
             }
             running += 1;
             true
         });
         running
+    }
+
+    /// Whether `peer`'s natively posted operation `c` finished (an
+    /// implicit one's failure is kept for the next flush).
+    fn finished(&self, peer: Rank, c: &Completion, implicit: bool) -> bool {
+        if !implicit {
+            return c.is_done();
+        }
+        match c.take_done() {
+            None => false,
+            Some(Ok(())) => true,
+            Some(Err(e)) => {
+                lock(&self.failed).entry(peer).or_insert(e);
+                true
+            }
+        }
     }
 
     /// Have `cx`'s task woken when the oldest implicit operation still

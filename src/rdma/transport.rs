@@ -71,6 +71,24 @@ const MAX_OPS: usize = CQ_SIZE / 2;
 /// requested keys: 64 bits of a hash of the 128-bit random id, so a key
 /// with a forged id names no registration.
 fn derived_key(id: &KeyId) -> u64 {
+    // The last key derived on this thread: a stream of operations on one
+    // region hashes its id once, not once per operation (a hash costs
+    // about what the rest of posting a read does).
+    thread_local! {
+        static LAST: std::cell::Cell<Option<(KeyId, u64)>> = const { std::cell::Cell::new(None) };
+    }
+    if let Ok(Some((last, key))) = LAST.try_with(std::cell::Cell::get) {
+        if last == *id {
+            return key;
+        }
+    }
+    let key = hash_key(id);
+    let _ = LAST.try_with(|l| l.set(Some((*id, key))));
+    key
+}
+
+/// [`derived_key`], computed.
+fn hash_key(id: &KeyId) -> u64 {
     use sha2::Digest;
     let d = sha2::Sha256::new()
         .chain_update(b"async-btl rdma key")
@@ -2458,6 +2476,15 @@ mod tests {
         assert!(matches!(pieces(&ps, 3), Pieces::Bad(_)));
         ps.arrived.insert(2, In::Ready(Kind::User, 1, b(1)));
         assert!(matches!(pieces(&ps, 4), Pieces::Whole { n: 4, len: 4, .. }));
+    }
+
+    #[test]
+    fn a_remembered_key_is_the_derived_one() {
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        for id in [a, a, b, a, b, b] {
+            assert_eq!(derived_key(&id), hash_key(&id));
+        }
+        assert_ne!(derived_key(&a), derived_key(&b));
     }
 
     #[test]
