@@ -726,7 +726,7 @@ impl Rma {
         }
         let mut running = 0;
         native.retain(|(p, c, implicit)| {
-            if peer.is_some_and(|peer| *p != peer) || (first && running > 0) {
+            if peer.is_some_and(|peer| *p != peer) {
                 return true;
             }
             if self.finished(*p, c, *implicit) {
