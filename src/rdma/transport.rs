@@ -464,6 +464,8 @@ struct State {
     /// over every peer is made only when `backlog` asks for it, so a
     /// message costs the same in a job of two ranks or of thousands.
     attend: Vec<Rank>,
+    /// The list a pass works through, kept for its capacity.
+    attending: Vec<Rank>,
 }
 
 impl State {
@@ -748,6 +750,7 @@ impl RdmaTransport {
                 frames: Vec::new(),
                 headers: Vec::new(),
                 attend: Vec::new(),
+                attending: Vec::new(),
             }),
             turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
@@ -1440,7 +1443,10 @@ impl RdmaTransport {
     /// waiting stay for the next pass. Returns the frames and operations
     /// posted.
     fn attend(&self, st: &mut State, out: &mut Vec<Delivery>) -> usize {
-        let ranks = std::mem::take(&mut st.attend);
+        // The list is swapped with the spare one (no allocation per pass
+        // while peers keep waiting).
+        let mut ranks = std::mem::take(&mut st.attending);
+        std::mem::swap(&mut ranks, &mut st.attend);
         for &r in &ranks {
             st.peers[r as usize].attend = false;
         }
@@ -1461,12 +1467,8 @@ impl RdmaTransport {
                 st.attend(r);
             }
         }
-        // Its capacity, for the next pass.
-        if st.attend.is_empty() {
-            let mut ranks = ranks;
-            ranks.clear();
-            st.attend = ranks;
-        }
+        ranks.clear();
+        st.attending = ranks;
         work
     }
 
@@ -1924,6 +1926,7 @@ impl Drop for RdmaTransport {
                 frames: Vec::new(),
                 headers: Vec::new(),
                 attend: Vec::new(),
+                attending: Vec::new(),
             },
         );
         self.ep
