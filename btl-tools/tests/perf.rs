@@ -448,6 +448,72 @@ fn ofi_baseline_beside_async_btl() {
 }
 
 #[test]
+fn interleaved_ofi_points_follow_async_btls_own() {
+    if !have_libfabric_dev() {
+        eprintln!("skipped: no cc or no libfabric headers (apt-get install libfabric-dev)");
+        return;
+    }
+    let out = run(Command::new(PERF)
+        .env_remove("BTL_RDMA_PROVIDER")
+        .env_remove("BTL_RDMA_ADDR")
+        .args([
+            "--test",
+            "lat,put_bw,bibw",
+            "--baseline",
+            "ofi",
+            "--interleave",
+            "--sizes",
+            "8,16",
+            "--iters",
+            "50",
+            "--repeat",
+            "2",
+            "--pick",
+            "median",
+            "--json",
+        ]));
+    let j = json(&out);
+    let notes = j["header"]["notes"].to_string();
+    assert!(notes.contains("ofi_pp point by point"), "{notes}");
+    assert!(notes.contains("median of the runs' own ratios"), "{notes}");
+    // In the order measured: each ofi point right after async-btl's, and
+    // nothing of ofi where it has no test (bibw).
+    let order: Vec<(String, u64, String)> = j["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["size"].as_u64().unwrap(),
+                r["wire"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let ofi: Vec<_> = order.iter().filter(|p| p.2 == "ofi").collect();
+    assert_eq!(ofi.len(), 4, "{order:?}");
+    for (i, p) in order.iter().enumerate().filter(|(_, p)| p.2 == "ofi") {
+        let before = &order[i - 1];
+        assert_eq!(
+            (&before.0, before.1),
+            (&p.0, p.1),
+            "{order:?}: ofi's point follows async-btl's"
+        );
+        assert!(before.2.starts_with("async-btl/"), "{order:?}");
+    }
+    assert!(order.iter().any(|p| p.0 == "bibw"), "{order:?}");
+    assert_eq!(
+        j["ratios"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["baseline"] == "ofi")
+            .count(),
+        4
+    );
+}
+
+#[test]
 fn a_missing_compiler_is_a_note_for_ofi() {
     let dir = bare_path("ofi");
     let out = run(Command::new(PERF)

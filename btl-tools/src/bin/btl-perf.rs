@@ -165,6 +165,14 @@ struct Args {
     #[arg(long, value_name = "LIST", default_value = "unix,tcp,udp", value_parser = baselines)]
     baseline: std::vec::Vec<Baseline>,
 
+    /// With --baseline ofi: measure the libfabric program point by point,
+    /// each point right after async-btl's (of the first series, under
+    /// --compare), both ranks waiting meanwhile, instead of all its points
+    /// after the run. The pair then shares a phase of a machine whose
+    /// speed drifts; each point costs a start of the program.
+    #[arg(long)]
+    interleave: bool,
+
     /// Print JSON instead of the table.
     #[arg(long, conflicts_with = "csv")]
     json: bool,
@@ -192,7 +200,8 @@ struct Args {
     /// With --repeat: report each point's best run (`best`, the default)
     /// or its middle run (`median`: on a shared VM, one run of one series
     /// that catches a fast phase moves a best-of ratio more than the code
-    /// does).
+    /// does). With `median` each ratio is the middle of the runs' own
+    /// ratios, each pair taken in the same run.
     #[arg(long, value_name = "HOW", default_value = "best", value_parser = pick)]
     pick: Pick,
 }
@@ -342,6 +351,7 @@ fn as_rank(args: Args, job: JobInfo) -> ExitCode {
         watchdog: Duration::from_secs(args.watchdog.max(1)),
         command: command_line(),
         rma_futures: args.rma_futures,
+        interleave: args.interleave,
         atomic_target: args.atomic_target,
     };
     let rank = job.rank;

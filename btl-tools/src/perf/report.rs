@@ -91,17 +91,39 @@ impl Report {
     }
 
     /// Several runs with the same settings as one report: per test, series
-    /// and size, the value `pick` chooses among the runs that measured it,
-    /// and the ratios recomputed from those (see [`Report::best_of`]).
+    /// and size, the value `pick` chooses among the runs that measured it.
+    /// The ratios: with [`Pick::Best`], recomputed from the best values
+    /// (see [`Report::best_of`]); with [`Pick::Median`], the middle one of
+    /// each run's own ratio, so that a pair measured in the same phase of a
+    /// machine whose speed drifts is compared with itself, not with the
+    /// other series' middle run taken at another time.
     pub fn combine(runs: Vec<Report>, pick: Pick) -> Option<Report> {
         let n = runs.len();
         let mut runs = runs.into_iter();
         let first = runs.next()?;
         let mut header = first.header;
         let mut points = first.results;
+        // Every run's own ratio of each pair, in run order.
+        let mut paired: Vec<(Ratio, Vec<f64>)> = Vec::new();
+        let mut pair = |ratios: Vec<Ratio>| {
+            for r in ratios {
+                let at = paired.iter().position(|(p, _)| {
+                    (p.test, p.size, &p.wire, &p.baseline) == (r.test, r.size, &r.wire, &r.baseline)
+                });
+                match at {
+                    Some(i) => paired[i].1.push(r.ratio),
+                    None => {
+                        let v = vec![r.ratio];
+                        paired.push((r, v));
+                    }
+                }
+            }
+        };
+        pair(first.ratios);
         // Every run's value of each point, in run order.
         let mut values: Vec<Vec<f64>> = points.iter().map(|s| vec![s.value]).collect();
         for r in runs {
+            pair(r.ratios);
             header.floors.extend(r.header.floors);
             for s in r.results {
                 let at = points
@@ -131,8 +153,7 @@ impl Report {
             let (best, worst) = (v[0], v[v.len() - 1]);
             p.value = match pick {
                 Pick::Best => best,
-                // The middle run (of an even count, the better of the two).
-                Pick::Median => v[(v.len() - 1) / 2],
+                Pick::Median => middle(v),
             };
             if best > 0.0 {
                 let s = if hib {
@@ -148,11 +169,28 @@ impl Report {
                 Pick::Best => "best",
                 Pick::Median => "median",
             };
+            let ratios = match pick {
+                Pick::Best => "ratios of those values",
+                Pick::Median => "each ratio the median of the runs' own ratios",
+            };
             header.notes.push(format!(
-                "{how} of {n} runs (each run measures async-btl, then the baselines); the widest spread between a point's best and worst run was {spread:.2}x"
+                "{how} of {n} runs (each run measures async-btl and its baselines; {ratios}); the widest spread between a point's best and worst run was {spread:.2}x"
             ));
         }
-        Some(Report::new(header, points))
+        let mut report = Report::new(header, points);
+        if pick == Pick::Median {
+            for r in &mut report.ratios {
+                let runs = paired.iter_mut().find(|(p, _)| {
+                    (p.test, p.size, &p.wire, &p.baseline) == (r.test, r.size, &r.wire, &r.baseline)
+                });
+                if let Some((_, v)) = runs {
+                    let hib = r.test.unit().higher_is_better();
+                    v.sort_by(|a, b| if hib { b.total_cmp(a) } else { a.total_cmp(b) });
+                    r.ratio = middle(v);
+                }
+            }
+        }
+        Some(report)
     }
 
     /// The tests present, in report order.
@@ -322,6 +360,12 @@ fn fmt_value(v: Option<f64>) -> String {
     }
 }
 
+/// The middle of `v`, sorted best first (of an even count, the better of
+/// the two middle ones).
+fn middle(v: &[f64]) -> f64 {
+    v[(v.len() - 1) / 2]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,6 +522,50 @@ mod tests {
         assert!(
             note.contains("median of 4 runs") && note.contains("9.00x"),
             "{note}"
+        );
+    }
+
+    #[test]
+    fn a_median_ratio_pairs_each_run_with_itself() {
+        // Three runs, async-btl's and tcp's latency each: the middle values
+        // are 2.0 and 2.5 (0.8), but each run's own ratio is 0.5, 1.2 and
+        // 0.5.
+        let runs: Vec<Report> = [(1.0, 2.0), (3.0, 2.5), (2.0, 4.0)]
+            .iter()
+            .map(|(b, t)| {
+                Report::new(
+                    header(),
+                    vec![sample("async-btl/sm", 8, *b), sample("tcp", 8, *t)],
+                )
+            })
+            .collect();
+        let median = Report::combine(runs.clone(), Pick::Median).unwrap();
+        let tcp = median.ratios.iter().find(|x| x.baseline == "tcp").unwrap();
+        assert!((tcp.ratio - 0.5).abs() < 1e-12, "{}", tcp.ratio);
+        let note = median.header.notes.last().unwrap();
+        assert!(note.contains("median of the runs' own ratios"), "{note}");
+        // Best of: the best values' ratio, 1.0 / 2.0.
+        let best = Report::combine(runs, Pick::Best).unwrap();
+        let tcp = best.ratios.iter().find(|x| x.baseline == "tcp").unwrap();
+        assert!((tcp.ratio - 0.5).abs() < 1e-12, "{}", tcp.ratio);
+        // Bandwidth: the better middle of 0.9, 1.1 and 0.7 is 0.9.
+        let runs: Vec<Report> = [(90.0, 100.0), (110.0, 100.0), (70.0, 100.0)]
+            .iter()
+            .map(|(b, t)| {
+                let mut s = sample("async-btl/sm", 8, *b);
+                let mut u = sample("tcp", 8, *t);
+                for x in [&mut s, &mut u] {
+                    x.test = Test::Bw;
+                    x.unit = Test::Bw.unit();
+                }
+                Report::new(header(), vec![s, u])
+            })
+            .collect();
+        let r = Report::combine(runs, Pick::Median).unwrap();
+        assert!(
+            (r.ratios[0].ratio - 0.9).abs() < 1e-12,
+            "{}",
+            r.ratios[0].ratio
         );
     }
 

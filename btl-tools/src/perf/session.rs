@@ -7,7 +7,9 @@
 //!
 //! The baselines run after the fabric is closed, so that a busy-polling
 //! progress task never competes with them for the core; Open MPI, UCX and
-//! libfabric run last, when the other rank has nothing left to do.
+//! libfabric run last, when the other rank has nothing left to do. Under
+//! `--interleave` the libfabric program runs instead point by point inside
+//! the first series, while both ranks wait with their progress parked.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -68,6 +70,9 @@ pub struct Settings {
     pub rma_futures: bool,
     /// What memory the atomic tests' words live in on rank 1.
     pub atomic_target: AtomicTarget,
+    /// Measure the `ofi` baseline point by point, each right after
+    /// async-btl's same point (see [`Paired`]), instead of after the run.
+    pub interleave: bool,
 }
 
 /// The memory rank 1 offers the atomic tests (`--atomic-target`).
@@ -194,6 +199,11 @@ pub async fn run(
     let mut samples = Vec::new();
     let mut names = Vec::new();
     let mut atomic_notes = Vec::new();
+    // The libfabric baseline beside the first series, point by point.
+    let mut paired = None;
+    if s.interleave && job.rank == 0 && s.baselines.contains(&Baseline::Ofi) {
+        paired = Some(Paired::new(s, &config).await);
+    }
     // The bulk copy routine: the first fabric of the process chooses it.
     let mut copy = None;
     for (i, (cfg, label)) in runs.into_iter().enumerate() {
@@ -214,7 +224,8 @@ pub async fn run(
             Some(l) if l.split(':').next() == Some(transport) => l,
             _ => transport.to_string(),
         };
-        let paths = measure(s, fabric, &name, &mut samples, tick).await?;
+        let pair = if i == 0 { paired.as_mut() } else { None };
+        let paths = measure(s, fabric, &name, &mut samples, pair, tick).await?;
         names.push(name);
         atomic_notes.extend(paths);
     }
@@ -250,8 +261,12 @@ pub async fn run(
     for b in s.baselines.iter().copied().filter(|b| b.is_ucx()) {
         notes.extend(measure_ucx(s, b, &mut samples, tick).await);
     }
-    if s.baselines.contains(&Baseline::Ofi) {
-        notes.extend(measure_ofi(s, &config, &mut samples, tick).await);
+    match paired {
+        Some(p) => notes.extend(p.notes(s)),
+        None if s.baselines.contains(&Baseline::Ofi) => {
+            notes.extend(measure_ofi(s, &config, &mut samples, tick).await);
+        }
+        None => {}
     }
     let mut header = header(s, &config, &transport, &launcher, core, copy);
     header.notes.extend(atomic_notes);
@@ -364,6 +379,106 @@ async fn measure_ofi(
             )]
         }
         Err(why) => vec![format!("{name} skipped: {why}")],
+    }
+}
+
+/// Rank 0's libfabric baseline under `--interleave`: the `ofi` program
+/// started for one point at a time, right after async-btl's first series
+/// measured that point, while both ranks wait (rank 1 for the next point,
+/// its progress parked; the program's two processes take the ranks'
+/// cores). A pair is then measured within a second or two of each other,
+/// in the same phase of a machine whose speed drifts, rather than minutes
+/// apart. It costs a start of the program per point.
+struct Paired {
+    /// The compiled program and its setup, or why there is none.
+    program: std::result::Result<(ofi::Program, ofi::Setup), String>,
+    /// What the program said of itself, once.
+    description: Option<String>,
+    /// Points measured.
+    measured: usize,
+    /// The first failure of a point, with the point.
+    failed: Option<String>,
+}
+
+impl Paired {
+    async fn new(s: &Settings, config: &Config) -> Paired {
+        let program = ofi::Program::build(s.watchdog)
+            .await
+            .map(|p| (p, ofi::Setup::new(config, s.cores)));
+        Paired {
+            program,
+            description: None,
+            measured: 0,
+            failed: None,
+        }
+    }
+
+    /// Measure `test` at `size` with `plan`, if the program runs it.
+    async fn point(
+        &mut self,
+        s: &Settings,
+        (test, size, plan): (Test, usize, super::plan::Plan),
+        samples: &mut Vec<Sample>,
+        tick: &mut dyn FnMut(&str),
+    ) {
+        let Ok((program, setup)) = &self.program else {
+            return;
+        };
+        if !Baseline::Ofi.measures(test) {
+            return;
+        }
+        let name = Baseline::Ofi.name();
+        match program
+            .measure(setup, &[(test, size, plan)], s.watchdog)
+            .await
+        {
+            Ok(m) => {
+                if let Some(&value) = m.values.first() {
+                    samples.push(sample(test, name, size, value, &plan));
+                    self.measured += 1;
+                }
+                if self.description.is_none() {
+                    self.description = m.description;
+                }
+            }
+            Err(why) => {
+                self.failed
+                    .get_or_insert_with(|| format!("{test} at {size} B: {why}"));
+            }
+        }
+        tick(&format!("{test} at {size} B over {name}"));
+    }
+
+    /// The report's notes: what ran, and what could not.
+    fn notes(self, s: &Settings) -> Vec<String> {
+        let name = Baseline::Ofi.name();
+        let only = ofi::supported_names();
+        let setup = match self.program {
+            Ok((_, setup)) => setup,
+            Err(why) => return vec![format!("{name} skipped: {why}")],
+        };
+        let mut notes = Vec::new();
+        if self.measured > 0 {
+            let what = self
+                .description
+                .unwrap_or_else(|| format!("provider {}, bound to {}", setup.provider, setup.addr));
+            let first = s
+                .compare
+                .first()
+                .map_or(String::new(), |t| format!(" ({t})"));
+            notes.push(format!(
+                "{name}: {what}; ofi_pp point by point (--interleave): its own two processes started for each point right after async-btl's first series{first} measured it, same sizes and counts ({only} only; writes with FI_DELIVERY_COMPLETE)"
+            ));
+        }
+        if let Some(why) = self.failed {
+            notes.push(format!(
+                "{name}: not every point measured; the first failure: {why}"
+            ));
+        }
+        if notes.is_empty() {
+            notes.push(format!("{name} skipped: it measures {only} only"));
+        }
+        notes
     }
 }
 
@@ -623,6 +738,7 @@ async fn measure(
     fabric: Fabric,
     transport: &str,
     samples: &mut Vec<Sample>,
+    mut paired: Option<&mut Paired>,
     tick: &mut dyn FnMut(&str),
 ) -> Result<Vec<String>> {
     let rank = fabric.rank();
@@ -719,6 +835,9 @@ async fn measure(
                 samples.push(sample(test, &label, size, value, &plan));
             }
             tick(&what);
+            if let Some(p) = paired.as_deref_mut() {
+                p.point(s, (test, size, plan), samples, tick).await;
+            }
         }
     }
     // Rank 1's regions must outlive rank 0's last put, get and atomic.
