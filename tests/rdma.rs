@@ -73,6 +73,7 @@ fn rank_main() {
             "idle" => idle(f).await,
             "wake" => wake(f).await,
             "held" => held(f).await,
+            "held_alone" => held_alone(f).await,
             "lend" => lend(f).await,
             "compute" => compute_scenario(f).await,
             other => panic!("unknown scenario {other}"),
@@ -414,6 +415,31 @@ const HELD: u32 = 300;
 /// room, and times taking them all: each take makes room, and what rank 1
 /// has waiting must be delivered then, though rank 1, out of credits,
 /// sends nothing more and rank 2's stream keeps rank 0's progress busy.
+/// Rank 1's messages wait in rank 0 for room, with no other traffic:
+/// each message rank 0 takes must let the next held one through.
+async fn held_alone(f: Fabric) {
+    if f.rank() == 0 {
+        let mut rx = f.receiver(7).unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let start = std::time::Instant::now();
+        for i in 0..HELD {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data[..4], i.to_le_bytes(), "message {i} of rank 1");
+        }
+        println!("held_ms={}", start.elapsed().as_millis());
+    } else {
+        let ep = f.endpoint(0).unwrap();
+        for i in 0..HELD {
+            let mut m = vec![0u8; 1024];
+            m[..4].copy_from_slice(&i.to_le_bytes());
+            ep.send_inline(7, &m).await.unwrap();
+        }
+    }
+    f.barrier().await.unwrap();
+    println!("credit_waits={}", f.stats().rdma.credit_waits);
+    println!("peers_lost={}", f.stats().peers_lost);
+}
+
 async fn held(f: Fabric) {
     match f.rank() {
         0 => {
@@ -718,6 +744,33 @@ fn rdma_frames_held_for_room_are_delivered_while_another_peer_streams() {
     // Delivered as room is made, it takes milliseconds; one wait for the
     // sender's ping is 5 s.
     assert!(ms < 3000, "taking the held messages took {ms} ms");
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
+    }
+}
+
+#[test]
+fn rdma_room_made_by_a_receiver_lets_held_frames_through_at_once() {
+    need_rdma!();
+    // Tag budgets of 4 KiB hold rank 1's messages in rank 0; nothing else
+    // moves. Progress never parks (a 100 s spin), peers are checked once a
+    // second and ping only every 15 s: held frames that waited for a
+    // completion, a park, a check or a ping before going through would
+    // wait for rank 1's ping (15 s), where room made lets them through in
+    // milliseconds.
+    let env = [
+        ("BTL_RECV_BUDGET", "4096"),
+        ("BTL_SPIN_US", "100000000"),
+        ("BTL_HEARTBEAT_MS", "1000"),
+        ("BTL_RDMA_PEER_TIMEOUT_MS", "60000"),
+    ];
+    let outs = job(2, "held_alone", &env).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let ms: u64 = value(&outs[0], "held_ms").unwrap().parse().unwrap();
+    println!("rank 0 took the held messages in {ms} ms");
+    let waits: u64 = value(&outs[1], "credit_waits").unwrap().parse().unwrap();
+    assert!(waits > 0, "rank 1 never waited for credits");
+    assert!(ms < 5_000, "taking the held messages took {ms} ms");
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
     }

@@ -527,6 +527,8 @@ pub(crate) struct Dispatcher {
     /// Set by a receiver poll that found nothing: try progress inline
     /// (see [`Poller`]).
     progress_hook: OnceLock<Weak<dyn Progress>>,
+    /// Raised when refused room is made (see [`Dispatcher::on_room`]).
+    room_flags: Mutex<Vec<Arc<AtomicBool>>>,
     /// Receivers keep polling inline (instead of sleeping until a progress
     /// task wakes them, a cross-thread wake-up of ~20 µs) while hot.
     policy: Hot,
@@ -697,6 +699,7 @@ impl Dispatcher {
             space: Arc::new(Notify::new()),
             cold: Arc::new(Notify::new()),
             progress_hook: OnceLock::new(),
+            room_flags: Mutex::new(Vec::new()),
             policy: Hot {
                 mode,
                 spin_ns: spin.as_nanos() as u64,
@@ -1209,9 +1212,26 @@ impl Dispatcher {
         let starved =
             self.starved.load(Ordering::Relaxed) && self.starved.swap(false, Ordering::Relaxed);
         if std::mem::take(&mut q.refused) || starved {
-            self.space.notify_waiters();
-            self.space.notify_one();
+            self.made_room();
         }
+    }
+
+    /// Room was made that was refused: wake a parked progress task, and
+    /// raise the transports' room flags (see [`Dispatcher::on_room`]).
+    fn made_room(&self) {
+        self.space.notify_waiters();
+        self.space.notify_one();
+        for f in lock(&self.room_flags).iter() {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Set `flag` whenever room refused before is made (a receiver took
+    /// messages off a full tag queue, or dropped them): a transport that
+    /// holds messages for room and polls on while hot looks at them at its
+    /// next poll, rather than only with other traffic or at a park.
+    pub(crate) fn on_room(&self, flag: Arc<AtomicBool>) {
+        lock(&self.room_flags).push(flag);
     }
 
     /// Take a large handed-out message's `cost` off the budgets at once.
@@ -1242,8 +1262,7 @@ impl Dispatcher {
             }
             q.queued.store(q.items.len(), Ordering::Relaxed);
             if handed > 0 {
-                self.space.notify_waiters();
-                self.space.notify_one();
+                self.made_room();
             }
         }
     }
@@ -2449,6 +2468,35 @@ mod tests {
         assert_eq!(queued(&d, 1), cost(100), "the large one left at once");
         assert_eq!(rx.next().await.unwrap().unwrap().data.len(), 100);
         assert_eq!(queued(&d, 1), cost(100), "a small one waits for a refill");
+    }
+
+    /// A receiver that takes messages off a queue that refused one raises
+    /// the room flags transports registered, and only then.
+    #[tokio::test]
+    async fn room_made_after_a_refusal_raises_the_room_flags() {
+        let d = Dispatcher::new(
+            (4 * cost(10), 1 << 30),
+            ProgressMode::BusyPoll,
+            Duration::ZERO,
+        );
+        let flag = Arc::new(AtomicBool::new(false));
+        d.on_room(flag.clone());
+        let closed = Arc::new(AtomicBool::new(false));
+        let mut rx = d.take(1, closed).unwrap();
+        // Taken with room to spare: nothing was refused.
+        for i in 0..4u8 {
+            d.deliver(msg(i, 10));
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+        }
+        for i in 4..8u8 {
+            d.deliver(msg(i, 10));
+        }
+        assert!(!flag.load(Ordering::Relaxed), "no room was refused");
+        assert!(!d.has_room(1, 10), "the queue is full");
+        for i in 4..8u8 {
+            assert_eq!(rx.next().await.unwrap().unwrap().data[0], i);
+        }
+        assert!(flag.load(Ordering::Relaxed), "room made after a refusal");
     }
 
     /// Offers under one lock respect the tag's budget like single ones.

@@ -151,6 +151,13 @@ impl Core {
         &self.config
     }
 
+    /// Have `flag` raised whenever a receiver makes room that was refused
+    /// (see `Dispatcher::on_room`): for a transport that holds messages
+    /// for room.
+    pub(crate) fn on_room(&self, flag: Arc<AtomicBool>) {
+        self.dispatcher.on_room(flag);
+    }
+
     /// The tag that tells this job's shared files apart from others'.
     pub(crate) fn job_tag(&self) -> [u64; 2] {
         self.job_tag

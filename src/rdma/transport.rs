@@ -675,8 +675,11 @@ pub(crate) struct RdmaTransport {
     counters: Counters,
     armed: AtomicBool,
     kick: Notify,
-    /// Something waits to be posted again (the provider said EAGAIN).
-    backlog: AtomicBool,
+    /// The next poll takes the slow path and looks at every peer:
+    /// something waits to be posted again (the provider said EAGAIN), the
+    /// driver is about to park, or a receiver made room for frames held in
+    /// their peers' arrivals (the dispatcher raises it: `Core::on_room`).
+    backlog: Arc<AtomicBool>,
 }
 
 impl RdmaTransport {
@@ -726,6 +729,10 @@ impl RdmaTransport {
             "rdma: opened"
         );
         let size = core.size() as usize;
+        // Raised by the dispatcher when a receiver makes room for frames
+        // held in their peers' arrivals.
+        let backlog = Arc::new(AtomicBool::new(false));
+        core.on_room(backlog.clone());
         Ok(Arc::new(RdmaTransport {
             job: core.job_tag()[0] ^ core.job_tag()[1].rotate_left(29),
             virt_addr: mr_mode & c.mr_virt_addr != 0,
@@ -760,7 +767,7 @@ impl RdmaTransport {
             parked: AtomicBool::new(false),
             found: AtomicBool::new(false),
             watch_failed: AtomicBool::new(false),
-            backlog: AtomicBool::new(false),
+            backlog,
         }))
     }
 
