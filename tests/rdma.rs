@@ -408,13 +408,6 @@ async fn wake(f: Fabric) {
 /// rank 0 while rank 2 streams on another tag; rank 0 then takes them.
 const HELD: u32 = 300;
 
-/// Rank 1 sends [`HELD`] 1 KiB messages on tag 7, more than rank 0's tag
-/// budget and rank 1's credits hold, and waits; rank 2 streams on tag 8
-/// until rank 0 says stop (tag 9). Rank 0 drains tag 8 all along, takes
-/// tag 7 only after a pause, by when rank 1's frames wait in rank 0 for
-/// room, and times taking them all: each take makes room, and what rank 1
-/// has waiting must be delivered then, though rank 1, out of credits,
-/// sends nothing more and rank 2's stream keeps rank 0's progress busy.
 /// Rank 1's messages wait in rank 0 for room, with no other traffic:
 /// each message rank 0 takes must let the next held one through.
 async fn held_alone(f: Fabric) {
@@ -435,11 +428,19 @@ async fn held_alone(f: Fabric) {
             ep.send_inline(7, &m).await.unwrap();
         }
     }
-    f.barrier().await.unwrap();
     println!("credit_waits={}", f.stats().rdma.credit_waits);
     println!("peers_lost={}", f.stats().peers_lost);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
 }
 
+/// Rank 1 sends [`HELD`] 1 KiB messages on tag 7, more than rank 0's tag
+/// budget and rank 1's credits hold, and waits; rank 2 streams on tag 8
+/// until rank 0 says stop (tag 9). Rank 0 drains tag 8 all along, takes
+/// tag 7 only after a pause, by when rank 1's frames wait in rank 0 for
+/// room, and times taking them all: each take makes room, and what rank 1
+/// has waiting must be delivered then, though rank 1, out of credits,
+/// sends nothing more and rank 2's stream keeps rank 0's progress busy.
 async fn held(f: Fabric) {
     match f.rank() {
         0 => {

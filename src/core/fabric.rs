@@ -153,7 +153,8 @@ impl Core {
 
     /// Have `flag` raised whenever a receiver makes room that was refused
     /// (see `Dispatcher::on_room`): for a transport that holds messages
-    /// for room.
+    /// for room (`rdma`).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn on_room(&self, flag: Arc<AtomicBool>) {
         self.dispatcher.on_room(flag);
     }
