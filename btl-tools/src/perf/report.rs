@@ -302,12 +302,19 @@ impl Report {
                     let _ = write!(o, " {:>14}", fmt_value(self.value(test, w, size)));
                 }
                 if let Some(bw) = &btl {
-                    let mine = self.value(test, bw, size);
                     for b in &bases {
-                        let r = match (mine, self.value(test, b, size)) {
-                            (Some(m), Some(v)) if v > 0.0 => format!("{:.3}", m / v),
-                            _ => "-".into(),
-                        };
+                        // The report's own ratio (with `--pick median`, the
+                        // middle of the runs' ratios, not the values').
+                        let r = self
+                            .ratios
+                            .iter()
+                            .find(|x| {
+                                x.test == test
+                                    && x.size == size
+                                    && &x.wire == bw
+                                    && &x.baseline == *b
+                            })
+                            .map_or_else(|| "-".into(), |x| format!("{:.3}", x.ratio));
                         let _ = write!(o, " {:>10}", r);
                     }
                 }
@@ -542,6 +549,8 @@ mod tests {
         let median = Report::combine(runs.clone(), Pick::Median).unwrap();
         let tcp = median.ratios.iter().find(|x| x.baseline == "tcp").unwrap();
         assert!((tcp.ratio - 0.5).abs() < 1e-12, "{}", tcp.ratio);
+        let t = median.table();
+        assert!(t.contains("0.500") && !t.contains("0.800"), "{t}");
         let note = median.header.notes.last().unwrap();
         assert!(note.contains("median of the runs' own ratios"), "{note}");
         // Best of: the best values' ratio, 1.0 / 2.0.
@@ -567,6 +576,27 @@ mod tests {
             "{}",
             r.ratios[0].ratio
         );
+
+        // Of an even count, the better of the two middle ratios: for
+        // latency the lower (of 0.5, 0.6, 0.7, 0.8: 0.6), for bandwidth
+        // the higher (0.7).
+        let even = |test: Test| -> f64 {
+            let runs: Vec<Report> = [0.7, 0.5, 0.8, 0.6]
+                .iter()
+                .map(|r| {
+                    let mut s = sample("async-btl/sm", 8, 100.0 * r);
+                    let mut u = sample("tcp", 8, 100.0);
+                    for x in [&mut s, &mut u] {
+                        x.test = test;
+                        x.unit = test.unit();
+                    }
+                    Report::new(header(), vec![s, u])
+                })
+                .collect();
+            Report::combine(runs, Pick::Median).unwrap().ratios[0].ratio
+        };
+        assert!((even(Test::Lat) - 0.6).abs() < 1e-12, "{}", even(Test::Lat));
+        assert!((even(Test::Bw) - 0.7).abs() < 1e-12, "{}", even(Test::Bw));
     }
 
     #[test]

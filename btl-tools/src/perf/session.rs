@@ -199,9 +199,11 @@ pub async fn run(
     let mut samples = Vec::new();
     let mut names = Vec::new();
     let mut atomic_notes = Vec::new();
-    // The libfabric baseline beside the first series, point by point.
+    // The libfabric baseline beside the first series, point by point
+    // (decided alike on both ranks: they meet before each point then).
+    let interleave = interleaves(s, &config);
     let mut paired = None;
-    if s.interleave && job.rank == 0 && s.baselines.contains(&Baseline::Ofi) {
+    if interleave && job.rank == 0 {
         paired = Some(Paired::new(s, &config).await);
     }
     // The bulk copy routine: the first fabric of the process chooses it.
@@ -224,7 +226,7 @@ pub async fn run(
             Some(l) if l.split(':').next() == Some(transport) => l,
             _ => transport.to_string(),
         };
-        let pair = if i == 0 { paired.as_mut() } else { None };
+        let pair = (i == 0 && interleave).then_some(paired.as_mut());
         let paths = measure(s, fabric, &name, &mut samples, pair, tick).await?;
         names.push(name);
         atomic_notes.extend(paths);
@@ -264,6 +266,12 @@ pub async fn run(
     match paired {
         Some(p) => notes.extend(p.notes(s)),
         None if s.baselines.contains(&Baseline::Ofi) => {
+            if s.interleave && config.progress == ProgressMode::BusyPoll {
+                notes.push(format!(
+                    "{}: not interleaved (--interleave): under busy polling the ranks' progress never parks and would compete with the program for the cores; measured after the run",
+                    Baseline::Ofi.name()
+                ));
+            }
             notes.extend(measure_ofi(s, &config, &mut samples, tick).await);
         }
         None => {}
@@ -382,13 +390,26 @@ async fn measure_ofi(
     }
 }
 
+/// Whether the `ofi` baseline runs point by point inside the first series
+/// (see [`Paired`]): asked for, with points to measure, and with progress
+/// that parks (busy-polling ranks would compete with the program's two
+/// processes for their cores).
+fn interleaves(s: &Settings, config: &Config) -> bool {
+    s.interleave
+        && s.baselines.contains(&Baseline::Ofi)
+        && !points_of(s, Baseline::Ofi).is_empty()
+        && config.progress != ProgressMode::BusyPoll
+}
+
 /// Rank 0's libfabric baseline under `--interleave`: the `ofi` program
 /// started for one point at a time, right after async-btl's first series
-/// measured that point, while both ranks wait (rank 1 for the next point,
-/// its progress parked; the program's two processes take the ranks'
-/// cores). A pair is then measured within a second or two of each other,
-/// in the same phase of a machine whose speed drifts, rather than minutes
-/// apart. It costs a start of the program per point.
+/// measured that point, while both ranks wait (rank 1 at the barrier the
+/// ranks pass before each point of that series, outside its watchdog;
+/// both with their progress parked; the program's two processes take the
+/// ranks' cores). A pair is then measured within a second or two of each
+/// other, in the same phase of a machine whose speed drifts, rather than
+/// minutes apart. It costs a start of the program per point; after a
+/// point fails, the rest are not tried.
 struct Paired {
     /// The compiled program and its setup, or why there is none.
     program: std::result::Result<(ofi::Program, ofi::Setup), String>,
@@ -421,13 +442,14 @@ impl Paired {
         samples: &mut Vec<Sample>,
         tick: &mut dyn FnMut(&str),
     ) {
-        let Ok((program, setup)) = &self.program else {
-            return;
-        };
         if !Baseline::Ofi.measures(test) {
             return;
         }
         let name = Baseline::Ofi.name();
+        let (Ok((program, setup)), None) = (&self.program, &self.failed) else {
+            tick(&format!("{test} at {size} B over {name}"));
+            return;
+        };
         match program
             .measure(setup, &[(test, size, plan)], s.watchdog)
             .await
@@ -470,13 +492,12 @@ impl Paired {
                 "{name}: {what}; ofi_pp point by point (--interleave): its own two processes started for each point right after async-btl's first series{first} measured it, same sizes and counts ({only} only; writes with FI_DELIVERY_COMPLETE)"
             ));
         }
-        if let Some(why) = self.failed {
-            notes.push(format!(
-                "{name}: not every point measured; the first failure: {why}"
-            ));
-        }
-        if notes.is_empty() {
-            notes.push(format!("{name} skipped: it measures {only} only"));
+        match (self.failed, self.measured) {
+            (Some(why), 0) => notes.push(format!("{name} skipped: {why}")),
+            (Some(why), _) => notes.push(format!(
+                "{name}: measured up to a failure, the rest not tried: {why}"
+            )),
+            (None, _) => {}
         }
         notes
     }
@@ -733,12 +754,16 @@ fn variant(base: &Config, entry: &str) -> Result<Config> {
     Ok(c)
 }
 
+/// Measure every point over `fabric`. `paired`: `Some` in the series the
+/// `ofi` program is interleaved with (both ranks; rank 0's holds the
+/// program): the ranks then meet before each point, rank 1 waiting there
+/// while rank 0 runs the program for the point before.
 async fn measure(
     s: &Settings,
     fabric: Fabric,
     transport: &str,
     samples: &mut Vec<Sample>,
-    mut paired: Option<&mut Paired>,
+    mut paired: Option<Option<&mut Paired>>,
     tick: &mut dyn FnMut(&str),
 ) -> Result<Vec<String>> {
     let rank = fabric.rank();
@@ -789,6 +814,11 @@ async fn measure(
         for size in s.sizes_of(test) {
             let plan = s.counts.plan(test, size);
             let what = format!("{test} at {size} B over {label}");
+            if paired.is_some() {
+                // Not under the watchdog: rank 0 may have run the program
+                // for the point before.
+                fabric.barrier().await?;
+            }
             let v = if is_rma(test) {
                 match (&key, &local) {
                     (Some(key), Some(local)) => {
@@ -835,7 +865,7 @@ async fn measure(
                 samples.push(sample(test, &label, size, value, &plan));
             }
             tick(&what);
-            if let Some(p) = paired.as_deref_mut() {
+            if let Some(Some(p)) = paired.as_mut() {
                 p.point(s, (test, size, plan), samples, tick).await;
             }
         }
