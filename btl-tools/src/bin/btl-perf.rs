@@ -167,9 +167,11 @@ struct Args {
 
     /// With --baseline ofi: measure the libfabric program point by point,
     /// each point right after async-btl's (of the first series, under
-    /// --compare), both ranks waiting meanwhile, instead of all its points
-    /// after the run. The pair then shares a phase of a machine whose
-    /// speed drifts; each point costs a start of the program.
+    /// --compare), both ranks waiting at a barrier meanwhile, instead of
+    /// all its points after the run. The pair then shares a phase of a
+    /// machine whose speed drifts; each point costs a start of the
+    /// program. Not under busy polling (its ranks would spin beside the
+    /// program on its cores): the report notes it.
     #[arg(long)]
     interleave: bool,
 

@@ -71,7 +71,8 @@ pub struct Settings {
     /// What memory the atomic tests' words live in on rank 1.
     pub atomic_target: AtomicTarget,
     /// Measure the `ofi` baseline point by point, each right after
-    /// async-btl's same point (see [`Paired`]), instead of after the run.
+    /// async-btl's same point (rank 0 runs the program between points
+    /// while both ranks wait), instead of after the run.
     pub interleave: bool,
 }
 
