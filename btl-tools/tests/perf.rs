@@ -406,29 +406,34 @@ fn have_libfabric_dev() -> bool {
     have("cc") && std::path::Path::new("/usr/include/rdma/fabric.h").exists()
 }
 
-#[test]
-fn ofi_baseline_beside_async_btl() {
+/// btl-perf's JSON report with `args`, its `ofi` baseline on the default
+/// provider and address; `None` (with the reason printed) where the
+/// program cannot be built.
+fn with_ofi(args: &[&str]) -> Option<serde_json::Value> {
     if !have_libfabric_dev() {
         eprintln!("skipped: no cc or no libfabric headers (apt-get install libfabric-dev)");
-        return;
+        return None;
     }
     let out = run(Command::new(PERF)
         .env_remove("BTL_RDMA_PROVIDER")
         .env_remove("BTL_RDMA_ADDR")
-        .args([
-            "--test",
-            "lat,bw,put_lat,put_bw,get_bw,bibw",
-            "--baseline",
-            "ofi",
-            "--min-size",
-            "8",
-            "--max-size",
-            "16",
-            "--iters",
-            "50",
-            "--json",
-        ]));
-    let j = json(&out);
+        .args(["--baseline", "ofi", "--iters", "50", "--json"])
+        .args(args));
+    Some(json(&out))
+}
+
+#[test]
+fn ofi_baseline_beside_async_btl() {
+    let Some(j) = with_ofi(&[
+        "--test",
+        "lat,bw,put_lat,put_bw,get_bw,bibw",
+        "--min-size",
+        "8",
+        "--max-size",
+        "16",
+    ]) else {
+        return;
+    };
     let notes = j["header"]["notes"].to_string();
     let want: BTreeSet<(String, u64)> = ["lat", "bw", "put_lat", "put_bw", "get_bw"]
         .iter()
@@ -449,30 +454,19 @@ fn ofi_baseline_beside_async_btl() {
 
 #[test]
 fn interleaved_ofi_points_follow_async_btls_own() {
-    if !have_libfabric_dev() {
-        eprintln!("skipped: no cc or no libfabric headers (apt-get install libfabric-dev)");
+    let Some(j) = with_ofi(&[
+        "--test",
+        "lat,put_bw,bibw",
+        "--interleave",
+        "--sizes",
+        "8,16",
+        "--repeat",
+        "2",
+        "--pick",
+        "median",
+    ]) else {
         return;
-    }
-    let out = run(Command::new(PERF)
-        .env_remove("BTL_RDMA_PROVIDER")
-        .env_remove("BTL_RDMA_ADDR")
-        .args([
-            "--test",
-            "lat,put_bw,bibw",
-            "--baseline",
-            "ofi",
-            "--interleave",
-            "--sizes",
-            "8,16",
-            "--iters",
-            "50",
-            "--repeat",
-            "2",
-            "--pick",
-            "median",
-            "--json",
-        ]));
-    let j = json(&out);
+    };
     let notes = j["header"]["notes"].to_string();
     assert!(notes.contains("ofi_pp point by point"), "{notes}");
     assert!(notes.contains("median of the runs' own ratios"), "{notes}");
