@@ -50,6 +50,13 @@ pub struct Ratio {
     pub ratio: f64,
 }
 
+impl Ratio {
+    /// Whether it compares `wire` with `baseline` at `test` and `size`.
+    fn is(&self, test: Test, size: usize, wire: &str, baseline: &str) -> bool {
+        self.test == test && self.size == size && self.wire == wire && self.baseline == baseline
+    }
+}
+
 impl Report {
     /// Build a report, computing the ratios.
     pub fn new(header: Header, results: Vec<Sample>) -> Report {
@@ -107,9 +114,9 @@ impl Report {
         let mut paired: Vec<(Ratio, Vec<f64>)> = Vec::new();
         let mut pair = |ratios: Vec<Ratio>| {
             for r in ratios {
-                let at = paired.iter().position(|(p, _)| {
-                    (p.test, p.size, &p.wire, &p.baseline) == (r.test, r.size, &r.wire, &r.baseline)
-                });
+                let at = paired
+                    .iter()
+                    .position(|(p, _)| p.is(r.test, r.size, &r.wire, &r.baseline));
                 match at {
                     Some(i) => paired[i].1.push(r.ratio),
                     None => {
@@ -141,15 +148,7 @@ impl Report {
         let mut spread = 1.0f64;
         for (p, v) in points.iter_mut().zip(&mut values) {
             let hib = p.unit.higher_is_better();
-            // Best first.
-            v.sort_by(|a, b| {
-                let o = a.total_cmp(b);
-                if hib {
-                    o.reverse()
-                } else {
-                    o
-                }
-            });
+            best_first(v, hib);
             let (best, worst) = (v[0], v[v.len() - 1]);
             p.value = match pick {
                 Pick::Best => best,
@@ -180,12 +179,11 @@ impl Report {
         let mut report = Report::new(header, points);
         if pick == Pick::Median {
             for r in &mut report.ratios {
-                let runs = paired.iter_mut().find(|(p, _)| {
-                    (p.test, p.size, &p.wire, &p.baseline) == (r.test, r.size, &r.wire, &r.baseline)
-                });
+                let runs = paired
+                    .iter_mut()
+                    .find(|(p, _)| p.is(r.test, r.size, &r.wire, &r.baseline));
                 if let Some((_, v)) = runs {
-                    let hib = r.test.unit().higher_is_better();
-                    v.sort_by(|a, b| if hib { b.total_cmp(a) } else { a.total_cmp(b) });
+                    best_first(v, r.test.unit().higher_is_better());
                     r.ratio = middle(v);
                 }
             }
@@ -308,12 +306,7 @@ impl Report {
                         let r = self
                             .ratios
                             .iter()
-                            .find(|x| {
-                                x.test == test
-                                    && x.size == size
-                                    && &x.wire == bw
-                                    && &x.baseline == *b
-                            })
+                            .find(|x| x.is(test, size, bw, b))
                             .map_or_else(|| "-".into(), |x| format!("{:.3}", x.ratio));
                         let _ = write!(o, " {:>10}", r);
                     }
@@ -365,6 +358,19 @@ fn fmt_value(v: Option<f64>) -> String {
         Some(v) if v < 1.0 => format!("{v:.3}"),
         Some(v) => format!("{v:.2}"),
     }
+}
+
+/// Sort `v` best first: highest first where higher is better, else
+/// lowest first.
+fn best_first(v: &mut [f64], higher_is_better: bool) {
+    v.sort_by(|a, b| {
+        let o = a.total_cmp(b);
+        if higher_is_better {
+            o.reverse()
+        } else {
+            o
+        }
+    });
 }
 
 /// The middle of `v`, sorted best first (of an even count, the better of
