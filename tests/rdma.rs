@@ -74,6 +74,7 @@ fn rank_main() {
             "wake" => wake(f).await,
             "held" => held(f).await,
             "held_alone" => held_alone(f).await,
+            "bundle" => bundle(f).await,
             "lend" => lend(f).await,
             "compute" => compute_scenario(f).await,
             other => panic!("unknown scenario {other}"),
@@ -404,6 +405,73 @@ async fn wake(f: Fabric) {
     f.close().await.unwrap();
 }
 
+/// Sizes of the messages of [`bundle`]: those that may join a bundle (up
+/// to 4 KiB) and some that may not, which close the open one.
+const BUNDLE_SIZES: [usize; 9] = [0, 1, 8, 100, 1000, 4095, 4096, 4097, 9000];
+
+/// Messages of [`bundle`]'s first part.
+const BUNDLE_N: u64 = 20_000;
+
+/// Messages of [`bundle`]'s second part, sent to a receiver that does
+/// not read for a while.
+const STALLED_N: u64 = 50_000;
+
+/// Rank 0 streams messages of [`BUNDLE_SIZES`] in turn to rank 1, in runs
+/// of four on tag 3 and three on tag 4, some with `send_inline` (copied at
+/// once) and some with `send` (a `Bytes`); rank 1 checks each tag's
+/// messages in order, with their bytes. Then rank 0 streams 512-byte
+/// messages on tag 5 while rank 1 does not read for 1.5 s: rank 0 prints
+/// how many of its sends completed in the first second
+/// (`sent_before_read=`), which the receiver's budget and credits must
+/// bound, and rank 1 then checks them all in order.
+async fn bundle(f: Fabric) {
+    let msg = |i: u64| pattern(BUNDLE_SIZES[i as usize % BUNDLE_SIZES.len()], i);
+    let tag = |i: u64| if i % 7 < 4 { 3 } else { 4 };
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        for i in 0..BUNDLE_N {
+            let m = msg(i);
+            if i % 3 == 0 {
+                ep.send(tag(i), m).await.unwrap();
+            } else {
+                ep.send_inline(tag(i), &m).await.unwrap();
+            }
+        }
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stream = {
+            let (ep, sent) = (ep.clone(), sent.clone());
+            tokio::spawn(async move {
+                for i in 0..STALLED_N {
+                    ep.send_inline(5, &pattern(512, i)).await.unwrap();
+                    sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = sent.load(std::sync::atomic::Ordering::Relaxed);
+        println!("sent_before_read={before}");
+        stream.await.unwrap();
+    } else {
+        let mut rx = [f.receiver(3).unwrap(), f.receiver(4).unwrap()];
+        for i in 0..BUNDLE_N {
+            let m = rx[tag(i) as usize - 3].recv().await.unwrap();
+            assert_eq!(m.data, msg(i), "message {i}");
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut rx = f.receiver(5).unwrap();
+        for i in 0..STALLED_N {
+            let m = rx.recv().await.unwrap();
+            assert_eq!(m.data, pattern(512, i), "stalled message {i}");
+        }
+    }
+    let s = f.stats();
+    println!("bundles={}", s.rdma.bundles);
+    println!("bundled={}", s.rdma.bundled);
+    println!("peers_lost={}", s.peers_lost);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
 /// Messages of `HELD` from rank 1 on a tag over its budget are held by
 /// rank 0 while rank 2 streams on another tag; rank 0 then takes them.
 const HELD: u32 = 300;
@@ -729,9 +797,11 @@ fn rdma_frames_held_for_room_are_delivered_while_another_peer_streams() {
     // Tag budgets of 4 KiB: rank 1's messages wait in rank 0 for room.
     // Pings every 5 s: a held frame delivered only when its sender is
     // heard from again would wait that long.
+    // A frame per message (no bundles): rank 1 runs out of credits.
     let env = [
         ("BTL_RECV_BUDGET", "4096"),
         ("BTL_RDMA_PEER_TIMEOUT_MS", "20000"),
+        ("BTL_RDMA_BUNDLE", "0"),
     ];
     let outs = job(3, "held", &env).wait(Duration::from_secs(120));
     assert_ok(&outs);
@@ -759,7 +829,9 @@ fn rdma_room_made_by_a_receiver_lets_held_frames_through_at_once() {
     // completion, a park, a check or a ping before going through would
     // wait for rank 1's ping (15 s), where room made lets them through in
     // milliseconds.
+    // A frame per message (no bundles): rank 1 runs out of credits.
     let env = [
+        ("BTL_RDMA_BUNDLE", "0"),
         ("BTL_RECV_BUDGET", "4096"),
         ("BTL_SPIN_US", "100000000"),
         ("BTL_HEARTBEAT_MS", "1000"),
@@ -775,6 +847,46 @@ fn rdma_room_made_by_a_receiver_lets_held_frames_through_at_once() {
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
     }
+}
+
+#[test]
+fn rdma_small_messages_go_in_bundles_in_order_and_a_stalled_receiver_holds_them_back() {
+    need_rdma!();
+    // A 64 KiB tag budget: what rank 1 does not read stops at its budget,
+    // the frames rank 0's credits let through, and one open bundle.
+    let budget = [("BTL_RECV_BUDGET", "65536")];
+    let outs = job(2, "bundle", &budget).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |o: &std::process::Output, k: &str| -> u64 { value(o, k).unwrap().parse().unwrap() };
+    let (bundles, bundled) = (n(&outs[0], "bundles"), n(&outs[0], "bundled"));
+    println!("rank 0 sent {bundled} messages in {bundles} bundles");
+    assert!(bundles > 0, "no bundle was sent");
+    assert!(
+        bundled >= 2 * bundles,
+        "bundles of fewer than two messages on average: {bundled} in {bundles}"
+    );
+    // 64 KiB of 512-byte messages queued (each counts 64 B more), 128
+    // frames held for room, each a bundle of at most 31, and one open
+    // bundle: about 4100 sends. Without flow control, all 50 000.
+    let before = n(&outs[0], "sent_before_read");
+    println!("rank 0 completed {before} of {STALLED_N} sends to a receiver not reading");
+    assert!(
+        before < 10_000,
+        "{before} sends completed while the receiver did not read"
+    );
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(value(o, "peers_lost").as_deref(), Some("0"), "rank {r}");
+    }
+    // Off, every message is a frame of its own, and all still arrive.
+    let env = [budget[0], ("BTL_RDMA_BUNDLE", "0")];
+    let outs = job(2, "bundle", &env).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    assert_eq!(n(&outs[0], "bundles"), 0, "bundled with BTL_RDMA_BUNDLE=0");
+    let before = n(&outs[0], "sent_before_read");
+    assert!(
+        before < 10_000,
+        "{before} sends completed while the receiver did not read"
+    );
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::sys::env::parse;
+use crate::sys::env::{parse, switch};
 use crate::{Error, Result};
 
 /// Settings of the `rdma` transport (`Config::rdma`).
@@ -42,6 +42,14 @@ pub struct RdmaConfig {
     /// on it fails (every peer hears from us at least every quarter of
     /// it). Default 5 s, as udp's. Env: `BTL_RDMA_PEER_TIMEOUT_MS`.
     pub peer_timeout: Duration,
+    /// Gather small messages to one peer and tag (up to 4 KiB each) into
+    /// one frame while a send to that peer is still in flight or waits for
+    /// credits (on by default): a stream of small messages then costs the
+    /// provider one send, and the receiver one completion, per frame
+    /// rather than per message. A message that finds nothing in flight
+    /// leaves at once, so latency is unchanged. Off, every message is a
+    /// frame of its own. Env: `BTL_RDMA_BUNDLE` (`1`/`on`, `0`/`off`).
+    pub bundle: bool,
 }
 
 impl Default for RdmaConfig {
@@ -52,6 +60,7 @@ impl Default for RdmaConfig {
             eager: (16 << 10) + crate::rdma::wire::HEADER,
             credits: 128,
             peer_timeout: Duration::from_secs(5),
+            bundle: true,
         }
     }
 }
@@ -84,6 +93,13 @@ impl RdmaConfig {
         }
         if let Some(v) = num("BTL_RDMA_PEER_TIMEOUT_MS")? {
             self.peer_timeout = Duration::from_millis(v.max(1));
+        }
+        if let Some(v) = get("BTL_RDMA_BUNDLE") {
+            self.bundle = switch(&v).ok_or_else(|| {
+                Error::Config(format!(
+                    "BTL_RDMA_BUNDLE={v:?}: use 1 (gather small messages, the default) or 0 (a frame per message)"
+                ))
+            })?;
         }
         Ok(())
     }
@@ -134,18 +150,21 @@ mod tests {
             ("BTL_RDMA_EAGER", "4096"),
             ("BTL_RDMA_CREDITS", "8"),
             ("BTL_RDMA_PEER_TIMEOUT_MS", "900"),
+            ("BTL_RDMA_BUNDLE", "off"),
         ])
         .unwrap();
         assert_eq!(c.provider.as_deref(), Some("tcp;ofi_rxm"));
         assert_eq!(c.addr.as_deref(), Some("127.0.0.1"));
         assert_eq!((c.eager, c.credits), (4096, 8));
         assert_eq!(c.peer_timeout, Duration::from_millis(900));
+        assert!(!c.bundle);
         assert_eq!(with(&[]).unwrap(), RdmaConfig::default());
         for bad in [
             ("BTL_RDMA_EAGER", "10"),
             ("BTL_RDMA_CREDITS", "1"),
             ("BTL_RDMA_PROVIDER", "shm"),
             ("BTL_RDMA_CREDITS", "lots"),
+            ("BTL_RDMA_BUNDLE", "maybe"),
         ] {
             let e = with(&[bad]).unwrap_err().to_string();
             assert!(e.contains(bad.0), "{bad:?}: {e}");

@@ -111,6 +111,8 @@ struct Counters {
     foreign: AtomicU64,
     reg_failures: AtomicU64,
     unwatches: AtomicU64,
+    bundles: AtomicU64,
+    bundled: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -224,9 +226,15 @@ enum Data {
     /// In a buffer of their own.
     Own(Bytes),
     /// Still in the receive buffer they arrived in (the body is `at..`): a
-    /// small user message, copied from there once, into its receiver's
-    /// buffer if one waits; the buffer is then posted again.
-    Frame { buf: Vec<u8>, ctx: Ctx, at: usize },
+    /// small user message (or, `many`, a bundle's entries), copied from
+    /// there once, into its receiver's buffer if one waits; the buffer is
+    /// then posted again.
+    Frame {
+        buf: Vec<u8>,
+        ctx: Ctx,
+        at: usize,
+        many: bool,
+    },
 }
 
 /// What one progress call at a time keeps between calls (under `turn`).
@@ -255,6 +263,8 @@ enum In {
     Reading,
     /// A rendezvous message read (its bytes count in `PeerState::ahead`).
     Fetched(Kind, u64, Bytes),
+    /// A bundle's entries (user messages of one tag), checked.
+    Bundle(u64, Bytes),
 }
 
 /// Eager buffers a message may be sent in, as pieces, before it goes by
@@ -292,7 +302,7 @@ fn pieces(ps: &PeerState, window: u32) -> Pieces {
             Some(In::Piece(k, t, d)) => (*k, *t, d, false),
             Some(In::Ready(k, t, d)) => (*k, *t, d, true),
             Some(_) => {
-                return Pieces::Bad("it announced a rendezvous inside a message in pieces".into())
+                return Pieces::Bad("it sent another frame inside a message in pieces".into())
             }
             None => return Pieces::Incomplete,
         };
@@ -343,6 +353,22 @@ fn recycle(spare: &mut Vec<Vec<u8>>, headers: &mut Vec<Vec<u8>>, mut frame: Vec<
         frame.clear();
         keep.push(frame);
     }
+}
+
+/// User messages up to this size join a bundle (see [`RdmaTransport::bundle`]):
+/// three of them fit the default eager frame.
+const BUNDLE_MAX: usize = 4096;
+
+/// Bundle frames kept for reuse, at most.
+const SPARE_BUNDLES: usize = 16;
+
+/// Small user messages to one peer and tag gathered into one `Bundle`
+/// frame while a send to the peer is in flight or waits.
+struct Bundle {
+    /// The frame: its header (sequence number still 0) and the entries.
+    frame: Vec<u8>,
+    tag: u64,
+    count: u64,
 }
 
 /// An eager body at least this large is sent from where it lies, gathered
@@ -410,6 +436,10 @@ struct PeerState {
     backoff_until: Option<Instant>,
     /// It is in `State::attend`.
     attend: bool,
+    /// Messages gathered to leave in one frame; closed (given its
+    /// sequence number and queued) before any other sequenced frame to the
+    /// peer is made, and by the next progress pass.
+    bundle: Option<Bundle>,
 }
 
 impl PeerState {
@@ -422,7 +452,27 @@ impl PeerState {
             || !self.rma_retry.is_empty()
             || !self.fetch_retry.is_empty()
             || self.backoff_until.is_some()
+            || self.bundle.is_some()
             || self.owed >= half
+    }
+
+    /// Close the open bundle: it takes the next sequence number and joins
+    /// the queue, so nothing made after it overtakes it. Returns the
+    /// messages it holds.
+    fn seal(&mut self) -> u64 {
+        let Some(mut b) = self.bundle.take() else {
+            return 0;
+        };
+        let seq = self.next_seq;
+        self.next_seq = seq.wrapping_add(1);
+        Header::set_seq(&mut b.frame, seq);
+        self.queue.push_back(Out {
+            frame: b.frame,
+            body: None,
+            sequenced: true,
+            done: None,
+        });
+        b.count
     }
 }
 
@@ -458,6 +508,8 @@ struct State {
     frames: Vec<Vec<u8>>,
     /// Buffers of completed header-only frames, for the next ones.
     headers: Vec<Vec<u8>>,
+    /// Buffers of completed bundles, for the next ones.
+    bundles: Vec<Vec<u8>>,
     /// Peers the next progress pass looks at (delivers in order, starts
     /// reads, posts what waits): those a completion concerned, and those
     /// with something still waiting (see [`PeerState::waiting`]). A pass
@@ -680,6 +732,9 @@ pub(crate) struct RdmaTransport {
     /// driver is about to park, or a receiver made room for frames held in
     /// their peers' arrivals (the dispatcher raises it: `Core::on_room`).
     backlog: Arc<AtomicBool>,
+    /// A bundle was opened: the next poll takes the slow path, which
+    /// closes and posts it.
+    bundling: AtomicBool,
 }
 
 impl RdmaTransport {
@@ -756,6 +811,7 @@ impl RdmaTransport {
                 spare: Vec::new(),
                 frames: Vec::new(),
                 headers: Vec::new(),
+                bundles: Vec::new(),
                 attend: Vec::new(),
                 attending: Vec::new(),
             }),
@@ -768,6 +824,7 @@ impl RdmaTransport {
             found: AtomicBool::new(false),
             watch_failed: AtomicBool::new(false),
             backlog,
+            bundling: AtomicBool::new(false),
         }))
     }
 
@@ -920,6 +977,7 @@ impl RdmaTransport {
             }
             st.peers[r].backoff_until = None;
         }
+        self.seal(&mut st.peers[r]);
         while let Some(f) = st.peers[r].ctrl.pop_front() {
             if let Err((f, _)) = self.post_frame(st, peer, f, None) {
                 st.peers[r].ctrl.push_front(f);
@@ -983,6 +1041,9 @@ impl RdmaTransport {
     /// A header for a frame to `peer` (its sequence number taken when
     /// `typ` is sequenced).
     fn header(&self, ps: &mut PeerState, typ: Type, kind: Kind, tag: u64) -> Header {
+        if typ.sequenced() {
+            self.seal(ps);
+        }
         let seq = if typ.sequenced() {
             let s = ps.next_seq;
             ps.next_seq = ps.next_seq.wrapping_add(1);
@@ -1001,6 +1062,77 @@ impl RdmaTransport {
         }
     }
 
+    /// Close `ps`'s open bundle, if any (see [`PeerState::seal`]).
+    fn seal(&self, ps: &mut PeerState) {
+        let n = ps.seal();
+        if n > 0 {
+            bump(&self.counters.bundles);
+            self.counters.bundled.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Add a user message to the bundle open for peer `r`, or open one for
+    /// it, where it gains: bundling is on, the message is small, and a
+    /// send to the peer is still in flight. A message that finds nothing in
+    /// flight returns `false` and leaves on its own, at once; so does one
+    /// that finds frames queued or no credits and no bundle open (it waits
+    /// in the queue, its future pending: a receiver that does not return
+    /// credits holds its sender back, and at most one bundle per peer is
+    /// ever open). The bundle leaves at the next progress pass (or
+    /// earlier, when full, or when another message to the peer does not
+    /// join it). Returns whether the message was taken.
+    fn bundle(&self, st: &mut State, r: usize, tag: u64, data: &[u8]) -> bool {
+        if !self.config.bundle || data.len() > BUNDLE_MAX {
+            return false;
+        }
+        let cap = self.config.eager;
+        let State {
+            peers,
+            bundles,
+            attend,
+            ..
+        } = st;
+        let ps = &mut peers[r];
+        if let Some(b) = &mut ps.bundle {
+            if b.tag == tag && b.frame.len() + wire::ENTRY + data.len() <= cap {
+                wire::push_entry(&mut b.frame, data);
+                b.count += 1;
+                return true;
+            }
+            // Another tag, or full: it leaves first.
+            self.seal(ps);
+        }
+        let opens =
+            ps.in_flight > 0 && ps.queue.is_empty() && ps.credits > 0 && ps.backoff_until.is_none();
+        if !opens || wire::HEADER + wire::ENTRY + data.len() > cap {
+            return false;
+        }
+        let mut frame = bundles.pop().unwrap_or_else(|| Vec::with_capacity(cap));
+        frame.clear();
+        Header {
+            typ: Type::Bundle,
+            kind: Kind::User as u8,
+            credits: 0,
+            src: self.core.rank(),
+            seq: 0,
+            tag,
+            job: self.job,
+        }
+        .encode(&mut frame);
+        wire::push_entry(&mut frame, data);
+        ps.bundle = Some(Bundle {
+            frame,
+            tag,
+            count: 1,
+        });
+        if !ps.attend {
+            ps.attend = true;
+            attend.push(r as Rank);
+        }
+        self.bundling.store(true, Ordering::Relaxed);
+        true
+    }
+
     /// Queue a message (eager or rendezvous) to `peer` and post what can
     /// go. Returns the completion to wait for, if the message is not yet
     /// handed over.
@@ -1015,6 +1147,9 @@ impl RdmaTransport {
         if eager {
             let mut st = lock(&self.st);
             self.check_alive(peer)?;
+            if kind == Kind::User && self.bundle(&mut st, peer.rank as usize, tag, &data) {
+                return Ok(None);
+            }
             let State {
                 peers,
                 frames,
@@ -1252,7 +1387,7 @@ impl RdmaTransport {
         frame: &mut Vec<u8>,
         out: &mut Vec<Delivery>,
         lost: &mut Vec<(Rank, String, Loss)>,
-    ) -> Option<(Rank, u64, usize)> {
+    ) -> Option<(Rank, u64, usize, bool)> {
         let rank = self.by_addr.get().and_then(|m| {
             m.binary_search_by_key(&src, |&(a, _)| a)
                 .ok()
@@ -1334,7 +1469,7 @@ impl RdmaTransport {
                         let ps = &mut st.peers[rank as usize];
                         ps.expect = ps.expect.wrapping_add(1);
                         ps.owed += 1;
-                        return Some((rank, h.tag, at));
+                        return Some((rank, h.tag, at, false));
                     }
                     let b = if keeps {
                         // The posted buffer becomes the message's (it is at
@@ -1360,6 +1495,35 @@ impl RdmaTransport {
                     } else {
                         ps.arrived.insert(h.seq, In::Ready(kind, h.tag, b));
                     }
+                }
+                Body::Bundle(entries) => {
+                    if kind != Kind::User {
+                        bump(&self.counters.foreign);
+                        lost.push((
+                            rank,
+                            format!("it bundled messages of kind {kind:?}"),
+                            Loss::Misbehaved,
+                        ));
+                        return None;
+                    }
+                    let next = ahead == 0 && ps.arrived.is_empty();
+                    if next
+                        && st.deferred < DEFERRED_MAX
+                        && self.core.has_room(h.tag, entries.len())
+                    {
+                        // As a small message: delivered from the receive
+                        // buffer by the caller.
+                        let at = entries.as_ptr() as usize - frame.as_ptr() as usize;
+                        st.deferred += 1;
+                        let ps = &mut st.peers[rank as usize];
+                        ps.expect = ps.expect.wrapping_add(1);
+                        ps.owed += 1;
+                        return Some((rank, h.tag, at, true));
+                    }
+                    let mut v = self.core.buffers().take(entries.len());
+                    v.extend_from_slice(entries);
+                    let b = self.core.buffers().freeze(v);
+                    ps.arrived.insert(h.seq, In::Bundle(h.tag, b));
                 }
                 Body::Rts(rts) => {
                     let len = usize::try_from(rts.len).unwrap_or(usize::MAX);
@@ -1491,6 +1655,7 @@ impl RdmaTransport {
             loop {
                 let (kind, tag, n, len) = match ps.arrived.get(&ps.expect) {
                     Some(In::Ready(k, t, d) | In::Fetched(k, t, d)) => (*k, *t, 1, d.len()),
+                    Some(In::Bundle(t, d)) => (Kind::User, *t, 1, d.len()),
                     Some(In::Piece(..)) => match pieces(ps, window) {
                         Pieces::Whole { kind, tag, n, len } => (kind, tag, n, len),
                         Pieces::Incomplete => break,
@@ -1522,6 +1687,15 @@ impl RdmaTransport {
                             }
                         }
                         self.core.buffers().freeze(v)
+                    }
+                    Some(In::Bundle(_, d)) => {
+                        // Its messages, each a slice of the one buffer.
+                        for (at, len) in wire::entries(&d) {
+                            out.push((p.rank, kind, tag, Data::Own(d.slice(at..at + len))));
+                        }
+                        ps.expect = ps.expect.wrapping_add(1);
+                        ps.owed += 1;
+                        continue;
                     }
                     // Not there: `get` just found it.
                     _ => break,
@@ -1606,9 +1780,11 @@ impl RdmaTransport {
                 // wrote the completion's `len` bytes at the start of the
                 // buffer, posted with room for `eager.min(capacity)`.
                 unsafe { buf.set_len(n) };
-                if let Some((rank, tag, at)) = self.on_receive(st, e.src, &mut buf, out, lost) {
-                    // A small user message, delivered from the buffer.
-                    out.push((rank, Kind::User, tag, Data::Frame { buf, ctx, at }));
+                if let Some((rank, tag, at, many)) = self.on_receive(st, e.src, &mut buf, out, lost)
+                {
+                    // A small user message (or a bundle of them),
+                    // delivered from the buffer.
+                    out.push((rank, Kind::User, tag, Data::Frame { buf, ctx, at, many }));
                     return true;
                 }
                 if buf.capacity() == 0 {
@@ -1633,6 +1809,12 @@ impl RdmaTransport {
                 ps.in_flight = ps.in_flight.saturating_sub(1);
                 if st.spare.len() < 256 {
                     st.spare.push(ctx);
+                }
+                if frame.get(1) == Some(&(Type::Bundle as u8)) {
+                    if st.bundles.len() < SPARE_BUNDLES {
+                        st.bundles.push(frame);
+                    }
+                    return false;
                 }
                 let State {
                     frames, headers, ..
@@ -1805,6 +1987,7 @@ impl RdmaTransport {
             let mut st = lock(&self.st);
             let ps = &mut st.peers[rank as usize];
             ps.ctrl.clear();
+            ps.bundle = None;
             let queued: Vec<Out> = ps.queue.drain(..).collect();
             // Messages lent to the peer: their registration is closed
             // before their bytes are freed, so a peer still running reads
@@ -1896,7 +2079,7 @@ impl RdmaTransport {
             || st
                 .peers
                 .iter()
-                .any(|p| !p.queue.is_empty() || !p.ctrl.is_empty())
+                .any(|p| !p.queue.is_empty() || !p.ctrl.is_empty() || p.bundle.is_some())
     }
 
     fn counters(&self) -> crate::RdmaStats {
@@ -1912,6 +2095,8 @@ impl RdmaTransport {
             foreign_messages: g(&c.foreign),
             registration_failures: g(&c.reg_failures),
             cq_unwatches: g(&c.unwatches),
+            bundles: g(&c.bundles),
+            bundled: g(&c.bundled),
         }
     }
 }
@@ -1932,6 +2117,7 @@ impl Drop for RdmaTransport {
                 spare: Vec::new(),
                 frames: Vec::new(),
                 headers: Vec::new(),
+                bundles: Vec::new(),
                 attend: Vec::new(),
                 attending: Vec::new(),
             },
@@ -1963,8 +2149,14 @@ impl Link for RdmaLink {
         let mut st = lock(&self.t.st);
         self.t.check_alive(&self.peer)?;
         let r = self.peer.rank as usize;
+        if kind == Kind::User && self.t.bundle(&mut st, r, tag, data) {
+            return Ok(true);
+        }
         {
-            let ps = &st.peers[r];
+            let ps = &mut st.peers[r];
+            // Nothing overtakes an open bundle: it goes to the queue, and
+            // this message behind it (`submit`).
+            self.t.seal(ps);
             if !ps.queue.is_empty() || ps.credits == 0 {
                 return Ok(false);
             }
@@ -2189,7 +2381,11 @@ impl Transport for RdmaTransport {
         // idle poll costs little more than the provider's, and a poller
         // spinning on an empty queue sees a completion that much sooner.
         let mut first = None;
-        if turn.spent.is_empty() && !turn.returned && !self.backlog.load(Ordering::Relaxed) {
+        if turn.spent.is_empty()
+            && !turn.returned
+            && !self.backlog.load(Ordering::Relaxed)
+            && !self.bundling.load(Ordering::Relaxed)
+        {
             match self.ep.read_cq(&mut turn.cqe) {
                 Read::Done(0) => return 0,
                 r => first = Some(r),
@@ -2259,7 +2455,9 @@ impl Transport for RdmaTransport {
                 self.found.store(true, Ordering::Relaxed);
             }
             let full = backlog();
-            if seen > 0 || full {
+            let sealing = self.bundling.load(Ordering::Relaxed)
+                && self.bundling.swap(false, Ordering::Relaxed);
+            if seen > 0 || full || sealing {
                 for (buf, ctx) in std::mem::take(&mut st.unposted) {
                     self.repost(&mut st, buf, ctx);
                 }
@@ -2291,9 +2489,15 @@ impl Transport for RdmaTransport {
                         self.core.on_message(&*link, src, kind, tag, data);
                     }
                 }
-                Data::Frame { buf, ctx, at } => {
-                    self.core
-                        .deliver_copy(src, tag, buf.get(at..).unwrap_or_default());
+                Data::Frame { buf, ctx, at, many } => {
+                    let body = buf.get(at..).unwrap_or_default();
+                    if many {
+                        for (at, len) in wire::entries(body) {
+                            self.core.deliver_copy(src, tag, &body[at..at + len]);
+                        }
+                    } else {
+                        self.core.deliver_copy(src, tag, body);
+                    }
                     turn.spent.push((buf, ctx));
                 }
             }
@@ -2409,6 +2613,7 @@ impl Transport for RdmaTransport {
             let ps = &st.peers[p.rank as usize];
             p.lost.load(Ordering::Acquire)
                 || (ps.queue.is_empty()
+                    && ps.bundle.is_none()
                     && ps.ctrl.is_empty()
                     && ps.lent.is_empty()
                     && ps.in_flight == 0)
@@ -2421,11 +2626,12 @@ impl Transport for RdmaTransport {
             .filter(|p| !p.lost.load(Ordering::Acquire))
             .filter_map(|p| {
                 let ps = &st.peers[p.rank as usize];
-                (!ps.queue.is_empty() || !ps.lent.is_empty() || ps.in_flight > 0).then(|| {
+                let queued = ps.queue.len() + ps.bundle.as_ref().map_or(0, |b| b.count as usize);
+                (queued > 0 || !ps.lent.is_empty() || ps.in_flight > 0).then(|| {
                     format!(
                         "rdma rank {}: {} messages queued, {} sends in flight, {} large messages not yet read",
                         p.rank,
-                        ps.queue.len(),
+                        queued,
                         ps.in_flight,
                         ps.lent.len()
                     )

@@ -15,8 +15,11 @@
 //!   registered message, which the receiver reads with RDMA read.
 //! - `Fin`: the receiver read the message with this cookie.
 //! - `Credit`, `Ping`: nothing (a `Ping` keeps a silent pair alive).
+//! - `Bundle`: several small messages of the header's kind and tag, each
+//!   as its length (4 bytes) and its bytes, one after the other to the
+//!   end of the frame; at least one.
 //!
-//! `Eager`, `Part` and `Rts` carry the sequence number the receiver orders by and
+//! `Eager`, `Part`, `Rts` and `Bundle` carry the sequence number the receiver orders by and
 //! use one of the sender's credits; the others do neither. Decoding checks
 //! every field and length; the bytes come from the network.
 
@@ -29,7 +32,9 @@ pub(crate) const HEADER: usize = 32;
 /// Bytes of an `Rts` body.
 pub(crate) const RTS_BODY: usize = 32;
 /// The format version.
-pub(crate) const VERSION: u8 = 1;
+pub(crate) const VERSION: u8 = 2;
+/// Bytes a `Bundle` frame adds per message: its length.
+pub(crate) const ENTRY: usize = 4;
 
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +52,8 @@ pub(crate) enum Type {
     Ping = 4,
     /// A piece of a message; more follow.
     Part = 5,
+    /// Several small messages of one kind and tag.
+    Bundle = 6,
 }
 
 impl Type {
@@ -58,13 +65,14 @@ impl Type {
             3 => Type::Credit,
             4 => Type::Ping,
             5 => Type::Part,
+            6 => Type::Bundle,
             _ => return None,
         })
     }
 
     /// Whether frames of this type are ordered and use a credit.
     pub(crate) fn sequenced(self) -> bool {
-        matches!(self, Type::Eager | Type::Part | Type::Rts)
+        matches!(self, Type::Eager | Type::Part | Type::Rts | Type::Bundle)
     }
 }
 
@@ -105,7 +113,12 @@ pub(crate) enum Body<'a> {
     Eager(&'a [u8]),
     Part(&'a [u8]),
     Rts(Rts),
-    Fin { cookie: u64 },
+    Fin {
+        cookie: u64,
+    },
+    /// The entries of a `Bundle` frame, checked: iterate them with
+    /// [`entries`].
+    Bundle(&'a [u8]),
     Empty,
 }
 
@@ -142,6 +155,14 @@ impl Header {
         out.extend_from_slice(&self.seq.to_le_bytes());
         out.extend_from_slice(&self.tag.to_le_bytes());
         out.extend_from_slice(&self.job.to_le_bytes());
+    }
+
+    /// Overwrite the sequence number of an encoded header (a bundle takes
+    /// its number when it is closed, not when it was opened).
+    pub(crate) fn set_seq(frame: &mut [u8], seq: u32) {
+        if let Some(c) = frame.get_mut(12..16) {
+            c.copy_from_slice(&seq.to_le_bytes());
+        }
     }
 
     /// Overwrite the credits of an encoded header (filled in when the
@@ -213,9 +234,58 @@ pub(crate) fn decode(b: &[u8]) -> Result<(Header, Body<'_>), WireError> {
             cookie: u64_at(body, 0),
         },
         Type::Credit | Type::Ping if body.is_empty() => Body::Empty,
+        Type::Bundle if well_formed(body) => Body::Bundle(body),
         _ => return Err(bad()),
     };
     Ok((h, body))
+}
+
+/// Whether `body` is one or more bundle entries that end exactly at its
+/// end.
+fn well_formed(body: &[u8]) -> bool {
+    let mut at = 0usize;
+    while at < body.len() {
+        let Some(len) = body.get(at..at + ENTRY).map(|_| u32_at(body, at) as usize) else {
+            return false;
+        };
+        at = match (at + ENTRY).checked_add(len) {
+            Some(end) if end <= body.len() => end,
+            _ => return false,
+        };
+    }
+    !body.is_empty()
+}
+
+/// Append a message to a bundle being built.
+pub(crate) fn push_entry(bundle: &mut Vec<u8>, data: &[u8]) {
+    bundle.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    bundle.extend_from_slice(data);
+}
+
+/// Where the messages of a checked bundle body ([`Body::Bundle`]) lie in
+/// it, in order: `(offset, length)` pairs.
+pub(crate) fn entries(body: &[u8]) -> Entries<'_> {
+    Entries { body, at: 0 }
+}
+
+/// See [`entries`].
+pub(crate) struct Entries<'a> {
+    body: &'a [u8],
+    at: usize,
+}
+
+impl Iterator for Entries<'_> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        // Checked whole by `decode`; a body that was not stops here.
+        let head = self.body.get(self.at..self.at + ENTRY)?;
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let start = self.at + ENTRY;
+        let end = start.checked_add(len).filter(|&e| e <= self.body.len())?;
+        self.at = end;
+        Some((start, len))
+    }
 }
 
 /// A frame of type `typ` with no sequence-dependent body, for control
@@ -312,7 +382,7 @@ pub(crate) fn reencode(h: &Header, body: &Body<'_>) -> Vec<u8> {
     let mut v = Vec::new();
     h.encode(&mut v);
     match body {
-        Body::Eager(d) | Body::Part(d) => v.extend_from_slice(d),
+        Body::Eager(d) | Body::Part(d) | Body::Bundle(d) => v.extend_from_slice(d),
         Body::Rts(r) => r.encode(&mut v),
         Body::Fin { cookie } => v.extend_from_slice(&cookie.to_le_bytes()),
         Body::Empty => {}
@@ -378,6 +448,52 @@ mod tests {
         let mut c = control(Type::Credit, 1, 2, 3, None);
         Header::set_credits(&mut c, 11);
         assert_eq!(decode(&c).unwrap().0.credits, 11);
+        Header::set_seq(&mut c, 12);
+        assert_eq!(decode(&c).unwrap().0.seq, 12);
+    }
+
+    #[test]
+    fn bundles_round_trip_and_give_their_messages_in_order() {
+        let msgs: [&[u8]; 3] = [b"one", b"", b"three!"];
+        let mut v = Vec::new();
+        header(Type::Bundle).encode(&mut v);
+        for m in msgs {
+            push_entry(&mut v, m);
+        }
+        let (h, b) = decode(&v).unwrap();
+        assert_eq!(h, header(Type::Bundle));
+        let Body::Bundle(body) = b else {
+            panic!("not a bundle: {b:?}")
+        };
+        let got: Vec<&[u8]> = entries(body).map(|(at, n)| &body[at..at + n]).collect();
+        assert_eq!(got, msgs);
+        assert_eq!(reencode(&h, &b), v);
+        assert!(Type::Bundle.sequenced());
+    }
+
+    #[test]
+    fn bundles_whose_entries_do_not_end_at_the_end_are_refused() {
+        let mut v = Vec::new();
+        header(Type::Bundle).encode(&mut v);
+        // Empty.
+        assert!(matches!(decode(&v), Err(WireError::BodyLength { .. })));
+        push_entry(&mut v, b"abc");
+        assert!(decode(&v).is_ok());
+        // A length running past the end, a cut length, a trailing byte.
+        for cut in [1, 2, 5] {
+            assert!(matches!(
+                decode(&v[..v.len() - cut]),
+                Err(WireError::BodyLength { .. })
+            ));
+        }
+        let mut w = v.clone();
+        w.push(0);
+        assert!(decode(&w).is_err());
+        let mut w = v.clone();
+        w[HEADER..HEADER + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode(&w).is_err());
+        // Unchecked bytes stop the iterator instead of reading past them.
+        assert_eq!(entries(&[9, 0, 0, 0, 1]).count(), 0);
     }
 
     #[test]
