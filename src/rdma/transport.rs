@@ -363,7 +363,7 @@ const BUNDLE_MAX: usize = 4096;
 const SPARE_BUNDLES: usize = 16;
 
 /// Small user messages to one peer and tag gathered into one `Bundle`
-/// frame while a send to the peer is in flight or waits.
+/// frame while a send to the peer is in flight.
 struct Bundle {
     /// The frame: its header (sequence number still 0) and the entries.
     frame: Vec<u8>,
