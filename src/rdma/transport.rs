@@ -334,6 +334,31 @@ fn copied_frame(spare: &mut Vec<Vec<u8>>, h: Header, data: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// Take `rank`'s next frame (`frame`, of body `body`) for delivery from its
+/// receive buffer, by the progress call that read it: it is counted as
+/// delivered and owed a credit, and its buffer is posted again by the next
+/// call. Returns what `on_receive` hands its caller: sender, tag, where the
+/// body starts, and whether it is a bundle's entries.
+fn in_place(
+    st: &mut State,
+    rank: Rank,
+    tag: u64,
+    frame: &[u8],
+    body: &[u8],
+    many: bool,
+) -> (Rank, u64, usize, bool) {
+    st.deferred += 1;
+    let ps = &mut st.peers[rank as usize];
+    ps.expect = ps.expect.wrapping_add(1);
+    ps.owed += 1;
+    (
+        rank,
+        tag,
+        body.as_ptr() as usize - frame.as_ptr() as usize,
+        many,
+    )
+}
+
 /// Frames up to this size (a header and a body up to [`SEND_IN_PLACE`])
 /// are built in buffers kept for it: no allocation per small send.
 const SMALL_FRAME: usize = wire::HEADER + SEND_IN_PLACE;
@@ -1464,12 +1489,7 @@ impl RdmaTransport {
                         // In order with nothing before it, and copied out
                         // anyway: the caller delivers it from the receive
                         // buffer, posted again by the next progress call.
-                        let at = data.as_ptr() as usize - frame.as_ptr() as usize;
-                        st.deferred += 1;
-                        let ps = &mut st.peers[rank as usize];
-                        ps.expect = ps.expect.wrapping_add(1);
-                        ps.owed += 1;
-                        return Some((rank, h.tag, at, false));
+                        return Some(in_place(st, rank, h.tag, frame, data, false));
                     }
                     let b = if keeps {
                         // The posted buffer becomes the message's (it is at
@@ -1513,12 +1533,7 @@ impl RdmaTransport {
                     {
                         // As a small message: delivered from the receive
                         // buffer by the caller.
-                        let at = entries.as_ptr() as usize - frame.as_ptr() as usize;
-                        st.deferred += 1;
-                        let ps = &mut st.peers[rank as usize];
-                        ps.expect = ps.expect.wrapping_add(1);
-                        ps.owed += 1;
-                        return Some((rank, h.tag, at, true));
+                        return Some(in_place(st, rank, h.tag, frame, entries, true));
                     }
                     let mut v = self.core.buffers().take(entries.len());
                     v.extend_from_slice(entries);
