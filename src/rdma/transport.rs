@@ -2262,7 +2262,7 @@ impl Link for RdmaLink {
         let st = lock(&self.t.st);
         st.peers
             .get(self.peer.rank as usize)
-            .is_some_and(|p| !p.queue.is_empty())
+            .is_some_and(|p| !p.queue.is_empty() || p.bundle.is_some())
     }
 }
 
