@@ -537,8 +537,12 @@ pub(crate) struct Dispatcher {
 /// What a queued message counts against the receive budgets: its bytes and
 /// a fixed charge for its bookkeeping, so that empty messages are not free.
 fn cost(len: usize) -> usize {
-    len.saturating_add(64)
+    len.saturating_add(MESSAGE_COST)
 }
+
+/// Bytes of bookkeeping a queued message counts for in its tag's budget
+/// beside its own.
+pub(crate) const MESSAGE_COST: usize = 64;
 
 /// Items a receiver moves out of its tag's queue per lock.
 const POP_BATCH: usize = 32;

@@ -43,8 +43,10 @@ pub struct RdmaConfig {
     /// it). Default 5 s, as udp's. Env: `BTL_RDMA_PEER_TIMEOUT_MS`.
     pub peer_timeout: Duration,
     /// Gather small messages to one peer and tag (up to 4 KiB each) into
-    /// one frame while a send to that peer is still in flight or waits for
-    /// credits (on by default): a stream of small messages then costs the
+    /// one frame while a send to that peer is still in flight (on by
+    /// default; a bundle opens only with credits in hand and nothing
+    /// queued, so a receiver that returns no credits still holds its
+    /// sender back): a stream of small messages then costs the
     /// provider one send, and the receiver one completion, per frame
     /// rather than per message. A message that finds nothing in flight
     /// leaves at once, so latency is unchanged. Off, every message is a

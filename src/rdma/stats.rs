@@ -31,8 +31,8 @@ pub struct RdmaStats {
     /// progress task never parked (a stream); its next park watches it
     /// again.
     pub cq_unwatches: u64,
-    /// Frames that carried several small messages gathered while the
-    /// peer's previous frame had not left yet (`BTL_RDMA_BUNDLE`).
+    /// Bundle frames sent: one or more small messages gathered while a
+    /// send to the peer was in flight (`BTL_RDMA_BUNDLE`).
     pub bundles: u64,
     /// Messages sent in those frames.
     pub bundled: u64,

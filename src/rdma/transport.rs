@@ -334,6 +334,14 @@ fn copied_frame(spare: &mut Vec<Vec<u8>>, h: Header, data: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// The room a bundle's messages (`entries`, checked) ask of their tag's
+/// budget: their bytes and, for every message after the first, the
+/// bookkeeping `has_room` counts once per message.
+fn bundle_room(entries: &[u8]) -> usize {
+    let n = wire::entries(entries).count();
+    entries.len() + crate::core::dispatch::MESSAGE_COST * n.saturating_sub(1)
+}
+
 /// Take `rank`'s next frame (`frame`, of body `body`) for delivery from its
 /// receive buffer, by the progress call that read it: it is counted as
 /// delivered and owed a credit, and its buffer is posted again by the next
@@ -388,7 +396,8 @@ const BUNDLE_MAX: usize = 4096;
 const SPARE_BUNDLES: usize = 16;
 
 /// Small user messages to one peer and tag gathered into one `Bundle`
-/// frame while a send to the peer is in flight.
+/// frame while a send to the peer is in flight (with credits in hand and
+/// nothing queued when it opened).
 struct Bundle {
     /// The frame: its header (sequence number still 0) and the entries.
     frame: Vec<u8>,
@@ -1155,6 +1164,10 @@ impl RdmaTransport {
             attend.push(r as Rank);
         }
         self.bundling.store(true, Ordering::Relaxed);
+        if self.armed.load(Ordering::SeqCst) {
+            // A parked driver would send it only at its next wake-up.
+            self.kick.notify_one();
+        }
         true
     }
 
@@ -1529,7 +1542,7 @@ impl RdmaTransport {
                     let next = ahead == 0 && ps.arrived.is_empty();
                     if next
                         && st.deferred < DEFERRED_MAX
-                        && self.core.has_room(h.tag, entries.len())
+                        && self.core.has_room(h.tag, bundle_room(entries))
                     {
                         // As a small message: delivered from the receive
                         // buffer by the caller.
@@ -1670,7 +1683,7 @@ impl RdmaTransport {
             loop {
                 let (kind, tag, n, len) = match ps.arrived.get(&ps.expect) {
                     Some(In::Ready(k, t, d) | In::Fetched(k, t, d)) => (*k, *t, 1, d.len()),
-                    Some(In::Bundle(t, d)) => (Kind::User, *t, 1, d.len()),
+                    Some(In::Bundle(t, d)) => (Kind::User, *t, 1, bundle_room(d)),
                     Some(In::Piece(..)) => match pieces(ps, window) {
                         Pieces::Whole { kind, tag, n, len } => (kind, tag, n, len),
                         Pieces::Incomplete => break,
@@ -1727,7 +1740,11 @@ impl RdmaTransport {
             // Returned in the next frame, unless none can leave soon (none
             // queued, or the queue waits for credits of the peer's: both
             // sides waiting on each other's credits would stall).
-            if ps.owed >= half && ps.ctrl.is_empty() && (ps.queue.is_empty() || ps.credits == 0) {
+            if ps.owed >= half
+                && ps.ctrl.is_empty()
+                && ps.bundle.is_none()
+                && (ps.queue.is_empty() || ps.credits == 0)
+            {
                 let f = wire::control(Type::Credit, self.core.rank(), self.job, 0, None);
                 ps.ctrl.push_back(f);
             }
@@ -2641,12 +2658,13 @@ impl Transport for RdmaTransport {
             .filter(|p| !p.lost.load(Ordering::Acquire))
             .filter_map(|p| {
                 let ps = &st.peers[p.rank as usize];
-                let queued = ps.queue.len() + ps.bundle.as_ref().map_or(0, |b| b.count as usize);
-                (queued > 0 || !ps.lent.is_empty() || ps.in_flight > 0).then(|| {
+                let bundled = ps.bundle.as_ref().map_or(0, |b| b.count);
+                (!ps.queue.is_empty() || bundled > 0 || !ps.lent.is_empty() || ps.in_flight > 0).then(|| {
                     format!(
-                        "rdma rank {}: {} messages queued, {} sends in flight, {} large messages not yet read",
+                        "rdma rank {}: {} frames queued, {} messages in an open bundle, {} sends in flight, {} large messages not yet read",
                         p.rank,
-                        queued,
+                        ps.queue.len(),
+                        bundled,
                         ps.in_flight,
                         ps.lent.len()
                     )
