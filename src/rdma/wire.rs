@@ -15,7 +15,7 @@
 //!   registered message, which the receiver reads with RDMA read.
 //! - `Fin`: the receiver read the message with this cookie.
 //! - `Credit`, `Ping`: nothing (a `Ping` keeps a silent pair alive).
-//! - `Bundle`: several small messages of the header's kind and tag, each
+//! - `Bundle`: one or more small messages of the header's kind and tag, each
 //!   as its length (4 bytes) and its bytes, one after the other to the
 //!   end of the frame; at least one.
 //!
@@ -52,7 +52,7 @@ pub(crate) enum Type {
     Ping = 4,
     /// A piece of a message; more follow.
     Part = 5,
-    /// Several small messages of one kind and tag.
+    /// Small messages of one kind and tag.
     Bundle = 6,
 }
 
