@@ -10,7 +10,9 @@
 //! libfabric has `tcp;ofi_rxm`) over `rdma`, whose progress pass does not:
 //! there only the liveness watch, run from the loop's calls, finds the
 //! loss. A second `udp` job checks that a rank that starts a thread of its
-//! own gets the liveness thread back.
+//! own gets the liveness thread back. Rank 0 also allocates a region
+//! (`alloc_region`), which must start no thread in a rank with no `sm`
+//! peer.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -157,6 +159,9 @@ async fn rank() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         std::process::abort();
     }
+    // Memory for peers to reach: with no same-node peer over `sm`, plain
+    // registered memory, with no thread to hand it out.
+    let _exposed = f.alloc_region(4096).unwrap();
     let mut rx = f.receiver(1).unwrap();
     rx.recv().await.unwrap();
     if std::env::var("BTL_TEST_HOW").as_deref() == Ok("joined") {

@@ -1163,17 +1163,23 @@ impl Fabric {
             .unzip()
     }
 
-    /// Allocate a zeroed region in shared memory: same-node peers map it, so
-    /// put and get to it are a single copy and atomics one hardware
-    /// instruction. Its data is page-aligned.
+    /// Allocate a zeroed, page-aligned region that peers reach at their
+    /// best: where this fabric has same-node peers over `sm`, in shared
+    /// memory they map, so put and get to it are a single copy and
+    /// atomics one hardware instruction; otherwise in this process's own
+    /// memory, registered with the NICs that reach the other peers (no
+    /// shared file, and no thread to hand it out, in a rank alone on its
+    /// node).
     pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion> {
+        let open = |name: &str| self.transports.iter().any(|t| t.name() == name);
         let hook = registry::entries()
             .into_iter()
-            .filter(|e| e.not_built.is_none())
+            .filter(|e| e.not_built.is_none() && open(e.name))
             .find_map(|e| e.alloc_shared);
         let Some(alloc) = hook else {
-            // No transport of this build has memory peers map: a
-            // page-aligned buffer, which they reach through the target.
+            // No transport of this fabric has memory peers map: a
+            // page-aligned buffer, which they reach through the target
+            // or a NIC.
             return Ok(self.register(crate::PageBuf::zeroed(len)));
         };
         let id = crate::sys::os::random_bytes::<16>();
