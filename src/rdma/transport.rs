@@ -410,10 +410,79 @@ struct Bundle {
 const SEND_IN_PLACE: usize = 1024;
 
 /// Receive buffers at most whose posting again waits for the next progress
-/// call: the spare buffers each peer has beyond its credits (see
-/// `post_receives`), so a sender given its credits back always finds as
-/// many buffers posted.
+/// call: the spare buffers each peer has beyond its credits in a full
+/// receive cycle (see [`Cycle`]), so that a sender given its credits back
+/// then always finds as many buffers posted.
 const DEFERRED_MAX: usize = 4;
+
+/// Receive buffers posted at first, and at least (while the full count,
+/// every peer's credits and spares, is larger): a few, so that a message
+/// lands in memory still in the cache from the last ones (posted receives
+/// are taken in order, so the cycle of buffers is as long as the count:
+/// at 16 KiB, 132 buffers are 2 MiB of cold memory per lap, and a 16 KiB
+/// ping-pong takes about 1.1x as long as with 16). See [`RdmaTransport::fit_receives`].
+const RECV_START: usize = 16;
+
+/// Receive completions between two looks at whether the cycle of receive
+/// buffers is longer than the flow needs.
+const RECV_REVIEW: usize = 4096;
+
+/// How many receive buffers to keep posted. A progress call that read half
+/// the cycle's buffers or more doubles it, up to `full` (every peer's
+/// credits and spares: a stream then always finds buffers posted, not the
+/// provider's own, from which its frames would be copied once more);
+/// every [`RECV_REVIEW`] receives, a cycle four times as long as the most
+/// any call read is halved, down to [`RECV_START`]. A frame that finds no
+/// buffer posted waits in the provider's memory until one is (its
+/// sender's credits bound how many can): the cycle trades a copy at the
+/// start of a burst for messages that land in memory still in the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cycle {
+    /// Buffers aimed at now.
+    target: usize,
+    /// The most it grows to.
+    full: usize,
+    /// The most receives one call read since the last review.
+    peak: usize,
+    /// Receives read since the last review.
+    seen: usize,
+}
+
+impl Cycle {
+    /// The cycle of a transport whose peers' credits and spares come to
+    /// `full` buffers.
+    fn new(full: usize) -> Cycle {
+        Cycle {
+            target: full.min(RECV_START),
+            full,
+            peak: 0,
+            seen: 0,
+        }
+    }
+
+    /// A progress call read `n` receive completions; whether the target
+    /// grew.
+    fn after_pass(&mut self, n: usize) -> bool {
+        if n == 0 {
+            return false;
+        }
+        if 2 * n >= self.target && self.target < self.full {
+            self.target = (2 * self.target).min(self.full);
+            (self.peak, self.seen) = (0, 0);
+            return true;
+        }
+        self.peak = self.peak.max(n);
+        self.seen += n;
+        if self.seen >= RECV_REVIEW {
+            let floor = self.full.min(RECV_START);
+            if 4 * self.peak <= self.target && self.target > floor {
+                self.target = (self.target / 2).max(floor);
+            }
+            (self.peak, self.seen) = (0, 0);
+        }
+        false
+    }
+}
 
 /// An eager body at least this large keeps the buffer it arrived in
 /// (another is posted in its place) rather than being copied out: the
@@ -533,6 +602,13 @@ struct State {
     /// Receive buffers not posted again yet (`returned`, and those
     /// delivered from, `Turn::spent`): at most [`DEFERRED_MAX`].
     deferred: usize,
+    /// Receive buffers in the cycle: posted, or on their way to being
+    /// posted again.
+    recv_bufs: usize,
+    /// How many buffers the cycle aims at.
+    cycle: Cycle,
+    /// Receive completions the progress call under way read.
+    recv_pass: usize,
     /// Peers to declare lost once the lock is released (found where
     /// `lose` cannot run).
     lose_later: Vec<(Rank, String)>,
@@ -555,6 +631,28 @@ struct State {
 }
 
 impl State {
+    /// The state of a transport with `peers` ranks, nothing posted yet.
+    fn new(peers: usize) -> State {
+        State {
+            peers: (0..peers).map(|_| PeerState::default()).collect(),
+            ops: Ops::default(),
+            next_cookie: 1,
+            unposted: Vec::new(),
+            returned: Vec::new(),
+            deferred: 0,
+            recv_bufs: 0,
+            cycle: Cycle::new(0),
+            recv_pass: 0,
+            lose_later: Vec::new(),
+            spare: Vec::new(),
+            frames: Vec::new(),
+            headers: Vec::new(),
+            bundles: Vec::new(),
+            attend: Vec::new(),
+            attending: Vec::new(),
+        }
+    }
+
     /// Have the next pass look at peer `r`.
     fn attend(&mut self, r: Rank) {
         if let Some(ps) = self.peers.get_mut(r as usize) {
@@ -834,21 +932,7 @@ impl RdmaTransport {
             core,
             peers: OnceLock::new(),
             by_addr: OnceLock::new(),
-            st: Mutex::new(State {
-                peers: (0..size).map(|_| PeerState::default()).collect(),
-                ops: Ops::default(),
-                next_cookie: 1,
-                unposted: Vec::new(),
-                returned: Vec::new(),
-                deferred: 0,
-                lose_later: Vec::new(),
-                spare: Vec::new(),
-                frames: Vec::new(),
-                headers: Vec::new(),
-                bundles: Vec::new(),
-                attend: Vec::new(),
-                attending: Vec::new(),
-            }),
+            st: Mutex::new(State::new(size)),
             turn: Mutex::new(Turn::default()),
             counters: Counters::default(),
             armed: AtomicBool::new(false),
@@ -896,24 +980,52 @@ impl RdmaTransport {
         }
     }
 
-    /// Post receive buffers for every peer's credits.
+    /// Post the first receive buffers: [`RECV_START`] of the full count
+    /// for every peer's credits and spares, which the cycle grows to as
+    /// the flow asks (`fit_receives`).
     fn post_receives(&self, peers: usize) {
-        let n = (peers * (self.config.credits as usize + DEFERRED_MAX)).clamp(16, MAX_POSTED);
+        let full = (peers * (self.config.credits as usize + DEFERRED_MAX)).clamp(16, MAX_POSTED);
         let mut st = lock(&self.st);
+        st.cycle = Cycle::new(full);
+        let n = st.cycle.target;
+        self.post_new(&mut st, n);
+    }
+
+    /// Add `n` new buffers to the receive cycle and post them.
+    fn post_new(&self, st: &mut State, n: usize) {
         for _ in 0..n {
             let mut buf = self.core.buffers().take_exact(self.config.eager);
             // Written once now, so that the pages are there before the
             // provider copies into them: a freshly allocated buffer faults
             // its pages in on its first message (a 16 KiB message, five
             // faults), in the timed path of the first pass through the
-            // posted buffers, which are many (credits for every peer).
+            // posted buffers.
             buf.resize(self.config.eager, 0);
-            self.repost(&mut st, buf, new_ctx());
+            st.recv_bufs += 1;
+            self.repost(st, buf, new_ctx());
         }
     }
 
-    /// Post a receive buffer (again).
+    /// After a progress call: fit the receive cycle to the receive
+    /// completions it read (see [`Cycle`]), posting new buffers where it
+    /// grew; where it shrank, buffers are not posted again as they come
+    /// back (`repost`).
+    fn fit_receives(&self, st: &mut State) {
+        let n = std::mem::take(&mut st.recv_pass);
+        if st.cycle.after_pass(n) {
+            let more = st.cycle.target.saturating_sub(st.recv_bufs);
+            self.post_new(st, more);
+        }
+    }
+
+    /// Post a receive buffer (again), unless the cycle is longer than its
+    /// target (then the buffer goes back to the pool).
     fn repost(&self, st: &mut State, mut buf: Vec<u8>, mut ctx: Ctx) {
+        if st.recv_bufs > st.cycle.target {
+            st.recv_bufs -= 1;
+            self.core.buffers().give_back(buf);
+            return;
+        }
         buf.clear();
         let room = self.config.eager.min(buf.capacity());
         let p = ctx_ptr(&mut ctx);
@@ -1807,6 +1919,7 @@ impl RdmaTransport {
         }
         match op {
             Op::Recv { mut buf, ctx } => {
+                st.recv_pass += 1;
                 let n = (e.len as usize).min(self.config.eager.min(buf.capacity()));
                 // SAFETY: the receive completed successfully: the provider
                 // wrote the completion's `len` bytes at the start of the
@@ -2136,24 +2249,7 @@ impl RdmaTransport {
 impl Drop for RdmaTransport {
     fn drop(&mut self) {
         // Posted buffers stay allocated until the endpoint is closed.
-        let st = std::mem::replace(
-            &mut *lock(&self.st),
-            State {
-                peers: Vec::new(),
-                ops: Ops::default(),
-                next_cookie: 0,
-                unposted: Vec::new(),
-                returned: Vec::new(),
-                deferred: 0,
-                lose_later: Vec::new(),
-                spare: Vec::new(),
-                frames: Vec::new(),
-                headers: Vec::new(),
-                bundles: Vec::new(),
-                attend: Vec::new(),
-                attending: Vec::new(),
-            },
-        );
+        let st = std::mem::replace(&mut *lock(&self.st), State::new(0));
         self.ep
             .bury(Box::new(st.ops.into_values().collect::<Vec<Op>>()));
     }
@@ -2486,6 +2582,7 @@ impl Transport for RdmaTransport {
             if seen > 0 && !self.found.load(Ordering::Relaxed) {
                 self.found.store(true, Ordering::Relaxed);
             }
+            self.fit_receives(&mut st);
             let full = backlog();
             let sealing = self.bundling.load(Ordering::Relaxed)
                 && self.bundling.swap(false, Ordering::Relaxed);
@@ -2725,6 +2822,47 @@ mod tests {
         assert!(matches!(pieces(&ps, 3), Pieces::Bad(_)));
         ps.arrived.insert(2, In::Ready(Kind::User, 1, b(1)));
         assert!(matches!(pieces(&ps, 4), Pieces::Whole { n: 4, len: 4, .. }));
+    }
+
+    #[test]
+    fn the_receive_cycle_grows_with_bursts_and_shrinks_back_when_they_stop() {
+        let mut c = Cycle::new(132);
+        assert_eq!(c.target, RECV_START);
+        // A ping-pong: one receive per call, for ever.
+        for _ in 0..3 * RECV_REVIEW {
+            assert!(!c.after_pass(1));
+        }
+        assert_eq!(c.target, RECV_START);
+        // A stream: calls that take half the cycle double it, to the full count.
+        let mut grew = 0;
+        while c.after_pass(c.target / 2) {
+            grew += 1;
+        }
+        assert_eq!((c.target, grew), (132, 4));
+        assert!(!c.after_pass(132), "never past the full count");
+        // A steady stream keeps it.
+        for _ in 0..2 * RECV_REVIEW / 40 {
+            c.after_pass(40);
+        }
+        assert_eq!(c.target, 132);
+        // Back to a ping-pong: halved at each review that saw only it (the
+        // first one still saw the stream's tail), down to the start.
+        let mut targets = vec![];
+        for _ in 0..5 {
+            for _ in 0..RECV_REVIEW {
+                c.after_pass(1);
+            }
+            targets.push(c.target);
+        }
+        assert_eq!(targets, [132, 66, 33, 16, 16]);
+        // A job whose full count is below the start never goes past it.
+        let mut small = Cycle::new(10);
+        assert_eq!(small.target, 10);
+        assert!(!small.after_pass(10));
+        for _ in 0..RECV_REVIEW {
+            small.after_pass(1);
+        }
+        assert_eq!(small.target, 10);
     }
 
     #[test]
