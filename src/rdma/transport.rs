@@ -1232,13 +1232,7 @@ impl RdmaTransport {
             return false;
         }
         let cap = self.config.eager;
-        let State {
-            peers,
-            bundles,
-            attend,
-            ..
-        } = st;
-        let ps = &mut peers[r];
+        let ps = &mut st.peers[r];
         if let Some(b) = &mut ps.bundle {
             if b.tag == tag && b.frame.len() + wire::ENTRY + data.len() <= cap {
                 wire::push_entry(&mut b.frame, data);
@@ -1253,7 +1247,7 @@ impl RdmaTransport {
         if !opens || wire::HEADER + wire::ENTRY + data.len() > cap {
             return false;
         }
-        let mut frame = bundles.pop().unwrap_or_else(|| Vec::with_capacity(cap));
+        let mut frame = st.bundles.pop().unwrap_or_else(|| Vec::with_capacity(cap));
         frame.clear();
         Header {
             typ: Type::Bundle,
@@ -1266,15 +1260,12 @@ impl RdmaTransport {
         }
         .encode(&mut frame);
         wire::push_entry(&mut frame, data);
-        ps.bundle = Some(Bundle {
+        st.peers[r].bundle = Some(Bundle {
             frame,
             tag,
             count: 1,
         });
-        if !ps.attend {
-            ps.attend = true;
-            attend.push(r as Rank);
-        }
+        st.attend(r as Rank);
         self.bundling.store(true, Ordering::Relaxed);
         if self.armed.load(Ordering::SeqCst) {
             // A parked driver would send it only at its next wake-up.
