@@ -107,16 +107,23 @@ fn slots_for(len: usize) -> u64 {
 /// the slot layout; extra bytes would be dropped, never written past).
 #[inline]
 fn store_words(words: &[AtomicU64], bytes: &[u8]) {
-    for (word, b) in words.iter().zip(bytes.chunks(8)) {
-        let v = match <[u8; 8]>::try_from(b) {
-            Ok(whole) => u64::from_le_bytes(whole),
-            Err(_) => {
-                let mut last = [0u8; 8];
-                last[..b.len()].copy_from_slice(b);
-                u64::from_le_bytes(last)
-            }
-        };
-        word.store(v, Ordering::Relaxed);
+    // Whole words by fixed-size chunks, then the zero-padded rest: a loop
+    // the compiler unrolls in place (a zip over `chunks(8)` compiled to an
+    // out-of-line call on every small send).
+    let mut whole = bytes.chunks_exact(8);
+    let mut at = 0;
+    for chunk in whole.by_ref() {
+        let Some(word) = words.get(at) else { return };
+        let mut b = [0u8; 8];
+        b.copy_from_slice(chunk);
+        word.store(u64::from_le_bytes(b), Ordering::Relaxed);
+        at += 1;
+    }
+    let rest = whole.remainder();
+    if let (false, Some(word)) = (rest.is_empty(), words.get(at)) {
+        let mut last = [0u8; 8];
+        last[..rest.len()].copy_from_slice(rest);
+        word.store(u64::from_le_bytes(last), Ordering::Relaxed);
     }
 }
 
