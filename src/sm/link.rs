@@ -33,6 +33,15 @@ impl Link for SmLink {
     // progress call cuts it off: these entry points may run inside the
     // receive path (answers to RMA requests), where `rx` is held.
     fn try_send(&self, kind: CoreKind, tag: u64, data: &[u8]) -> Result<bool> {
+        // A small user message goes to the fast box on a path of its own
+        // (no kind conversion, no fragment checks, and the send side's
+        // `busy` flag left as it was: a push to the box changes none of
+        // what it sums up).
+        if kind == CoreKind::User && data.len() <= super::fbox::MAX_PAYLOAD {
+            if let Some(sent) = self.t.try_fbox_send(&self.peer, tag, data) {
+                return sent;
+            }
+        }
         self.t
             .with_tx(|tx| tx.try_send(&self.t, &self.peer, kind.into(), tag, data))
     }

@@ -358,6 +358,42 @@ impl SmTransport {
         r
     }
 
+    /// [`Link::try_send`] of a user message of up to
+    /// [`fbox::MAX_PAYLOAD`] bytes into `peer`'s fast box, under `tx`:
+    /// `None` when the box may not be used now (its user channel has
+    /// messages queued or in its ring, which go first) or the send side
+    /// caught a peer misbehaving (the general path then runs, and reports);
+    /// else what `try_send` returns. `tx_busy` is not recomputed: a push
+    /// to the box queues nothing and takes no fragment.
+    #[inline]
+    pub(crate) fn try_fbox_send(
+        &self,
+        peer: &SmPeer,
+        tag: u64,
+        data: &[u8],
+    ) -> Option<Result<bool>> {
+        let mut tx = self.tx.lock();
+        if !tx.misbehaved.is_empty() || !tx.user_queue_empty(peer) {
+            return None;
+        }
+        if self.core.is_closed() {
+            return Some(Err(crate::Error::Closed));
+        }
+        if peer.is_lost() {
+            return Some(Err(peer.lost_error()));
+        }
+        match tx.via_fbox(self, peer, false, tag, data) {
+            Ok(Some(sent)) => Some(Ok(sent)),
+            Ok(None) => None,
+            Err(e) => {
+                // `corrupt` noted the peer: progress must run to cut it off.
+                self.tx_busy
+                    .store(true, std::sync::atomic::Ordering::Release);
+                Some(Err(e))
+            }
+        }
+    }
+
     pub(crate) fn peer_list(&self) -> &[Option<Arc<SmPeer>>] {
         self.peers.get().map(Vec::as_slice).unwrap_or(&[])
     }
