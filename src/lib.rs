@@ -137,7 +137,7 @@ pub(crate) mod smcuda;
 mod sys;
 mod transport;
 
-pub use crate::core::dispatch::{Message, Receiver};
+pub use crate::core::dispatch::{Message, Receiver, RecvInto};
 pub use crate::core::endpoint::{
     AtomicFetch, Endpoint, Flush, Get, Put, SendFuture, SendInlineFuture, SendRegion, SendSink,
 };

@@ -7,6 +7,7 @@
 //! Popping from a full queue wakes the progress tasks.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -1476,8 +1477,8 @@ impl Receiver {
     /// # Cancel safety
     /// Dropping the future loses nothing: a message is either in `buf`
     /// when the future completes, or still with the receiver.
-    pub async fn recv_into(&mut self, buf: &mut Vec<u8>) -> Result<crate::Rank> {
-        futures::future::poll_fn(|cx| self.poll_recv_into(cx, buf)).await
+    pub fn recv_into<'a>(&'a mut self, buf: &'a mut Vec<u8>) -> RecvInto<'a> {
+        RecvInto { rx: self, buf }
     }
 
     /// Poll for the next message into `buf` (see
@@ -1919,6 +1920,29 @@ impl Receiver {
             me.poller = None;
         }
         Poll::Pending
+    }
+}
+
+/// Future of [`Receiver::recv_into`]: the next message's sender, its
+/// bytes in the buffer given. A named type (it polls
+/// [`Receiver::poll_recv_into`] and nothing else), so a loop of receives
+/// pays no generated state machine per message and the future can be kept
+/// in a struct.
+///
+/// # Cancel safety
+/// As for [`Receiver::recv_into`]: dropping it loses nothing.
+#[must_use = "futures do nothing unless polled"]
+pub struct RecvInto<'a> {
+    rx: &'a mut Receiver,
+    buf: &'a mut Vec<u8>,
+}
+
+impl Future for RecvInto<'_> {
+    type Output = Result<crate::Rank>;
+    #[inline]
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<crate::Rank>> {
+        let this = &mut *self;
+        this.rx.poll_recv_into(cx, this.buf)
     }
 }
 

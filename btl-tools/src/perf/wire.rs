@@ -119,6 +119,8 @@ impl BtlWire {
     }
 }
 
+/// Receive one message of `len` bytes on `rx`: into `into` up to
+/// `into_max` bytes, else as the transport's own buffer.
 async fn btl_recv(
     rx: &mut Receiver,
     into: &mut Vec<u8>,
@@ -162,7 +164,30 @@ impl Wire for BtlWire {
     }
 
     async fn recv(&mut self, len: usize) -> Result<()> {
-        btl_recv(&mut self.rx, &mut self.into, len, self.into_max).await
+        if len > self.into_max {
+            return btl_recv(&mut self.rx, &mut self.into, len, self.into_max).await;
+        }
+        self.rx.recv_into(&mut self.into).await?;
+        match self.into.len() {
+            got if got == len => Ok(()),
+            got => Err(wrong_length(got, len)),
+        }
+    }
+
+    async fn recv_window(&mut self, len: usize, count: u64) -> Result<()> {
+        if len > self.into_max {
+            for _ in 0..count {
+                btl_recv(&mut self.rx, &mut self.into, len, self.into_max).await?;
+            }
+            return Ok(());
+        }
+        for _ in 0..count {
+            self.rx.recv_into(&mut self.into).await?;
+            if self.into.len() != len {
+                return Err(wrong_length(self.into.len(), len));
+            }
+        }
+        Ok(())
     }
 
     /// Start every send of the window, in order, polling each once (most
