@@ -19,6 +19,13 @@ use crate::sys::ring::{ConsumerState, ProducerState};
 /// sender cannot starve the others.
 const BATCH: usize = 64;
 
+/// Messages one progress call takes from a sender's fast box at most. A
+/// run ends the call, so the receiving task works on those messages while
+/// the sender writes the next ones; a longer run would hold a stream's
+/// first message back until the sender paused (8 B streams of 64-message
+/// windows ran 7-12% slower with runs of 64).
+const FBOX_RUN: usize = 16;
+
 /// Process-local receive state (behind the transport's `rx` mutex).
 pub(crate) struct RxState {
     /// Consumer state per (sender, channel).
@@ -106,7 +113,7 @@ impl RxState {
                         // ping-pong's message and its reply, costs 6% of an
                         // 8 B half round trip). Parking re-checks both under
                         // the lock (`looks_idle`), so nothing waits on it.
-                        match self.fbox_run(t, p, budget) {
+                        match self.fbox_run(t, p, budget.min(FBOX_RUN)) {
                             (0, Step::Empty) => (0, self.step(t, p, ch)),
                             r => r,
                         }
