@@ -57,14 +57,14 @@ fn rank_main() {
     });
 }
 
-/// Around the fast box's limit (1024), a 4 KiB fragment's payload, the default
+/// Around the fast box's limit (512), a 4 KiB fragment's payload, the default
 /// eager fragment's (16384 - 64) and a max fragment's (131072 - 64).
 const SIZES: [usize; 17] = [
     0,
     1,
-    1023,
-    1024,
-    1025,
+    511,
+    512,
+    513,
     4031,
     4032,
     4033,

@@ -139,7 +139,7 @@ impl Endpoint {
     }
 
     /// Send a borrowed slice: when nothing is queued ahead and there is room
-    /// (on `sm`: the peer's fast box for up to 1 KiB, else a free fragment),
+    /// (on `sm`: the peer's fast box for up to 512 bytes, else a free fragment),
     /// the bytes are copied straight into shared memory with no allocation
     /// (the inline path for small messages); otherwise they are copied once
     /// into an owned buffer and queued.
