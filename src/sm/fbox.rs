@@ -677,7 +677,8 @@ impl<'a> FBox<'a> {
             // A message of several slots: start on its further lines now,
             // before the dispatcher's lock and the allocation that come
             // before its payload is read (half round trip of messages of
-            // two slots or more 0.94-0.97x). Only a hint: `peek` checks the length.
+            // two slots or more 0.94-0.97x). Only a hint: `peek` checks the
+            // length.
             let k = slots_for(((m & LEN_BITS) >> LEN_SHIFT) as usize);
             if k > 1 && k <= self.slots - self.pos(st.next) {
                 let rest = (k as usize - 1) * SLOT_WORDS * 8;
