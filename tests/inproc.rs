@@ -456,6 +456,13 @@ async fn operations_after_close_fail_with_closed() {
         .await
         .unwrap();
     assert!(matches!(ep.send(1, &b"x"[..]).await, Err(Error::Closed)));
+    // A borrowed send small enough for the fast box, and one that would
+    // take a fragment: each send path reports the close.
+    assert!(matches!(ep.send_inline(1, b"x").await, Err(Error::Closed)));
+    assert!(matches!(
+        ep.send_inline(1, &[7u8; 600]).await,
+        Err(Error::Closed)
+    ));
     assert!(matches!(ep.flush().await, Err(Error::Closed)));
     for e in [
         ep.put(&local, 0..8, &key, 0).await.unwrap_err(),
