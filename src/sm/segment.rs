@@ -29,7 +29,10 @@ use crate::sys::sync::{lock, AtomicU32};
 use crate::{Error, Result};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"ABTLSEG1");
-pub(crate) const VERSION: u32 = 7;
+/// The segment's format: its layout, and what travels in it (8: the fast
+/// box carries up to 512 bytes, and a longer length in a head mark is a
+/// peer's corruption).
+pub(crate) const VERSION: u32 = 8;
 pub(crate) const HEADER_LEN: usize = 4096;
 const STATE_OFF: usize = 256;
 const ARMED_OFF: usize = 320;
