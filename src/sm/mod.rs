@@ -373,14 +373,14 @@ impl SmTransport {
         data: &[u8],
     ) -> Option<Result<bool>> {
         let mut tx = self.tx.lock();
-        if !tx.misbehaved.is_empty() || !tx.user_queue_empty(peer) {
+        if !tx.misbehaved.is_empty() {
             return None;
         }
-        if self.core.is_closed() {
-            return Some(Err(crate::Error::Closed));
-        }
-        if peer.is_lost() {
-            return Some(Err(peer.lost_error()));
+        // The general path's own check: closed, lost, nothing queued ahead.
+        match tx.one_ready(self, peer, kind::Kind::User, data.len()) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => return Some(Err(e)),
         }
         match tx.via_fbox(self, peer, false, tag, data) {
             Ok(Some(sent)) => Some(Ok(sent)),

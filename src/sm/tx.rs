@@ -218,17 +218,17 @@ impl TxState {
         self.push_filled(t, peer, kind, tag, head, len, fill)
     }
 
-    /// Whether nothing waits in the queue of `peer`'s user channel.
-    #[inline]
-    pub(super) fn user_queue_empty(&self, peer: &SmPeer) -> bool {
-        self.queues[peer.local as usize * CHANNELS + USER].is_empty()
-    }
-
     /// Whether a message of `len` bytes of `kind` may go to `peer` now as
     /// one fragment, queue-wise: the fabric is open, the peer is there,
     /// the message fits a fragment, and nothing of its channel waits.
     #[inline]
-    fn one_ready(&self, t: &SmTransport, peer: &SmPeer, kind: Kind, len: usize) -> Result<bool> {
+    pub(super) fn one_ready(
+        &self,
+        t: &SmTransport,
+        peer: &SmPeer,
+        kind: Kind,
+        len: usize,
+    ) -> Result<bool> {
         // Under `tx`: the fabric marks itself closed before its shutdown
         // takes `tx` to fail the queues, so nothing queued here is missed.
         if t.core.is_closed() {

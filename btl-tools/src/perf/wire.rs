@@ -133,10 +133,16 @@ async fn btl_recv(
     } else {
         rx.recv().await?.data.len()
     };
-    if got != len {
-        return Err(wrong_length(got, len));
+    expect_len(got, len)
+}
+
+/// `Ok` if a message of `got` bytes is the `want` the protocol expects.
+fn expect_len(got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(wrong_length(got, want))
     }
-    Ok(())
 }
 
 /// Messages up to this size are sent with `send_inline` (a borrowed slice,
@@ -168,10 +174,7 @@ impl Wire for BtlWire {
             return btl_recv(&mut self.rx, &mut self.into, len, self.into_max).await;
         }
         self.rx.recv_into(&mut self.into).await?;
-        match self.into.len() {
-            got if got == len => Ok(()),
-            got => Err(wrong_length(got, len)),
-        }
+        expect_len(self.into.len(), len)
     }
 
     async fn recv_window(&mut self, len: usize, count: u64) -> Result<()> {
@@ -183,9 +186,7 @@ impl Wire for BtlWire {
         }
         for _ in 0..count {
             self.rx.recv_into(&mut self.into).await?;
-            if self.into.len() != len {
-                return Err(wrong_length(self.into.len(), len));
-            }
+            expect_len(self.into.len(), len)?;
         }
         Ok(())
     }
