@@ -178,10 +178,12 @@ impl RxState {
                 let b = t.seg.fbox(p.local);
                 let st = &mut self.fb[l];
                 let found = match b.peek(st) {
-                    // A run of messages waiting is taken in one progress
-                    // call instead (under one lock, into the receiver's
-                    // kept buffer), which costs a stream less per message.
-                    Ok(Some(f)) if !f.rndv && f.tag == tag && !b.more_after(st, f.len) => f,
+                    // Taken even when more follow: a progress call would
+                    // take the run behind it (up to `FBOX_RUN`) before the
+                    // receiver sees the first, and in a stream that run
+                    // chases the sender, holding every message back by as
+                    // many sends; a direct take costs no more per message.
+                    Ok(Some(f)) if !f.rndv && f.tag == tag => f,
                     // The rings too, every few rounds (a look at the box
                     // alone is quicker, so a message arriving there is
                     // seen sooner).

@@ -656,16 +656,6 @@ impl<'a> FBox<'a> {
         self.consumed().store(st.next, Ordering::Release);
     }
 
-    /// Whether something is written after the message `peek` found (of
-    /// `len` bytes): another message, or a skip mark (a hint: the sender
-    /// may be writing it now).
-    pub(crate) fn more_after(&self, st: &Receiver, len: usize) -> bool {
-        let n = st.next + slots_for(len);
-        let m = self.slot(n)[0].load(Ordering::Relaxed);
-        let bare = m & !LEN_BITS;
-        bare == mark(n, HEAD) || m == mark(n, SKIP) || bare == mark(n, RNDV)
-    }
-
     /// Whether a message waits (a racy hint for parking, and the receive
     /// path's first look, which prefetches a long message's further slots).
     pub(crate) fn looks_empty(&self, st: &Receiver) -> bool {
