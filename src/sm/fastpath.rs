@@ -138,9 +138,11 @@ impl RxState {
     /// `buf` if it is a user message for `tag` and nothing of that
     /// sender's comes before it (see `Transport::take_direct`); its sender.
     /// Makes up to `looks` looks at the senders' boxes (each box in turn)
-    /// under one lock, and stops at the first sign of other work (another
-    /// message at a box's head, a control message, a ring fragment of
-    /// another kind or tag), which progress serves. After
+    /// under one lock, and stops at the first sign of other work (a
+    /// message of another tag or a rendezvous announcement at a box's
+    /// head, a control message, a ring fragment of another kind or tag),
+    /// which progress serves. A message is taken whether or not others
+    /// follow it in the box. After
     /// [`DIRECT_RUN`] takes it takes none until the next progress call,
     /// which serves the rest (control channels, returns).
     pub(super) fn take_direct(
