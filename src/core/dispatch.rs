@@ -619,7 +619,11 @@ impl Hot {
     }
     /// Work was done (no clock read: see `worked`).
     fn touch(&self) {
-        self.worked.store(true, Ordering::Relaxed);
+        // A load first: a receiver taking message after message writes the
+        // shared line only once per clock read, not once per message.
+        if !self.worked.load(Ordering::Relaxed) {
+            self.worked.store(true, Ordering::Relaxed);
+        }
     }
     /// Read the clock for a poll: stamps pending work, returns the time.
     fn poll_now(&self) -> u64 {

@@ -102,6 +102,9 @@ fn head_mark(n: u64, kind: u64, len: usize) -> u64 {
 
 /// Slots a message of `len` bytes takes.
 fn slots_for(len: usize) -> u64 {
+    if len <= FIRST_WORDS * 8 {
+        return 1;
+    }
     let rest = len.saturating_sub(FIRST_WORDS * 8);
     1 + rest.div_ceil(CONT_WORDS * 8) as u64
 }
@@ -599,20 +602,31 @@ impl<'a> FBox<'a> {
     #[inline]
     pub(crate) fn peek(&self, st: &mut Receiver) -> Result<Option<Found>, Corrupt> {
         // Acquire pairs with the sender's Release store of the mark in `push`.
-        let mut m = self.slot(st.next)[0].load(Ordering::Acquire);
+        let mut head = self.slot(st.next);
+        let mut m = head[0].load(Ordering::Acquire);
         if m == mark(st.next, SKIP) {
             st.next += self.slots - self.pos(st.next);
             self.consumed().store(st.next, Ordering::Release);
-            m = self.slot(st.next)[0].load(Ordering::Acquire);
+            head = self.slot(st.next);
+            m = head[0].load(Ordering::Acquire);
         }
-        let bare = m & !LEN_BITS;
-        let rndv = bare == mark(st.next, RNDV);
-        if bare != mark(st.next, HEAD) && !rndv {
+        // One comparison for the number (an older mark fails it), then the
+        // kind.
+        if m & !0xffff != mark(st.next, 0) {
             return Ok(None);
         }
-        let head = self.slot(st.next);
+        let rndv = match m & !LEN_BITS & 0xffff {
+            HEAD => false,
+            RNDV => true,
+            _ => return Ok(None),
+        };
         let len = (m & LEN_BITS) >> LEN_SHIFT;
-        if len > MAX_PAYLOAD as u64 || slots_for(len as usize) > self.slots - self.pos(st.next) {
+        // A message of one slot always fits; a longer one must end before
+        // the box does.
+        if len > (FIRST_WORDS * 8) as u64
+            && (len > MAX_PAYLOAD as u64
+                || slots_for(len as usize) > self.slots - self.pos(st.next))
+        {
             return Err(Corrupt);
         }
         Ok(Some(Found {
