@@ -675,7 +675,8 @@ impl<'a> FBox<'a> {
     /// the middle of the traffic (on a virtual machine, several
     /// microseconds each, where an 8-byte round trip takes a fifth of one).
     /// Done at the first message rather than when the segment is mapped,
-    /// the box takes memory only once the pair talks.
+    /// a pair that never talks maps no more of its box than the page its
+    /// receiver polls.
     fn touch_pages(&self) {
         const PAGE_WORDS: usize = 4096 / 8;
         for w in self
