@@ -269,8 +269,9 @@ fn a_get_is_served_while_a_ping_pong_takes_its_messages_directly() {
         }
         let done_at = done_at.expect("the get completed during the ping-pong");
         println!("the get completed in round {done_at} of {LONG}");
-        // Served at rank 0's next progress call, which comes after a few
-        // direct takes however fast each finds its message.
+        // Served at rank 0's next progress call: a request waiting on the
+        // control channel ends a run of direct takes within a few of them,
+        // however fast each finds its message.
         assert!(
             done_at <= 40,
             "the get waited {done_at} rounds of the ping-pong"

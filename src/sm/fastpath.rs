@@ -23,8 +23,19 @@ use crate::sys::ring::Ring;
 use crate::Result;
 
 /// Messages [`RxState::take_direct`] takes between two progress calls at
-/// most.
-const DIRECT_RUN: u32 = 16;
+/// most. The bound keeps returns, other senders to the same tag and the
+/// other transports served within that many messages (about 3 µs of small
+/// messages); a progress call inside a stream costs the receiver its place
+/// behind the sender, so the bound is a whole window of an OSU-style
+/// stream (64 messages streamed 1.06x as fast at 64 bytes as with 16, 1.01-
+/// 1.04x at 8 and 256 bytes).
+const DIRECT_RUN: u32 = 64;
+
+/// Every this many direct takes, [`RxState::take_direct`] looks at the
+/// senders' control rings, and a control message waiting there (a
+/// one-sided request, a rendezvous answer) ends the run: control traffic
+/// is served within this many messages of a stream, not [`DIRECT_RUN`].
+const CONTROL_LOOK_EVERY: u32 = 16;
 
 /// [`RxState::take_direct`] looks at the senders' rings in every this
 /// many of its rounds.
@@ -144,7 +155,8 @@ impl RxState {
     /// which progress serves. A message is taken whether or not others
     /// follow it in the box. After
     /// [`DIRECT_RUN`] takes it takes none until the next progress call,
-    /// which serves the rest (control channels, returns).
+    /// which serves the rest (returns, other transports), and a message
+    /// on a control channel ends a run after [`CONTROL_LOOK_EVERY`].
     pub(super) fn take_direct(
         &mut self,
         t: &SmTransport,
@@ -160,6 +172,15 @@ impl RxState {
             return None;
         }
         let peers = t.peer_list();
+        if self.direct_run > 0
+            && self.direct_run % CONTROL_LOOK_EVERY == 0
+            && peers.iter().flatten().any(|p| {
+                let control = p.local as usize * CHANNELS + CHANNELS - 1;
+                !self.cons[control].looks_empty(t.seg.inbound_tail(p.local, CHANNELS - 1))
+            })
+        {
+            return None;
+        }
         // `looks` looks at one box each: fewer rounds with more senders.
         let rounds = (looks as usize / peers.len().max(1)).max(1);
         for round in 0..rounds {
