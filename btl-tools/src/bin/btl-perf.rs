@@ -126,12 +126,15 @@ struct Args {
     sizes: Vec<usize>,
 
     /// Timed iterations per size up to 8 KiB (windowed tests time a tenth as
-    /// many windows); fewer above, in proportion to the size.
-    #[arg(long, value_name = "N", default_value_t = 1000)]
+    /// many windows); fewer above, in proportion to the size. The default is
+    /// osu_latency's: a point of small messages then lasts milliseconds, so
+    /// a pause of the machine of some tens of microseconds (a timer, a
+    /// hypervisor's exit) moves it by a percent, not by a tenth.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
     iters: u64,
 
     /// Untimed iterations first (scaled like --iters).
-    #[arg(long, value_name = "N", default_value_t = 100)]
+    #[arg(long, value_name = "N", default_value_t = 1000)]
     warmup: u64,
 
     /// Operations in flight per window in the bandwidth tests (shrunk so a
