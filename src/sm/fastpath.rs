@@ -174,10 +174,10 @@ impl RxState {
         let peers = t.peer_list();
         if self.direct_run > 0
             && self.direct_run % CONTROL_LOOK_EVERY == 0
-            && peers.iter().flatten().any(|p| {
-                let control = p.local as usize * CHANNELS + CHANNELS - 1;
-                !self.cons[control].looks_empty(t.seg.inbound_tail(p.local, CHANNELS - 1))
-            })
+            && peers
+                .iter()
+                .flatten()
+                .any(|p| !self.ring_looks_empty(t, p, CHANNELS - 1))
         {
             return None;
         }
@@ -212,14 +212,11 @@ impl RxState {
                     // seen sooner).
                     Ok(None) if round % RING_LOOKS_EVERY != 0 => continue,
                     Ok(None) => {
-                        let ring_empty = |ch: usize| {
-                            self.cons[l * CHANNELS + ch]
-                                .looks_empty(t.seg.inbound_tail(p.local, ch))
-                        };
-                        if ring_empty(USER) && ring_empty(CHANNELS - 1) {
+                        let control_empty = self.ring_looks_empty(t, p, CHANNELS - 1);
+                        if control_empty && self.ring_looks_empty(t, p, USER) {
                             continue;
                         }
-                        if !ring_empty(CHANNELS - 1) {
+                        if !control_empty {
                             return None;
                         }
                         // A user message waits in the ring (the box is
@@ -240,6 +237,12 @@ impl RxState {
             }
         }
         None
+    }
+
+    /// Whether `p`'s inbound ring of channel `ch` looks empty (a racy
+    /// hint: a fragment may be being pushed now).
+    fn ring_looks_empty(&self, t: &SmTransport, p: &SmPeer, ch: usize) -> bool {
+        self.cons[p.local as usize * CHANNELS + ch].looks_empty(t.seg.inbound_tail(p.local, ch))
     }
 
     /// After a direct take from `p` (box or ring): count it in `counter`
