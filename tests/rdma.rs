@@ -12,16 +12,18 @@ use async_btl::{Error, Fabric, RemoteKey};
 use common::*;
 
 /// Launch variables of every rdma test: rdma only, tcp;ofi_rxm on
-/// loopback, a short peer timeout.
-const RDMA: [(&str, &str); 4] = [
+/// loopback, a short peer timeout, and eager frames of 16 KiB and the
+/// 32-byte header (the default over hardware providers; these tests place
+/// their sizes around it).
+const RDMA: [(&str, &str); 5] = [
     ("BTL_TRANSPORTS", "rdma"),
     ("BTL_RDMA_PROVIDER", "tcp;ofi_rxm"),
     ("BTL_RDMA_ADDR", "127.0.0.1"),
     ("BTL_RDMA_PEER_TIMEOUT_MS", "1000"),
+    ("BTL_RDMA_EAGER", "16416"),
 ];
 
-/// The eager limit of the tests' ranks (`BTL_RDMA_EAGER`'s default, 16 KiB
-/// and the 32-byte frame header) less the header: the largest eager
+/// The eager limit of the tests' ranks less the header: the largest eager
 /// message.
 const EAGER_PAYLOAD: usize = 16384;
 
@@ -60,6 +62,7 @@ fn rank_main() {
         }
         match scenario.as_str() {
             "sizes" => sizes(f).await,
+            "tcp_frame" => tcp_frame(f).await,
             "order" => order(f).await,
             "alltoall" => alltoall(f).await,
             "putget" => putget(f).await,
@@ -125,6 +128,50 @@ async fn sizes(f: Fabric) {
     println!("in_pieces={}", s.rdma.in_pieces);
     f.barrier().await.unwrap();
     f.close().await.unwrap();
+}
+
+/// Around the default eager frame over `tcp` (64 KiB and the header):
+/// one frame, two pieces, a rendezvous.
+const TCP_SIZES: [usize; 4] = [64 << 10, (64 << 10) + 1, 128 << 10, (128 << 10) + 1];
+
+async fn tcp_frame(f: Fabric) {
+    if f.rank() == 0 {
+        let ep = f.endpoint(1).unwrap();
+        send_sizes(&ep, 3, &TCP_SIZES, &[]).await;
+    } else {
+        expect_sizes(&f, 0, 3, &TCP_SIZES, &[]).await;
+    }
+    let s = f.stats();
+    println!("rendezvous={}", s.rdma.rendezvous);
+    println!("in_pieces={}", s.rdma.in_pieces);
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+#[test]
+fn rdma_over_tcp_sends_up_to_64_kib_in_one_frame_by_default() {
+    need_rdma!();
+    // The tests' environment without its eager size.
+    let env: Vec<(&str, &str)> = RDMA
+        .iter()
+        .filter(|(k, _)| *k != "BTL_RDMA_EAGER")
+        .copied()
+        .collect();
+    let outs = spawn_job(2, "tcp_frame", &env).wait(Duration::from_secs(120));
+    assert_ok(&outs);
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    // 64 KiB in one frame; 64 KiB + 1 and 128 KiB in two pieces; only
+    // 128 KiB + 1 read by the receiver.
+    assert_eq!(
+        n("in_pieces"),
+        2,
+        "the messages of two frames went in pieces"
+    );
+    assert_eq!(
+        n("rendezvous"),
+        1,
+        "only the message above two frames was read"
+    );
 }
 
 /// Sizes around the largest message delivered straight from its receive

@@ -39,7 +39,9 @@
 //!   `BTL_RDMA_CREDITS` frames unconsumed at a receiver, and the receiver
 //!   returns credits in every frame it sends and in a credit frame once
 //!   half are owed, so a receiver that stops reading holds its senders
-//!   back (`Poll::Pending`). A message larger than `BTL_RDMA_EAGER` is
+//!   back (`Poll::Pending`). A message larger than `BTL_RDMA_EAGER` (64 KiB
+//!   over `tcp`, 16 KiB over hardware providers, by default) goes in two
+//!   frames if it fits them, else it is
 //!   registered where it is and announced; the receiver reads it with RDMA
 //!   read and answers when done, which completes the send. Frames carry a
 //!   per-pair sequence number: the receiver delivers in order (and drops

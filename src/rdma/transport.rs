@@ -734,7 +734,7 @@ type Surveyed = (ofi::Provider, std::result::Result<u32, String>);
 /// The providers libfabric offers here, each with whether it would be
 /// chosen and why not: (name, domain, Ok(rank) or Err(why)).
 pub(crate) fn survey(cfg: &RdmaConfig) -> std::result::Result<Vec<Surveyed>, String> {
-    let all = ofi::providers(None, cfg.addr.as_deref(), cfg.eager)?;
+    let all = ofi::providers(None, cfg.addr.as_deref(), cfg.start_frame())?;
     let mut seen = std::collections::HashSet::new();
     Ok(all
         .into_iter()
@@ -826,6 +826,9 @@ pub(crate) fn probe() -> std::result::Result<String, String> {
 pub(crate) struct RdmaTransport {
     core: Arc<Core>,
     config: RdmaConfig,
+    /// The eager frame in use (`config.eager` as chosen at open): the
+    /// size of every receive buffer posted, and of the largest frame sent.
+    eager: usize,
     ep: Arc<Ep>,
     /// The completion queue's wait fd (see `wait`).
     wait_fd: RawFd,
@@ -874,20 +877,24 @@ impl RdmaTransport {
     pub(crate) fn open(core: Arc<Core>) -> Result<Arc<RdmaTransport>> {
         let mut config = core.config().rdma.clone();
         let prov = choose(&config).map_err(|e| Error::Config(format!("rdma: {e}")))?;
+        let mut eager = config
+            .eager
+            .unwrap_or_else(|| super::config::eager_for(&prov));
         if prov.contains("ofi_rxm") {
             // Frames rxm would not send eagerly take its slowest path:
             // keep them within its limit (which the user may have set
-            // lower than ours).
-            let limit = ofi::rxm_eager(config.eager);
-            if limit < config.eager {
+            // lower than ours, or which libfabric started with for
+            // another provider).
+            let limit = ofi::rxm_eager(config.start_frame());
+            if limit < eager {
                 tracing::debug!(
-                    "rdma: eager frames of {} bytes, ofi_rxm's eager limit, not {}",
+                    "rdma: eager frames of {} bytes, ofi_rxm's eager limit, not {eager}",
                     limit.max(super::config::MIN_EAGER),
-                    config.eager
                 );
-                config.eager = limit.max(super::config::MIN_EAGER);
+                eager = limit.max(super::config::MIN_EAGER);
             }
         }
+        config.eager = Some(eager);
         let ep = Ep::open(&prov, config.addr.as_deref(), CQ_SIZE)
             .map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let c = ofi::consts();
@@ -906,7 +913,7 @@ impl RdmaTransport {
             provider: prov.clone(),
             fabric: ep.provider.fabric.clone(),
             name,
-            eager: config.eager as u32,
+            eager: eager as u32,
             credits: config.credits,
         };
         tracing::debug!(
@@ -926,6 +933,7 @@ impl RdmaTransport {
             gather: ep.provider.iov_limit >= 2,
             prov_key: mr_mode & c.mr_prov_key != 0,
             config,
+            eager,
             ep,
             wait_fd: fd,
             me,
@@ -994,13 +1002,13 @@ impl RdmaTransport {
     /// Add `n` new buffers to the receive cycle and post them.
     fn post_new(&self, st: &mut State, n: usize) {
         for _ in 0..n {
-            let mut buf = self.core.buffers().take_exact(self.config.eager);
+            let mut buf = self.core.buffers().take_exact(self.eager);
             // Written once now, so that the pages are there before the
             // provider copies into them: a freshly allocated buffer faults
             // its pages in on its first message (a 16 KiB message, five
             // faults), in the timed path of the first pass through the
             // posted buffers.
-            buf.resize(self.config.eager, 0);
+            buf.resize(self.eager, 0);
             st.recv_bufs += 1;
             self.repost(st, buf, new_ctx());
         }
@@ -1027,7 +1035,7 @@ impl RdmaTransport {
             return;
         }
         buf.clear();
-        let room = self.config.eager.min(buf.capacity());
+        let room = self.eager.min(buf.capacity());
         let p = ctx_ptr(&mut ctx);
         // SAFETY: the buffer (its heap allocation, `room` bytes of
         // capacity, which no Vec operation touches while it sits in
@@ -1231,7 +1239,7 @@ impl RdmaTransport {
         if !self.config.bundle || data.len() > BUNDLE_MAX {
             return false;
         }
-        let cap = self.config.eager;
+        let cap = self.eager;
         let ps = &mut st.peers[r];
         if let Some(b) = &mut ps.bundle {
             if b.tag == tag && b.frame.len() + wire::ENTRY + data.len() <= cap {
@@ -1284,7 +1292,7 @@ impl RdmaTransport {
         tag: u64,
         data: Bytes,
     ) -> Result<Option<Arc<Completion>>> {
-        let eager = data.len() + wire::HEADER <= self.config.eager;
+        let eager = data.len() + wire::HEADER <= self.eager;
         if eager {
             let mut st = lock(&self.st);
             self.check_alive(peer)?;
@@ -1881,11 +1889,7 @@ impl RdmaTransport {
     /// credits (all its pieces must fit in the window, with the credits of
     /// what came before them still unreturned, or neither side could move).
     fn pieces_for(&self, len: usize) -> Option<usize> {
-        let room = self
-            .config
-            .eager
-            .checked_sub(wire::HEADER)
-            .filter(|r| *r > 0)?;
+        let room = self.eager.checked_sub(wire::HEADER).filter(|r| *r > 0)?;
         let n = len.div_ceil(room);
         (n >= 2 && n <= PIECES && 2 * n <= self.config.credits as usize).then_some(n)
     }
@@ -1911,7 +1915,7 @@ impl RdmaTransport {
         match op {
             Op::Recv { mut buf, ctx } => {
                 st.recv_pass += 1;
-                let n = (e.len as usize).min(self.config.eager.min(buf.capacity()));
+                let n = (e.len as usize).min(self.eager.min(buf.capacity()));
                 // SAFETY: the receive completed successfully: the provider
                 // wrote the completion's `len` bytes at the start of the
                 // buffer, posted with room for `eager.min(capacity)`.
@@ -1925,7 +1929,7 @@ impl RdmaTransport {
                 }
                 if buf.capacity() == 0 {
                     // The message kept the buffer: post another.
-                    buf = self.core.buffers().take_exact(self.config.eager);
+                    buf = self.core.buffers().take_exact(self.eager);
                 }
                 if st.deferred < DEFERRED_MAX {
                     // Posted again by the next progress call, not this one:
@@ -2262,7 +2266,7 @@ impl Link for RdmaLink {
     }
 
     fn try_send(&self, kind: Kind, tag: u64, data: &[u8]) -> Result<bool> {
-        if data.len() + wire::HEADER > self.t.config.eager {
+        if data.len() + wire::HEADER > self.t.eager {
             return Ok(false);
         }
         let mut st = lock(&self.t.st);

@@ -16,8 +16,10 @@
 //! told to use (`BTL_RDMA_PROVIDER`, `BTL_RDMA_ADDR`), else `tcp;ofi_rxm`
 //! bound to 127.0.0.1. It runs in rank 0's environment, so with the
 //! `ofi_rxm` sizes the `rdma` transport set there (its eager frame, a
-//! message and its header): the same provider settings for both, which
-//! change nothing for the program's own sizes up to 16 KiB. Its progress follows the run's progress mode:
+//! message and its header: 64 KiB over `tcp` by default): the same
+//! provider settings for both, so that rxm sends the program's messages
+//! eagerly up to the size the transport sends in one frame. Its progress
+//! follows the run's progress mode:
 //! Adaptive polls the completion queue for [`Config::spin`] after the last
 //! completion, then parks on the queue's wait fd (`fi_trywait`, `poll`),
 //! as the `rdma` transport's progress task does; BusyPoll never parks;
