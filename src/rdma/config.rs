@@ -31,6 +31,8 @@ pub struct RdmaConfig {
     /// as fast, than by rendezvous from 16 KiB frames); 16 KiB + 32 B
     /// elsewhere ([`RdmaConfig::EAGER_RDMA`]), where a read moves the data with no
     /// copy by the CPU. Either way a 16 KiB message goes in one frame.
+    /// Receive buffers are this size, posted as the traffic needs them (at
+    /// most a credit window and a few more per sender, and 4096 in all).
     ///
     /// Over `ofi_rxm` this is also rxm's own eager limit and buffer size
     /// (`FI_OFI_RXM_EAGER_LIMIT`, `FI_OFI_RXM_BUFFER_SIZE`, set to it
