@@ -175,8 +175,8 @@ fn rdma_over_tcp_sends_up_to_64_kib_in_one_frame_by_default() {
 }
 
 /// Sizes around the largest message delivered straight from its receive
-/// buffer and the smallest one that keeps it (half a default receive
-/// buffer: 8208 bytes).
+/// buffer and the smallest one that keeps it (half a receive buffer of the
+/// tests' 16 KiB frames: 8208 bytes).
 const LEND_SIZES: [usize; 9] = [0, 1, 8, 100, 4096, 8191, 8207, 8208, 8209];
 
 /// Rank 0 sends a stream of messages of `LEND_SIZES` in turn; rank 1 takes
