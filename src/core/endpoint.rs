@@ -1179,6 +1179,9 @@ impl Flush {
     }
 }
 
+/// Progress turns a flush runs inline per poll while each finds work.
+const FLUSH_TURNS: usize = 16;
+
 impl Future for Flush {
     type Output = Result<()>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -1213,7 +1216,10 @@ impl Future for Flush {
         }
         // Make progress here, as the futures of the operations would, and
         // keep polling while traffic is hot (MPI_Win_flush spins too).
-        if self.ep.core.dispatcher.progress_inline() {
+        for _ in 0..FLUSH_TURNS {
+            if !self.ep.core.dispatcher.progress_inline() {
+                break;
+            }
             if let Some(r) = self.over() {
                 return Poll::Ready(r);
             }
