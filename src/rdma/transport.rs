@@ -827,8 +827,10 @@ pub(crate) fn probe() -> std::result::Result<String, String> {
 pub(crate) struct RdmaTransport {
     core: Arc<Core>,
     config: RdmaConfig,
-    /// The eager frame in use (`config.eager` as chosen at open): the
-    /// size of every receive buffer posted, and of the largest frame sent.
+    /// The eager frame in use, chosen at open from `config.eager` (or the
+    /// provider's default) and rxm's limit: the size of every receive
+    /// buffer posted, and of the largest frame sent. (`config.eager` is
+    /// left as the user set it.)
     eager: usize,
     ep: Arc<Ep>,
     /// The completion queue's wait fd (see `wait`).
@@ -876,7 +878,7 @@ pub(crate) struct RdmaTransport {
 impl RdmaTransport {
     /// Open the endpoint. Must run inside a tokio runtime.
     pub(crate) fn open(core: Arc<Core>) -> Result<Arc<RdmaTransport>> {
-        let mut config = core.config().rdma.clone();
+        let config = core.config().rdma.clone();
         let prov = choose(&config).map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let mut eager = config
             .eager
@@ -895,7 +897,6 @@ impl RdmaTransport {
                 eager = limit.max(super::config::MIN_EAGER);
             }
         }
-        config.eager = Some(eager);
         let ep = Ep::open(&prov, config.addr.as_deref(), CQ_SIZE)
             .map_err(|e| Error::Config(format!("rdma: {e}")))?;
         let c = ofi::consts();
