@@ -74,6 +74,7 @@ fn rank_main() {
             "kill" => kill_scenario(f, true).await,
             "serve3" => serve3(f).await,
             "idle" => idle(f).await,
+            "one_sided" => one_sided(f).await,
             "wake" => wake(f).await,
             "held" => held(f).await,
             "held_alone" => held_alone(f).await,
@@ -387,6 +388,43 @@ async fn idle(f: Fabric) {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let used = cpu_time() - before;
     println!("idle_cpu_ms={}", used.as_millis());
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Rank 0 only writes into rank 1's region (puts, never a message) while
+/// rank 1 sends it a small message every 50 ms, for 2.5 peer timeouts:
+/// hearing its peer often must not keep rank 0 from sending keepalives,
+/// or rank 1, which hears nothing from it, takes it for lost.
+async fn one_sided(f: Fabric) {
+    let me = f.rank();
+    let ep = f.endpoint(1 - me).unwrap();
+    let region = f.register(vec![0u8; 4096]);
+    let span = Duration::from_millis(2500);
+    let start = std::time::Instant::now();
+    if me == 1 {
+        ep.send(6, region.remote_key().to_bytes()).await.unwrap();
+        let mut sent = 0u32;
+        while start.elapsed() < span {
+            ep.send(7, sent.to_le_bytes().to_vec()).await.unwrap();
+            sent += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("messages={sent}");
+    } else {
+        let mut keys = f.receiver(6).unwrap();
+        let key = RemoteKey::from_bytes(&keys.recv().await.unwrap().data).unwrap();
+        let mut puts = 0u64;
+        while start.elapsed() < span {
+            for _ in 0..16 {
+                ep.put_nbi(&region, 0..64, &key, 0).unwrap();
+            }
+            ep.flush().await.unwrap();
+            puts += 16;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        println!("puts={puts}");
+    }
     f.barrier().await.unwrap();
     f.close().await.unwrap();
 }
@@ -806,6 +844,16 @@ fn rdma_idle_ranks_sleep_on_the_completion_queue() {
         // heartbeat cost a few ms; a spinning task would use ~2000.
         assert!(ms < 500, "rank {r} used {ms} ms of CPU in 2 s of idleness");
     }
+}
+
+#[test]
+fn rdma_a_rank_that_only_writes_keeps_its_peer_hearing_from_it() {
+    need_rdma!();
+    let outs = job(2, "one_sided", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    let puts: u64 = value(&outs[0], "puts").unwrap().parse().unwrap();
+    let messages: u32 = value(&outs[1], "messages").unwrap().parse().unwrap();
+    assert!(puts > 0 && messages > 20, "puts={puts} messages={messages}");
 }
 
 #[test]

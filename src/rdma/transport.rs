@@ -524,9 +524,10 @@ struct PeerState {
     /// completed.
     posted: usize,
     /// When a frame from the peer was last seen, and one to it last
-    /// posted, as of the last liveness check: `heard`/`sent` count frames
-    /// on the path of each message (a clock read per message costs it), and
-    /// the check stamps the time when they moved.
+    /// posted (or a keepalive queued), as of the last liveness check:
+    /// `heard`/`sent` count frames on the path of each message (a clock
+    /// read per message costs it), and the check stamps the time when they
+    /// moved. `last_sent` is `None` until we first send the peer a frame.
     last_heard: Option<Instant>,
     last_sent: Option<Instant>,
     heard: u64,
@@ -2189,8 +2190,14 @@ impl RdmaTransport {
                     silent.push(p.rank);
                     continue;
                 }
-                let sent = ps.last_sent.unwrap_or(heard);
-                if now.saturating_duration_since(sent) >= every && ps.ctrl.is_empty() {
+                // A keepalive is due a quarter timeout after our last frame
+                // to the peer, and at once if we never sent it one: what we
+                // hear from it says nothing about what it hears from us (a
+                // rank that only puts and gets sends no frames at all).
+                let due = ps
+                    .last_sent
+                    .map_or(true, |sent| now.saturating_duration_since(sent) >= every);
+                if due && ps.ctrl.is_empty() {
                     ps.ctrl.push_back(wire::control(
                         Type::Ping,
                         self.core.rank(),
