@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum test { LAT, BW, PUT_LAT, PUT_BW, ATOMIC_LAT, ATOMIC_CSWAP_LAT, ATOMIC_RATE, NTESTS };
 
@@ -220,7 +221,14 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 2;
     }
-    char *buf = malloc(max), *rbuf = malloc((size_t)max * maxwin);
+    /* Page-aligned, as btl-perf's own buffers and ucx_perftest's. */
+    long page = sysconf(_SC_PAGESIZE);
+    char *buf = NULL, *rbuf = NULL;
+    if (posix_memalign((void **)&buf, (size_t)page, (size_t)max) ||
+        posix_memalign((void **)&rbuf, (size_t)page, (size_t)max * maxwin)) {
+        fprintf(stderr, "mpi_pp: out of memory\n");
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     MPI_Request *req = malloc(sizeof *req * maxwin);
     memset(buf, 1, max);
     memset(rbuf, 0, (size_t)max * maxwin);
