@@ -50,6 +50,7 @@ fn rank_main() {
             "parking" => parking(f).await,
             "split" => split(f).await,
             "midstream" => midstream(f).await,
+            "adaptive" => adaptive(f).await,
             "lend" => lend(f).await,
             "lend_two" => lend_two(f).await,
             other => panic!("unknown scenario {other}"),
@@ -134,9 +135,47 @@ async fn alltoall_paths(f: Fabric) {
     f.close().await.unwrap();
 }
 
-/// Messages between the single-copy threshold and split copy's: lone
-/// ones (each answered before the next) go by rendezvous; a stream of
-/// them mixes rendezvous and fragments, in order.
+/// Mid-sized messages in a ping-pong (each answered before the next), of
+/// both classes of the band where the sender chooses between single copy
+/// and fragments: every one arrives whole and in order whichever way it
+/// went, and the sender prints how many went each way.
+async fn adaptive(f: Fabric) {
+    const ROUNDS: u64 = 200;
+    let len = |i: u64| [20_000, 40_000][(i % 2) as usize];
+    let peer = 1 - f.rank();
+    let ep = f.endpoint(peer).unwrap();
+    let mut rx = f.receiver(4).unwrap();
+    if f.rank() == 0 {
+        for i in 0..ROUNDS {
+            ep.send(4, pattern(len(i), i)).await.unwrap();
+            if i == 3 {
+                let s = f.stats().sm;
+                println!("first_fragments={}", s.chosen_fragment_sends);
+                println!("first_rendezvous={}", s.rendezvous_sends);
+            }
+            assert_eq!(rx.recv().await.unwrap().data, pattern(len(i), 1000 + i));
+        }
+        let s = f.stats().sm;
+        println!("chosen_fragment_sends={}", s.chosen_fragment_sends);
+        println!("rendezvous_sends={}", s.rendezvous_sends);
+    } else {
+        for i in 0..ROUNDS {
+            assert_eq!(
+                rx.recv().await.unwrap().data,
+                pattern(len(i), i),
+                "message {i}"
+            );
+            ep.send(4, pattern(len(i), 1000 + i)).await.unwrap();
+        }
+    }
+    f.barrier().await.unwrap();
+    f.close().await.unwrap();
+}
+
+/// Messages between the single-copy threshold and split copy's, with the
+/// sender's choice between single copy and fragments off: lone ones (each
+/// answered before the next) go by rendezvous; a stream of them mixes
+/// rendezvous and fragments, in order.
 async fn midstream(f: Fabric) {
     const LEN: usize = 20_000;
     const STREAM: u64 = 200;
@@ -767,7 +806,8 @@ fn parked_ping_pong_loses_no_wake_up() {
 
 #[test]
 fn a_stream_of_mid_sized_messages_mixes_single_copies_and_fragments_in_order() {
-    let outs = spawn_job(2, "midstream", &[]).wait(Duration::from_secs(60));
+    let env = [("BTL_SM_ADAPT_MAX", "0")];
+    let outs = spawn_job(2, "midstream", &env).wait(Duration::from_secs(60));
     assert_ok(&outs);
     if !async_btl::info::cma().ok {
         println!("cross-memory copies are not allowed here: no rendezvous to count");
@@ -781,6 +821,31 @@ fn a_stream_of_mid_sized_messages_mixes_single_copies_and_fragments_in_order() {
         (1..200).contains(&stream),
         "the stream's first by single copy, most of the rest through fragments: {stream}"
     );
+}
+
+#[test]
+fn mid_sized_messages_go_whichever_way_measured_cheaper_and_arrive_in_order() {
+    let outs = spawn_job(2, "adaptive", &[]).wait(Duration::from_secs(60));
+    assert_ok(&outs);
+    if !async_btl::info::cma().ok {
+        println!("cross-memory copies are not allowed here: every message took fragments");
+        return;
+    }
+    let n = |k: &str| -> u64 { value(&outs[0], k).unwrap().parse().unwrap() };
+    // Each class (20 KB and 40 KB here) measures fragments with its first
+    // message and single copy with its second.
+    assert_eq!(n("first_fragments"), 2, "the first of each class");
+    assert_eq!(n("first_rendezvous"), 2, "the second of each class");
+    let (frags, single) = (n("chosen_fragment_sends"), n("rendezvous_sends"));
+    println!("200 mid-sized messages: {frags} through fragments, {single} by single copy");
+    assert_eq!(
+        frags + single,
+        200,
+        "every message went one way or the other"
+    );
+    // Whichever way is preferred, one message in 64 of a class goes the
+    // other, so both keep being measured.
+    assert!(frags >= 3 && single >= 3, "{frags} / {single}");
 }
 
 #[test]
@@ -804,7 +869,10 @@ fn four_processes_all_to_all() {
 
 #[test]
 fn four_processes_all_to_all_through_every_path() {
-    let outs = spawn_job(4, "alltoall_paths", &[]).wait(Duration::from_secs(120));
+    // Every large message by rendezvous: the sender's choice of fragments
+    // for mid-sized ones off.
+    let env = [("BTL_SM_ADAPT_MAX", "0")];
+    let outs = spawn_job(4, "alltoall_paths", &env).wait(Duration::from_secs(120));
     assert_ok(&outs);
     if !async_btl::info::cma().ok {
         println!("cross-memory copies are not allowed here: no rendezvous to count");

@@ -140,6 +140,11 @@ pub struct Limits {
     /// Shared memory: sends (and put/get to registered buffers) of at least
     /// this many bytes use a single kernel copy where allowed.
     pub sm_single_copy_min: usize,
+    /// Shared memory: sends from `sm_single_copy_min` up to (not
+    /// including) this many bytes take single copy or fragments,
+    /// whichever the sender measured cheaper lately (0 or no larger than
+    /// `sm_single_copy_min`: no choice, single copy).
+    pub sm_adapt_max: usize,
     /// Shared memory: sends of at least this many bytes are copied by both
     /// processes at once (split copy).
     pub sm_split_min: usize,
@@ -196,6 +201,7 @@ impl From<&Config> for Limits {
             recv_total_budget: c.recv_total_budget,
             sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
             sm_single_copy_min: c.sm.cma_min,
+            sm_adapt_max: c.sm.adapt_max.min(c.sm.split_min),
             sm_split_min: c.sm.split_min,
             udp_bundle: c.udp.bundle,
             udp_bundle_message_max: crate::udp::peer::BUNDLE_ITEM_MAX,

@@ -19,14 +19,25 @@ pub struct SmConfig {
     /// Number of max fragments per process. Env: `BTL_SM_MAX_COUNT`.
     pub max_count: usize,
     /// Sends, and put/get to or from a registered (non-shared) buffer, of
-    /// at least this many bytes use a single kernel copy (CMA; a rendezvous
-    /// for sends) instead of fragments, where ptrace rules allow. 16 KiB:
-    /// from there one copy beats two through fragments (a 16 KiB ping-pong
-    /// takes 0.7x the time). A send below `split_min` while a rendezvous
-    /// of ours to the same peer is still being copied (a stream) goes
-    /// through fragments instead, so that both processes copy at once.
-    /// Env: `BTL_SM_CMA_MIN` (a huge value turns CMA off).
+    /// at least this many bytes may use a single kernel copy (CMA; a
+    /// rendezvous for sends) instead of fragments, where ptrace rules
+    /// allow. Sends below `adapt_max` take whichever of the two the sender
+    /// measured cheaper lately (see `adapt_max`), larger ones the single
+    /// copy. A send below `split_min` while a rendezvous of ours to the
+    /// same peer is still being copied (a stream) goes through fragments
+    /// instead, so that both processes copy at once. 16 KiB. Env:
+    /// `BTL_SM_CMA_MIN` (a huge value turns CMA off).
     pub cma_min: usize,
+    /// Sends from `cma_min` up to (not including) this size go by single
+    /// copy or through fragments, whichever cost less in the sender's
+    /// recent measurements of both (per peer and per power-of-two size
+    /// class; one message in 64 takes the other way, to measure it again):
+    /// a single copy's fixed cost (a system call that pins pages) makes
+    /// fragments faster while the two cores share a cache, and the lines
+    /// fragments move between the cores make them slower while the cores
+    /// do not. 64 KiB. Env: `BTL_SM_ADAPT_MAX` (`0` turns choosing off:
+    /// every send from `cma_min` takes the single copy).
+    pub adapt_max: usize,
     /// Rendezvous sends of at least this many bytes are copied by both
     /// processes at once (the receiver reads the head, the sender writes
     /// the tail into the receiver's buffer; see ARCHITECTURE), so two cores
@@ -45,6 +56,7 @@ impl Default for SmConfig {
             max_size: 128 * 1024,
             max_count: 16,
             cma_min: 16 * 1024,
+            adapt_max: 64 * 1024,
             split_min: 64 * 1024,
         }
     }
@@ -59,6 +71,7 @@ impl SmConfig {
             ("BTL_SM_MAX", &mut self.max_size),
             ("BTL_SM_MAX_COUNT", &mut self.max_count),
             ("BTL_SM_CMA_MIN", &mut self.cma_min),
+            ("BTL_SM_ADAPT_MAX", &mut self.adapt_max),
             ("BTL_SM_SPLIT_MIN", &mut self.split_min),
         ] {
             if let Some(v) = get(k) {

@@ -23,9 +23,12 @@
 //! (fragments over the rings: pool, push, reassembly), [`fbox`] and
 //! [`fastpath`] (the fast box, and its send and receive), [`rendezvous`]
 //! (single copy of large messages, with split copy's transport side),
+//! [`adapt`] (single copy or fragments for mid-sized messages, whichever
+//! measured cheaper),
 //! [`link`] (the [`Link`] impl), [`tx`] and [`rx`] (send and receive
 //! state, queues, progress).
 
+mod adapt;
 pub(crate) mod config;
 pub(crate) mod doorbell;
 mod eager;
@@ -178,6 +181,7 @@ pub(crate) struct SmCounters {
     /// As `fast_box_recvs`, for `RxState::ring_direct`.
     pub(crate) direct_ring_recvs: std::sync::atomic::AtomicU64,
     pub(crate) rendezvous_sends: std::sync::atomic::AtomicU64,
+    pub(crate) chosen_fragment_sends: std::sync::atomic::AtomicU64,
     pub(crate) split_tails_written: std::sync::atomic::AtomicU64,
     pub(crate) split_tails_taken_back: std::sync::atomic::AtomicU64,
     pub(crate) cma_puts: std::sync::atomic::AtomicU64,
@@ -220,7 +224,9 @@ impl SmTransport {
         let id = crate::sys::os::random_bytes::<16>();
         let seg = Segment::create(&id, params, core.job_tag(), local_rank)?;
         let n = local_size as usize;
-        let tx = tx::TxState::new(&seg.layout, n);
+        let mut tx = tx::TxState::new(&seg.layout, n);
+        // Choosing ends where split copy starts (a choice neither way has).
+        tx.adapt = adapt::Adapt::new(n, c.sm.cma_min, c.sm.adapt_max.min(c.sm.split_min));
         let rx = rx::RxState::new(n);
         Ok(Arc::new(SmTransport {
             core,
@@ -548,6 +554,7 @@ impl Transport for SmTransport {
         m.fast_box_recvs = g(&c.fast_box_recvs);
         m.direct_ring_recvs = g(&c.direct_ring_recvs);
         m.rendezvous_sends = g(&c.rendezvous_sends);
+        m.chosen_fragment_sends = g(&c.chosen_fragment_sends);
         m.split_tails_written = g(&c.split_tails_written);
         m.split_tails_taken_back = g(&c.split_tails_taken_back);
         m.cma_puts = g(&c.cma_puts);

@@ -13,6 +13,7 @@
 //! asked for) are here too.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 
@@ -73,6 +74,8 @@ pub(super) struct Rndv {
     pub(super) peer: u32,
     pub(super) data: Bytes,
     pub(super) done: Arc<Completion>,
+    /// When it was announced (how long single copies take: see `adapt`).
+    pub(super) start: Instant,
 }
 
 impl TxState {
@@ -101,6 +104,7 @@ impl TxState {
                 peer: peer.local,
                 data,
                 done: done.clone(),
+                start: Instant::now(),
             },
         );
         self.rndv_order[peer.local as usize].push_back(handle);
@@ -169,6 +173,8 @@ impl TxState {
         self.rndv_order[peer.local as usize].retain(|&h| h != handle);
         if copied {
             r.done.complete(Ok(()));
+            self.adapt
+                .single_took(peer.local as usize, r.data.len(), r.start.elapsed());
             return;
         }
         tracing::info!(
@@ -219,6 +225,7 @@ impl TxState {
                 // (The order holds only this peer's handles still in `rndv`.)
                 if let Some(r) = self.rndv.remove(&h) {
                     r.done.complete(Ok(()));
+                    self.adapt.single_took(l, r.data.len(), r.start.elapsed());
                     n += 1;
                 }
             }

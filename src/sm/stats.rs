@@ -15,6 +15,10 @@ pub struct SmStats {
     /// Large messages sent by rendezvous: announced, then copied by the
     /// receiver straight from the sender's memory (single copy, CMA).
     pub rendezvous_sends: u64,
+    /// Messages from `SmConfig::cma_min` up to `SmConfig::adapt_max` bytes
+    /// sent through fragments rather than by rendezvous, because
+    /// fragments measured cheaper lately (see `SmConfig::adapt_max`).
+    pub chosen_fragment_sends: u64,
     /// Received rendezvous messages whose tail the sender wrote into our
     /// buffer while we read the head (split copy: both cores copying).
     pub split_tails_written: u64,

@@ -17,9 +17,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 
+use super::adapt::{Adapt, Way};
 use super::eager::{FreeList, FREE};
 use super::fbox;
 use super::kind::Kind;
@@ -27,6 +29,7 @@ use super::rendezvous::Rndv;
 use super::segment::{Layout, CHANNELS};
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
+use crate::core::stats::Counters;
 use crate::sys::mem::RawBuf;
 use crate::sys::ring::{ConsumerState, ProducerState};
 use crate::transport::Loss;
@@ -96,6 +99,8 @@ pub(crate) struct TxState {
     /// Per peer: the highest value of its done word we acted on.
     pub(super) rndv_settled: Vec<u64>,
     pub(super) next_handle: u64,
+    /// Single copy or fragments for mid-sized messages.
+    pub(super) adapt: Adapt,
     /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
 }
@@ -133,6 +138,8 @@ impl TxState {
             rndv_order: vec![VecDeque::new(); n],
             rndv_settled: vec![0; n],
             next_handle: 1,
+            // No band until the transport sets its own.
+            adapt: Adapt::new(n, 0, 0),
             misbehaved: Vec::new(),
         }
     }
@@ -286,12 +293,26 @@ impl TxState {
         if peer.is_lost() {
             return Err(peer.lost_error());
         }
+        let len = data.len();
         if kind == Kind::User
-            && data.len() >= t.config.cma_min
+            && len >= t.config.cma_min
             && peer.cma_ok()
-            && (data.len() >= t.config.split_min || !self.rendezvous_out(t, peer))
+            && (len >= t.config.split_min || !self.rendezvous_out(t, peer))
         {
-            return self.announce(t, peer, tag, data).map(Some);
+            let l = peer.local as usize;
+            if self.adapt.way(l, len) != Some(Way::Fragments) {
+                return self.announce(t, peer, tag, data).map(Some);
+            }
+            Counters::bump(&t.counters.chosen_fragment_sends);
+            // Timed only when it all goes at once (a queued message's
+            // time is the queue's).
+            let start = Instant::now();
+            let at = self.push_now(t, peer, kind, tag, &data)?;
+            let Some(at) = at else {
+                self.adapt.fragments_took(l, len, start.elapsed());
+                return Ok(None);
+            };
+            return Ok(Some(self.enqueue(peer, kind, tag, data, at, None)));
         }
         self.send_owned(t, peer, kind, tag, data, None)
     }
