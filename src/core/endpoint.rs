@@ -121,11 +121,15 @@ impl Endpoint {
     /// the peer's FIFO (shared memory) and cannot be lost by this process.
     /// Messages on one tag from one sender arrive in send order.
     ///
-    /// On `sm`, a message of `BTL_SM_CMA_MIN` bytes (16 KiB) or more goes by
-    /// rendezvous where the kernel allows cross-memory copies: the receiver
-    /// copies it straight out of `data` (one copy instead of two), and the
-    /// future resolves once it has. `data` is kept alive until then even if
-    /// the future is dropped (`Stats::rendezvous_sends` counts these).
+    /// On `sm`, a message of `BTL_SM_CMA_MIN` bytes (16 KiB) or more may go
+    /// by rendezvous where the kernel allows cross-memory copies: the
+    /// receiver copies it straight out of `data` (one copy instead of two),
+    /// and the future resolves once it has. `data` is kept alive until then
+    /// even if the future is dropped (`SmStats::rendezvous_sends` counts
+    /// these). From 64 KiB (`BTL_SM_ADAPT_MAX`) it always does; below, it
+    /// does when single copy measured cheaper than fragments lately, and
+    /// otherwise goes through fragments and resolves as a small message
+    /// does (`SmStats::chosen_fragment_sends`).
     pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> SendFuture {
         self.0.core.counters.add(Hot::Sends);
         SendFuture {

@@ -142,8 +142,10 @@ pub struct Limits {
     pub sm_single_copy_min: usize,
     /// Shared memory: sends from `sm_single_copy_min` up to (not
     /// including) this many bytes take single copy or fragments,
-    /// whichever the sender measured cheaper lately (0 or no larger than
-    /// `sm_single_copy_min`: no choice, single copy).
+    /// whichever the sender measured cheaper lately (no larger than
+    /// `sm_single_copy_min`: no choice, single copy). `BTL_SM_ADAPT_MAX`,
+    /// ending no later than split copy's start and four doublings of
+    /// `sm_single_copy_min`.
     pub sm_adapt_max: usize,
     /// Shared memory: sends of at least this many bytes are copied by both
     /// processes at once (split copy).
@@ -201,7 +203,7 @@ impl From<&Config> for Limits {
             recv_total_budget: c.recv_total_budget,
             sm_fast_box_max: crate::sm::fbox::MAX_PAYLOAD,
             sm_single_copy_min: c.sm.cma_min,
-            sm_adapt_max: c.sm.adapt_max.min(c.sm.split_min),
+            sm_adapt_max: crate::sm::adapt::band_end(c.sm.cma_min, c.sm.adapt_max, c.sm.split_min),
             sm_split_min: c.sm.split_min,
             udp_bundle: c.udp.bundle,
             udp_bundle_message_max: crate::udp::peer::BUNDLE_ITEM_MAX,

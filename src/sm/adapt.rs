@@ -4,29 +4,35 @@
 //! From [`SmConfig::cma_min`](super::config::SmConfig::cma_min) up to
 //! [`SmConfig::adapt_max`](super::config::SmConfig::adapt_max) neither
 //! protocol wins everywhere. A kernel single copy pays a fixed price per
-//! message (a system call that pins the source's pages: about 1.5 µs on a
-//! KVM guest, less on bare metal) and reads lines the sender left clean.
-//! Two copies through fragments pay nothing fixed, but move each line
-//! between the two cores twice: cheap when the cores share a cache, and
-//! several times dearer when they sit on different dies or sockets, or a
-//! hypervisor puts them there for a while. On one guest, a 16 KiB
-//! ping-pong took 0.6-0.8x as long through fragments as by single copy
-//! while the two vCPUs shared a cache, and 2.2x as long while they did
-//! not.
+//! message (a system call that pins the source's pages: on a KVM guest,
+//! about 0.6x the time of a whole 16 KiB single copy) and reads lines the
+//! sender left clean. Two copies through fragments pay nothing fixed, but
+//! move each line between the two cores twice: cheap when the cores share
+//! a cache, and several times dearer when they sit on different dies or
+//! sockets, or a hypervisor puts them there for a while. On one guest, a
+//! 16 KiB ping-pong took 0.6-0.8x as long through fragments as by single
+//! copy while the two vCPUs shared a cache, and 1.8-2.2x as long while
+//! they did not.
 //!
 //! So the sender keeps, per peer and per size class (a power of two from
-//! `cma_min`), two running estimates:
-//! - fragments: twice its own copy of a whole message into fragments (the
-//!   receiver copies it out again at about the same rate; the copy in is
-//!   what grows most when lines cross dies);
-//! - single copy: the time from announcing a message to seeing the
-//!   receiver's done word (its copy and both hand-overs).
+//! `cma_min`, at most [`CLASSES`] of them), two running estimates:
+//! - fragments: twice its own push of a whole message into fragments
+//!   (taking them, the copy, posting them; the receiver copies the message
+//!   out again at about the same rate, and the copy in is what grows most
+//!   when lines cross dies), from the messages it pushed at once;
+//! - single copy: the time from announcing a message to the sender's
+//!   progress seeing the receiver's done word (the receiver's delay in
+//!   taking the announcement, its copy, and both hand-overs), from the
+//!   announcements that went out at once to a receiver that had taken
+//!   everything sent to it before (in a stream, the first of a burst).
 //!
 //! Each message in the band takes the cheaper one, and every
 //! [`EXPLORE`]th takes the other, so an estimate that went stale (the
-//! machine changed) is measured again. A message for which a rendezvous is
-//! still out goes through fragments as before, and one of `split_min`
-//! bytes or more by (split) single copy: neither is a choice here.
+//! machine changed) is measured again; a way not measured yet is taken
+//! first. A message for which a rendezvous is still out goes through
+//! fragments as before, one of `split_min` bytes or more by (split) single
+//! copy, and a borrowed one (`send_inline`) through one fragment when
+//! there is room: none of these is a choice here.
 
 use std::time::Duration;
 
@@ -34,9 +40,17 @@ use std::time::Duration;
 pub(super) const EXPLORE: u32 = 64;
 
 /// Size classes per peer: 16 KiB up to 64 KiB with the defaults is two
-/// (16-32 KiB, 32-64 KiB); more than this many doublings of `cma_min` are
-/// not tracked (their messages go by single copy).
-const CLASSES: usize = 4;
+/// (16-32 KiB, 32-64 KiB); the band ends after this many doublings of
+/// `cma_min` whatever `adapt_max` says (see [`band_end`]).
+pub(super) const CLASSES: usize = 4;
+
+/// Where the band of `cma_min..adapt_max` ends: at `adapt_max`, but no
+/// later than split copy's start or the last tracked class.
+pub(crate) fn band_end(cma_min: usize, adapt_max: usize, split_min: usize) -> usize {
+    adapt_max
+        .min(split_min)
+        .min(cma_min.max(1).saturating_mul(1 << CLASSES))
+}
 
 /// How a message in the band goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,11 +69,14 @@ struct Estimate(Option<u64>);
 
 impl Estimate {
     fn add(&mut self, ns: u64) {
+        // At least 1, and rounded up: a tiny estimate must still grow
+        // with larger samples (each is capped at 4x the estimate).
+        let ns = ns.max(1);
         self.0 = Some(match self.0 {
             None => ns,
             Some(old) => {
                 let ns = ns.min(old.saturating_mul(4));
-                (old * 3 + ns) / 4
+                old.saturating_mul(3).saturating_add(ns).div_ceil(4)
             }
         });
     }
@@ -77,16 +94,15 @@ struct Class {
 impl Class {
     fn way(&mut self) -> Way {
         self.count = self.count.wrapping_add(1);
-        let (f, s) = match (self.fragments.0, self.single.0) {
-            // Each way is measured once before either is preferred.
-            (None, _) => return Way::Fragments,
-            (_, None) => return Way::Single,
-            (Some(f), Some(s)) => (f, s),
-        };
-        let best = if 2 * f < s {
-            Way::Fragments
-        } else {
-            Way::Single
+        let best = match (self.fragments.0, self.single.0) {
+            // A way not measured yet is taken first (fragments before
+            // single copy). Each keeps its turn to be explored below, so a
+            // way whose messages all had to queue (no sample) does not
+            // hold the class forever.
+            (None, _) => Way::Fragments,
+            (Some(_), None) => Way::Single,
+            (Some(f), Some(s)) if f.saturating_mul(2) < s => Way::Fragments,
+            (Some(_), Some(_)) => Way::Single,
         };
         match (self.count % EXPLORE == 0, best) {
             (false, w) => w,
@@ -126,6 +142,11 @@ impl Adapt {
         (c < CLASSES).then_some(c)
     }
 
+    /// Whether a message of `len` bytes is in the band.
+    pub(super) fn in_band(&self, len: usize) -> bool {
+        self.class(len).is_some()
+    }
+
     /// How a message of `len` bytes to local rank `peer` goes; `None`
     /// outside the band (the caller's rule applies).
     pub(super) fn way(&mut self, peer: usize, len: usize) -> Option<Way> {
@@ -138,7 +159,7 @@ impl Adapt {
     pub(super) fn fragments_took(&mut self, peer: usize, len: usize, copy: Duration) {
         if let Some(c) = self.class(len) {
             if let Some(cl) = self.classes.get_mut(peer) {
-                cl[c].fragments.add(copy.as_nanos() as u64);
+                cl[c].fragments.add(nanos(copy));
             }
         }
     }
@@ -148,10 +169,15 @@ impl Adapt {
     pub(super) fn single_took(&mut self, peer: usize, len: usize, took: Duration) {
         if let Some(c) = self.class(len) {
             if let Some(cl) = self.classes.get_mut(peer) {
-                cl[c].single.add(took.as_nanos() as u64);
+                cl[c].single.add(nanos(took));
             }
         }
     }
+}
+
+/// `d` in nanoseconds, saturating.
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -225,6 +251,33 @@ mod tests {
         let mut e = Estimate::default();
         e.add(1000);
         e.add(1_000_000_000);
-        assert_eq!(e.0, Some((3 * 1000 + 4000) / 4));
+        assert_eq!(e.0, Some((3 * 1000 + 4000_u64).div_ceil(4)));
+        let mut z = Estimate::default();
+        z.add(0);
+        z.add(1000);
+        assert!(
+            z.0 > Some(1),
+            "a zero sample does not pin the estimate: {z:?}"
+        );
+        z.add(u64::MAX);
+        z.add(u64::MAX);
+    }
+
+    #[test]
+    fn a_way_never_measured_still_gives_way_to_the_other_now_and_then() {
+        // Every fragments push had to queue: no sample, yet single copy is
+        // tried every EXPLORE-th message.
+        let mut a = Adapt::new(1, 16 * K, 64 * K);
+        let ways: Vec<Way> = (0..EXPLORE).map(|_| a.way(0, 16 * K).unwrap()).collect();
+        assert_eq!(ways.iter().filter(|w| **w == Way::Single).count(), 1);
+    }
+
+    #[test]
+    fn the_band_ends_at_split_copy_or_the_last_class() {
+        assert_eq!(band_end(16 * K, 64 * K, 64 * K), 64 * K);
+        assert_eq!(band_end(16 * K, 1 << 30, 64 * K), 64 * K);
+        assert_eq!(band_end(2 * K, 1 << 20, 1 << 20), 32 * K);
+        assert_eq!(band_end(16 * K, 0, 64 * K), 0);
+        assert_eq!(band_end(usize::MAX, 1 << 20, 1 << 20), 1 << 20);
     }
 }

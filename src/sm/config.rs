@@ -28,15 +28,17 @@ pub struct SmConfig {
     /// instead, so that both processes copy at once. 16 KiB. Env:
     /// `BTL_SM_CMA_MIN` (a huge value turns CMA off).
     pub cma_min: usize,
-    /// Sends from `cma_min` up to (not including) this size go by single
-    /// copy or through fragments, whichever cost less in the sender's
-    /// recent measurements of both (per peer and per power-of-two size
-    /// class; one message in 64 takes the other way, to measure it again):
-    /// a single copy's fixed cost (a system call that pins pages) makes
+    /// Sends (`Endpoint::send`, not the borrowed `send_inline`) from
+    /// `cma_min` up to (not including) this size go by single copy or
+    /// through fragments, whichever cost less in the sender's recent
+    /// measurements of both (per peer and per power-of-two size class;
+    /// one message in 64 takes the other way, to measure it again): a
+    /// single copy's fixed cost (a system call that pins pages) makes
     /// fragments faster while the two cores share a cache, and the lines
     /// fragments move between the cores make them slower while the cores
-    /// do not. 64 KiB. Env: `BTL_SM_ADAPT_MAX` (`0` turns choosing off:
-    /// every send from `cma_min` takes the single copy).
+    /// do not. The band ends no later than `split_min` and four doublings
+    /// of `cma_min`. 64 KiB. Env: `BTL_SM_ADAPT_MAX` (`0` turns choosing
+    /// off: every send from `cma_min` takes the single copy).
     pub adapt_max: usize,
     /// Rendezvous sends of at least this many bytes are copied by both
     /// processes at once (the receiver reads the head, the sender writes

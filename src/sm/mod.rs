@@ -28,7 +28,7 @@
 //! [`link`] (the [`Link`] impl), [`tx`] and [`rx`] (send and receive
 //! state, queues, progress).
 
-mod adapt;
+pub(crate) mod adapt;
 pub(crate) mod config;
 pub(crate) mod doorbell;
 mod eager;
@@ -225,8 +225,8 @@ impl SmTransport {
         let seg = Segment::create(&id, params, core.job_tag(), local_rank)?;
         let n = local_size as usize;
         let mut tx = tx::TxState::new(&seg.layout, n);
-        // Choosing ends where split copy starts (a choice neither way has).
-        tx.adapt = adapt::Adapt::new(n, c.sm.cma_min, c.sm.adapt_max.min(c.sm.split_min));
+        let end = adapt::band_end(c.sm.cma_min, c.sm.adapt_max, c.sm.split_min);
+        tx.adapt = adapt::Adapt::new(n, c.sm.cma_min, end);
         let rx = rx::RxState::new(n);
         Ok(Arc::new(SmTransport {
             core,

@@ -27,6 +27,7 @@ use super::tx::{TxState, USER};
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
 use crate::core::stats::Counters;
+use crate::sys::ring::Ring;
 use crate::Result;
 
 /// Bytes of a rendezvous announcement: handle, address, length.
@@ -74,8 +75,11 @@ pub(super) struct Rndv {
     pub(super) peer: u32,
     pub(super) data: Bytes,
     pub(super) done: Arc<Completion>,
-    /// When it was announced (how long single copies take: see `adapt`).
-    pub(super) start: Instant,
+    /// When it was announced, if it is timed for `adapt`: a message in its
+    /// band, announced to a peer that had taken all we sent it before,
+    /// and at once (one that queued behind other messages, or reached a
+    /// receiver still copying earlier ones, would count their time too).
+    pub(super) start: Option<Instant>,
 }
 
 impl TxState {
@@ -91,6 +95,10 @@ impl TxState {
     ) -> Result<Arc<Completion>> {
         let handle = self.next_handle;
         self.next_handle += 1;
+        // Timed for `adapt` only when the peer has taken everything we
+        // sent it before: in a stream, the time to the answer would count
+        // the receiver's copies of the messages ahead of this one.
+        let timed = self.adapt.in_band(data.len()) && self.caught_up(t, peer);
         let rts = Rts {
             handle,
             addr: data.as_ptr() as u64,
@@ -104,7 +112,7 @@ impl TxState {
                 peer: peer.local,
                 data,
                 done: done.clone(),
-                start: Instant::now(),
+                start: timed.then(Instant::now),
             },
         );
         self.rndv_order[peer.local as usize].push_back(handle);
@@ -113,6 +121,9 @@ impl TxState {
         match self.push_now(t, peer, Kind::UserCma, tag, &rts) {
             Ok(None) => {}
             Ok(Some(at)) => {
+                if let Some(r) = self.rndv.get_mut(&handle) {
+                    r.start = None;
+                }
                 let rts = Bytes::copy_from_slice(&rts);
                 self.enqueue(peer, Kind::UserCma, tag, rts, at, None);
             }
@@ -124,6 +135,19 @@ impl TxState {
         }
         Counters::bump(&t.counters.rendezvous_sends);
         Ok(done)
+    }
+
+    /// Whether `peer` has taken every user message we sent it: its user
+    /// ring from us and our fast box to it are drained.
+    fn caught_up(&mut self, t: &SmTransport, peer: &SmPeer) -> bool {
+        let prod = &mut self.prod[peer.local as usize * CHANNELS + USER];
+        let ring = Ring::known_drained(prod)
+            || peer
+                .seg
+                .inbound(t.seg.local_rank, USER)
+                .drained(prod)
+                .unwrap_or(false);
+        ring && self.fbox_drained(t, peer).unwrap_or(false)
     }
 
     /// The data of our rendezvous `handle` to local peer `local`, if it is
@@ -173,8 +197,10 @@ impl TxState {
         self.rndv_order[peer.local as usize].retain(|&h| h != handle);
         if copied {
             r.done.complete(Ok(()));
-            self.adapt
-                .single_took(peer.local as usize, r.data.len(), r.start.elapsed());
+            if let Some(start) = r.start {
+                self.adapt
+                    .single_took(peer.local as usize, r.data.len(), start.elapsed());
+            }
             return;
         }
         tracing::info!(
@@ -225,7 +251,9 @@ impl TxState {
                 // (The order holds only this peer's handles still in `rndv`.)
                 if let Some(r) = self.rndv.remove(&h) {
                     r.done.complete(Ok(()));
-                    self.adapt.single_took(l, r.data.len(), r.start.elapsed());
+                    if let Some(start) = r.start {
+                        self.adapt.single_took(l, r.data.len(), start.elapsed());
+                    }
                     n += 1;
                 }
             }

@@ -16,8 +16,10 @@ pub struct SmStats {
     /// receiver straight from the sender's memory (single copy, CMA).
     pub rendezvous_sends: u64,
     /// Messages from `SmConfig::cma_min` up to `SmConfig::adapt_max` bytes
-    /// sent through fragments rather than by rendezvous, because
-    /// fragments measured cheaper lately (see `SmConfig::adapt_max`).
+    /// the sender chose to send through fragments rather than by
+    /// rendezvous (see `SmConfig::adapt_max`): because fragments measured
+    /// cheaper lately, to measure them (a class's first message), or to
+    /// measure them again (one in 64 while single copy is preferred).
     pub chosen_fragment_sends: u64,
     /// Received rendezvous messages whose tail the sender wrote into our
     /// buffer while we read the head (split copy: both cores copying).

@@ -303,11 +303,11 @@ impl TxState {
             if self.adapt.way(l, len) != Some(Way::Fragments) {
                 return self.announce(t, peer, tag, data).map(Some);
             }
-            Counters::bump(&t.counters.chosen_fragment_sends);
             // Timed only when it all goes at once (a queued message's
             // time is the queue's).
             let start = Instant::now();
             let at = self.push_now(t, peer, kind, tag, &data)?;
+            Counters::bump(&t.counters.chosen_fragment_sends);
             let Some(at) = at else {
                 self.adapt.fragments_took(l, len, start.elapsed());
                 return Ok(None);
@@ -322,8 +322,8 @@ impl TxState {
     /// stream, both processes copy at once (the sender into fragments
     /// while the receiver copies out), where single copies one after
     /// another leave the sender's core idle (16 KiB streams about 1.4x as
-    /// fast); a lone message, as in a request and its answer, still takes
-    /// the one copy.
+    /// fast); a lone message, as in a request and its answer, takes the
+    /// way `adapt` chooses (single copy with the choice off).
     fn rendezvous_out(&self, t: &SmTransport, peer: &SmPeer) -> bool {
         self.rndv_order[peer.local as usize]
             .back()

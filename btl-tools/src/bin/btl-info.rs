@@ -119,17 +119,17 @@ fn render_text(r: &Report) -> String {
         "  sm max          {} x {} B",
         l.sm_max_count, l.sm_max_size
     ));
-    let choice = if l.sm_adapt_max > l.sm_single_copy_min {
+    let single = if l.sm_adapt_max > l.sm_single_copy_min {
         format!(
-            " (below {} B: or fragments, whichever measured cheaper)",
-            l.sm_adapt_max
+            "single copy or fragments (whichever measured cheaper) from {} B, single copy only from {} B",
+            l.sm_single_copy_min, l.sm_adapt_max
         )
     } else {
-        String::new()
+        format!("single copy from {} B", l.sm_single_copy_min)
     };
     out.push(format!(
-        "  sm paths        fast box up to {} B, fragments, single copy from {} B{choice}, split copy from {} B",
-        l.sm_fast_box_max, l.sm_single_copy_min, l.sm_split_min
+        "  sm paths        fast box up to {} B, fragments, {single}, split copy from {} B",
+        l.sm_fast_box_max, l.sm_split_min
     ));
     out.push(if l.udp_bundle {
         format!(
