@@ -71,8 +71,9 @@ fn wrong_length(got: usize, want: usize) -> Error {
 /// (`Receiver::recv_into`, as MPI and UCX receive into the caller's
 /// buffer: the one copy then lands there); the others as the transport's
 /// own buffer (`recv`, no copy). Copied anyway are messages below 16 KiB
-/// over `sm` and `smcuda` (a larger one goes by single copy into a buffer
-/// the receiver is handed) and up to 8 KiB over `rdma` (from half a
+/// over `sm` and `smcuda` (a larger one lands, by single copy or copied
+/// out of its fragment, in a buffer the receiver is handed) and up to
+/// 8 KiB over `rdma` (from half a
 /// receive buffer, 8 KiB with 16 KiB frames, it hands over the buffer the
 /// message arrived in; the 64 KiB frames of `tcp` copy out messages up to
 /// 32 KiB); `udp` hands over a slice of the datagram.
