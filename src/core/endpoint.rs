@@ -126,10 +126,12 @@ impl Endpoint {
     /// receiver copies it straight out of `data` (one copy instead of two),
     /// and the future resolves once it has. `data` is kept alive until then
     /// even if the future is dropped (`SmStats::rendezvous_sends` counts
-    /// these). From 64 KiB (`BTL_SM_ADAPT_MAX`) it always does; below, it
-    /// does when single copy measured cheaper than fragments lately, and
+    /// these). From 64 KiB (`BTL_SM_ADAPT_MAX`) it always does. Below, a
+    /// message that finds the peer caught up (a request, an answer) does
+    /// when single copy measured cheaper than fragments lately, and
     /// otherwise goes through fragments and resolves as a small message
-    /// does (`SmStats::chosen_fragment_sends`).
+    /// does (`SmStats::chosen_fragment_sends`); in a burst, one goes by
+    /// rendezvous and those sent while it is copied through fragments.
     pub fn send(&self, tag: Tag, data: impl Into<Bytes>) -> SendFuture {
         self.0.core.counters.add(Hot::Sends);
         SendFuture {

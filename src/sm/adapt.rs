@@ -26,13 +26,17 @@
 //!   announcements that went out at once to a receiver that had taken
 //!   everything sent to it before (in a stream, the first of a burst).
 //!
-//! Each message in the band takes the cheaper one, and every
-//! [`EXPLORE`]th takes the other, so an estimate that went stale (the
-//! machine changed) is measured again; a way not measured yet is taken
-//! first. A message for which a rendezvous is still out goes through
-//! fragments as before, one of `split_min` bytes or more by (split) single
-//! copy, and a borrowed one (`send_inline`) through one fragment when
-//! there is room: none of these is a choice here.
+//! A message in the band that finds its peer caught up with us (it took
+//! everything we sent it before: a request, an answer, the first of a
+//! burst) takes the cheaper one, and every [`EXPLORE`]th such message the
+//! other, so an estimate that went stale (the machine changed) is
+//! measured again; a way not measured yet is taken first. Within a burst
+//! the older rule stands: single copy, and fragments while one of ours is
+//! still being copied, so that both cores copy at once (where fragments
+//! alone, across dies, streamed at half the rate). A message of
+//! `split_min` bytes or more goes by (split) single copy, and a borrowed
+//! one (`send_inline`) through one fragment when there is room: neither is
+//! a choice here.
 
 use std::time::Duration;
 

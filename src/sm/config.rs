@@ -29,10 +29,12 @@ pub struct SmConfig {
     /// `BTL_SM_CMA_MIN` (a huge value turns CMA off).
     pub cma_min: usize,
     /// Sends (`Endpoint::send`, not the borrowed `send_inline`) from
-    /// `cma_min` up to (not including) this size go by single copy or
-    /// through fragments, whichever cost less in the sender's recent
-    /// measurements of both (per peer and per power-of-two size class;
-    /// one message in 64 takes the other way, to measure it again): a
+    /// `cma_min` up to (not including) this size that find the peer
+    /// caught up (a request, an answer, the first of a burst) go by single
+    /// copy or through fragments, whichever cost less in the sender's
+    /// recent measurements of both (per peer and per power-of-two size
+    /// class; one message in 64 takes the other way, to measure it
+    /// again); within a burst the `split_min` rule below applies. A
     /// single copy's fixed cost (a system call that pins pages) makes
     /// fragments faster while the two cores share a cache, and the lines
     /// fragments move between the cores make them slower while the cores

@@ -86,19 +86,18 @@ impl TxState {
     /// Rendezvous: announce a large message in order with the other user
     /// messages; the receiver copies it straight out of `data` (one copy
     /// instead of two through fragments) and answers. Completes on the answer.
+    /// `timed`: its time to the answer is a sample for `adapt` (see
+    /// `Rndv::start`).
     pub(super) fn announce(
         &mut self,
         t: &SmTransport,
         peer: &SmPeer,
         tag: u64,
         data: Bytes,
+        timed: bool,
     ) -> Result<Arc<Completion>> {
         let handle = self.next_handle;
         self.next_handle += 1;
-        // Timed for `adapt` only when the peer has taken everything we
-        // sent it before: in a stream, the time to the answer would count
-        // the receiver's copies of the messages ahead of this one.
-        let timed = self.adapt.in_band(data.len()) && self.caught_up(t, peer);
         let rts = Rts {
             handle,
             addr: data.as_ptr() as u64,
@@ -139,7 +138,7 @@ impl TxState {
 
     /// Whether `peer` has taken every user message we sent it: its user
     /// ring from us and our fast box to it are drained.
-    fn caught_up(&mut self, t: &SmTransport, peer: &SmPeer) -> bool {
+    pub(super) fn caught_up(&mut self, t: &SmTransport, peer: &SmPeer) -> bool {
         let prod = &mut self.prod[peer.local as usize * CHANNELS + USER];
         let ring = Ring::known_drained(prod)
             || peer

@@ -300,8 +300,14 @@ impl TxState {
             && (len >= t.config.split_min || !self.rendezvous_out(t, peer))
         {
             let l = peer.local as usize;
-            if self.adapt.way(l, len) != Some(Way::Fragments) {
-                return self.announce(t, peer, tag, data).map(Some);
+            // The choice is made for a message that finds the peer caught
+            // up with us (a request, an answer, the first of a burst): its
+            // samples are clean, and within a burst the rule above (single
+            // copy, then fragments while it is copied) already lets both
+            // cores copy at once.
+            let lone = self.adapt.in_band(len) && self.caught_up(t, peer);
+            if !lone || self.adapt.way(l, len) != Some(Way::Fragments) {
+                return self.announce(t, peer, tag, data, lone).map(Some);
             }
             // Timed only when it all goes at once (a queued message's
             // time is the queue's).
