@@ -16,10 +16,13 @@
 //!
 //! So the sender keeps, per peer and per size class (a power of two from
 //! `cma_min`, at most [`CLASSES`] of them), two running estimates:
-//! - fragments: twice its own push of a whole message into fragments
-//!   (taking them, the copy, posting them; the receiver copies the message
-//!   out again at about the same rate, and the copy in is what grows most
-//!   when lines cross dies), from the messages it pushed at once;
+//! - fragments: twice its own copies of a whole message into fragments
+//!   (the receiver copies the message out again at about the same rate,
+//!   and the copy in is what grows most when lines cross dies; taking and
+//!   posting fragments costs little either way), from the messages it
+//!   pushed at once; a message sent to measure fragments again takes the
+//!   max fragment given back last, whose lines are as warm as those of
+//!   fragments in steady use;
 //! - single copy: the time from announcing a message to the sender's
 //!   progress seeing the receiver's done word (the receiver's delay in
 //!   taking the announcement, its copy, and both hand-overs), from the
@@ -96,7 +99,9 @@ struct Class {
 }
 
 impl Class {
-    fn way(&mut self) -> Way {
+    /// The way, and whether it is the one not preferred (taken to measure
+    /// it again).
+    fn way(&mut self) -> (Way, bool) {
         self.count = self.count.wrapping_add(1);
         let best = match (self.fragments.0, self.single.0) {
             // A way not measured yet is taken first (fragments before
@@ -109,9 +114,9 @@ impl Class {
             (Some(_), Some(_)) => Way::Single,
         };
         match (self.count % EXPLORE == 0, best) {
-            (false, w) => w,
-            (true, Way::Fragments) => Way::Single,
-            (true, Way::Single) => Way::Fragments,
+            (false, w) => (w, false),
+            (true, Way::Fragments) => (Way::Single, true),
+            (true, Way::Single) => (Way::Fragments, true),
         }
     }
 }
@@ -151,9 +156,10 @@ impl Adapt {
         self.class(len).is_some()
     }
 
-    /// How a message of `len` bytes to local rank `peer` goes; `None`
+    /// How a message of `len` bytes to local rank `peer` goes, and whether
+    /// that is the way not preferred (taken to measure it again); `None`
     /// outside the band (the caller's rule applies).
-    pub(super) fn way(&mut self, peer: usize, len: usize) -> Option<Way> {
+    pub(super) fn way(&mut self, peer: usize, len: usize) -> Option<(Way, bool)> {
         let c = self.class(len)?;
         Some(self.classes.get_mut(peer)?[c].way())
     }
@@ -216,19 +222,19 @@ mod tests {
     #[test]
     fn each_way_is_measured_first_then_the_cheaper_one_is_taken() {
         let mut a = Adapt::new(1, 16 * K, 64 * K);
-        assert_eq!(a.way(0, 16 * K), Some(Way::Fragments));
+        assert_eq!(a.way(0, 16 * K).map(|w| w.0), Some(Way::Fragments));
         a.fragments_took(0, 16 * K, us(1));
-        assert_eq!(a.way(0, 16 * K), Some(Way::Single));
+        assert_eq!(a.way(0, 16 * K).map(|w| w.0), Some(Way::Single));
         a.single_took(0, 16 * K, us(3));
         // 2 x 1 µs < 3 µs: fragments, but every EXPLORE-th message tries
         // single copy again.
         let ways: Vec<Way> = (0..2 * EXPLORE)
-            .map(|_| a.way(0, 16 * K).unwrap())
+            .map(|_| a.way(0, 16 * K).unwrap().0)
             .collect();
         let singles = ways.iter().filter(|w| **w == Way::Single).count();
         assert_eq!(singles, 2, "{ways:?}");
         // The other class has its own estimates.
-        assert_eq!(a.way(0, 40 * K), Some(Way::Fragments));
+        assert_eq!(a.way(0, 40 * K).map(|w| w.0), Some(Way::Fragments));
     }
 
     #[test]
@@ -236,18 +242,18 @@ mod tests {
         let mut a = Adapt::new(1, 16 * K, 64 * K);
         a.fragments_took(0, 16 * K, us(1));
         a.single_took(0, 16 * K, us(3));
-        assert_eq!(a.way(0, 16 * K), Some(Way::Fragments));
+        assert_eq!(a.way(0, 16 * K).map(|w| w.0), Some(Way::Fragments));
         // Copies into fragments become 5x dearer (the cores now sit on two
         // dies): a few samples turn the choice.
         for _ in 0..3 {
             a.fragments_took(0, 16 * K, us(5));
         }
-        assert_eq!(a.way(0, 16 * K), Some(Way::Single));
+        assert_eq!(a.way(0, 16 * K).map(|w| w.0), Some(Way::Single));
         // And back, through the explored messages' samples.
         for _ in 0..8 {
             a.fragments_took(0, 16 * K, us(1));
         }
-        assert_eq!(a.way(0, 16 * K), Some(Way::Fragments));
+        assert_eq!(a.way(0, 16 * K).map(|w| w.0), Some(Way::Fragments));
     }
 
     #[test]
@@ -272,7 +278,7 @@ mod tests {
         // Every fragments push had to queue: no sample, yet single copy is
         // tried every EXPLORE-th message.
         let mut a = Adapt::new(1, 16 * K, 64 * K);
-        let ways: Vec<Way> = (0..EXPLORE).map(|_| a.way(0, 16 * K).unwrap()).collect();
+        let ways: Vec<Way> = (0..EXPLORE).map(|_| a.way(0, 16 * K).unwrap().0).collect();
         assert_eq!(ways.iter().filter(|w| **w == Way::Single).count(), 1);
     }
 

@@ -204,10 +204,14 @@ impl TxState {
         };
         // (A large message takes eager fragments as readily as max ones:
         // more of it in flight at once.)
+        let max = |s: &mut Self| match s.warm_max {
+            false => s.free_max.pop_front(),
+            true => s.free_max.pop_back(),
+        };
         let i = match (want_eager, exact) {
             (true, true) => eager(self),
-            (true, false) => eager(self).or_else(|| self.free_max.pop_front()),
-            (false, _) => self.free_max.pop_front().or_else(|| eager(self)),
+            (true, false) => eager(self).or_else(|| max(self)),
+            (false, _) => max(self).or_else(|| eager(self)),
         };
         i.map(|i| i as usize)
     }
@@ -295,9 +299,13 @@ impl TxState {
                 raw.prefetch_write(line);
                 line += 64;
             }
+            let timing = self.copy_time.is_some().then(std::time::Instant::now);
             raw.write(off, &h.encode())
                 .and_then(|_| raw.write(off + FRAG_BODY as u64, &data[at.sent..at.sent + n]))
                 .map_err(|e| Error::Misuse(format!("fragment outside our own segment: {e}")))?;
+            if let (Some(start), Some(sum)) = (timing, self.copy_time.as_mut()) {
+                *sum += start.elapsed();
+            }
             if let Err(e) = self.post_fragment(t, peer, ch, i, off) {
                 break Err(e);
             }

@@ -300,6 +300,18 @@ impl Segment {
         // A fresh memory file is zero-filled by the kernel: rings start empty.
         file.raw()
             .write(0, &encode(&params, job_tag, layout.total, pid, local_rank))?;
+        // Fault in our fragment pools now, a write per page: their first
+        // lap would otherwise take a page fault on every page of every
+        // fragment, on the path of the messages (a 16 KiB copy into a
+        // fresh fragment took several times as long as into a used one).
+        // (At the smallest page size: a larger page is touched more than
+        // once, harmlessly.)
+        const PAGE: usize = 4096;
+        for (off, size) in (0..layout.frags()).map(|i| layout.frag(i)) {
+            for page in (0..size).step_by(PAGE) {
+                file.raw().write(off + page as u64, &[0])?;
+            }
+        }
         let served = share::serve(&mut file, share::Kind::Segment, *id, job_tag)?;
         let seg = Segment {
             file,

@@ -17,7 +17,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 
@@ -101,6 +100,12 @@ pub(crate) struct TxState {
     pub(super) next_handle: u64,
     /// Single copy or fragments for mid-sized messages.
     pub(super) adapt: Adapt,
+    /// While a push is timed for `adapt`: the time its copies into
+    /// fragments took so far.
+    pub(super) copy_time: Option<std::time::Duration>,
+    /// The push under way takes the max fragment given back last, not the
+    /// one free longest (see `submit`).
+    pub(super) warm_max: bool,
     /// Peers (local ranks) caught misbehaving, cut off once `tx` is released.
     pub(crate) misbehaved: Vec<(u32, String)>,
 }
@@ -140,6 +145,8 @@ impl TxState {
             next_handle: 1,
             // No band until the transport sets its own.
             adapt: Adapt::new(n, 0, 0),
+            copy_time: None,
+            warm_max: false,
             misbehaved: Vec::new(),
         }
     }
@@ -306,16 +313,26 @@ impl TxState {
             // copy, then fragments while it is copied) already lets both
             // cores copy at once.
             let lone = self.adapt.in_band(len) && self.caught_up(t, peer);
-            if !lone || self.adapt.way(l, len) != Some(Way::Fragments) {
+            let way = if lone { self.adapt.way(l, len) } else { None };
+            let Some((Way::Fragments, explored)) = way else {
                 return self.announce(t, peer, tag, data, lone).map(Some);
-            }
-            // Timed only when it all goes at once (a queued message's
-            // time is the queue's).
-            let start = Instant::now();
-            let at = self.push_now(t, peer, kind, tag, &data)?;
+            };
+            // Its copies into fragments are timed (the rest of a push is
+            // the same small cost either way), and counted only when it
+            // all goes at once.
+            // A message sent to measure fragments again takes the max
+            // fragment given back last, as a sporadic message does: the
+            // one free longest is cold, and its copy would measure that
+            // rather than what fragments cost in use.
+            self.copy_time = Some(std::time::Duration::ZERO);
+            self.warm_max = explored;
+            let at = self.push_now(t, peer, kind, tag, &data);
+            self.warm_max = false;
+            let copied = self.copy_time.take().unwrap_or_default();
+            let at = at?;
             Counters::bump(&t.counters.chosen_fragment_sends);
             let Some(at) = at else {
-                self.adapt.fragments_took(l, len, start.elapsed());
+                self.adapt.fragments_took(l, len, copied);
                 return Ok(None);
             };
             return Ok(Some(self.enqueue(peer, kind, tag, data, at, None)));
