@@ -160,28 +160,30 @@ impl Adapt {
     /// that is the way not preferred (taken to measure it again); `None`
     /// outside the band (the caller's rule applies).
     pub(super) fn way(&mut self, peer: usize, len: usize) -> Option<(Way, bool)> {
-        let c = self.class(len)?;
-        Some(self.classes.get_mut(peer)?[c].way())
+        Some(self.class_of(peer, len)?.way())
     }
 
     /// A message of `len` bytes to `peer` went through fragments, its copy
     /// into them taking `copy`.
     pub(super) fn fragments_took(&mut self, peer: usize, len: usize, copy: Duration) {
-        if let Some(c) = self.class(len) {
-            if let Some(cl) = self.classes.get_mut(peer) {
-                cl[c].fragments.add(nanos(copy));
-            }
+        if let Some(cl) = self.class_of(peer, len) {
+            cl.fragments.add(nanos(copy));
         }
     }
 
     /// A rendezvous of `len` bytes to `peer` was done `took` after it was
     /// announced.
     pub(super) fn single_took(&mut self, peer: usize, len: usize, took: Duration) {
-        if let Some(c) = self.class(len) {
-            if let Some(cl) = self.classes.get_mut(peer) {
-                cl[c].single.add(nanos(took));
-            }
+        if let Some(cl) = self.class_of(peer, len) {
+            cl.single.add(nanos(took));
         }
+    }
+
+    /// The estimates for a message of `len` bytes to local rank `peer`, if
+    /// it is in the band and the peer known.
+    fn class_of(&mut self, peer: usize, len: usize) -> Option<&mut Class> {
+        let c = self.class(len)?;
+        self.classes.get_mut(peer)?.get_mut(c)
     }
 }
 
