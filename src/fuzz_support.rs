@@ -238,6 +238,29 @@ impl FastBox {
         }))
     }
 
+    /// The receiver takes the next message as a receive for `tag` into a
+    /// lent buffer does: a one-slot user message on `tag` in one step
+    /// (`take_one`), anything else as [`take`](Self::take) reads it.
+    pub fn take_direct(&mut self, tag: u64) -> std::result::Result<Option<Taken>, Corrupt> {
+        let b = self.fbox();
+        let mut st = self.rx;
+        let mut out = vec![0xEE; 5];
+        let r = b.take_one(&mut st, tag, &mut out);
+        self.rx = st;
+        match r {
+            fbox::Take::Took(len) => {
+                assert_eq!(out.len(), len, "the length taken is the bytes given");
+                Ok(Some(Taken {
+                    tag,
+                    rndv: false,
+                    data: out,
+                }))
+            }
+            fbox::Take::Empty => Ok(None),
+            fbox::Take::Other => self.take(),
+        }
+    }
+
     /// The pair's split-copy word as the receiver sees it for `handle`
     /// (any value a peer leaves there must read as some state).
     pub fn split_state(&self, handle: u64) -> u8 {

@@ -1,8 +1,10 @@
 //! Drives an `sm` fast box: an honest sender, the receiver, and a hostile
 //! peer scribbling on any word of the box (marks, tags, payload, the
-//! `consumed` counter, the split-copy word). Nothing may panic or read out
-//! of bounds. While nobody scribbles, the receiver gets exactly what was
-//! pushed, in order.
+//! `consumed` counter, the split-copy word). The receiver takes messages
+//! both ways the receive path does (looking first, and a receive's direct
+//! take of a one-slot message on the tag it waits for). Nothing may panic
+//! or read out of bounds. While nobody scribbles, the receiver gets exactly
+//! what was pushed, in order.
 #![no_main]
 
 use async_btl::fuzz_support::{FastBox, Taken};
@@ -36,7 +38,16 @@ fuzz_target!(|data: &[u8]| {
                     Err(_) => corrupt = true,
                 }
             }
-            1 | 2 => match b.take() {
+            n @ (1 | 2) => match if n == 1 {
+                b.take()
+            } else {
+                // The tag a receiver waits on: usually the next message's.
+                let want = match pushed.front() {
+                    Some(t) if input.u8() % 4 != 0 => t.tag,
+                    _ => u64::from(input.u8()),
+                };
+                b.take_direct(want)
+            } {
                 Ok(Some(t)) => {
                     if !scribbled {
                         assert_eq!(Some(t), pushed.pop_front(), "not what was pushed");

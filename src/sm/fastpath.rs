@@ -200,6 +200,14 @@ impl RxState {
                 }
                 let b = t.seg.fbox(p.local);
                 let st = &mut self.fb[l];
+                match b.take_one(st, tag, buf) {
+                    fbox::Take::Took(_) => {
+                        self.took_direct(t, p, &t.counters.fast_box_recvs);
+                        return Some(p.rank);
+                    }
+                    fbox::Take::Empty if round % RING_LOOKS_EVERY != 0 => continue,
+                    _ => {}
+                }
                 let found = match b.peek(st) {
                     // Taken even when more follow: a progress call would
                     // take the run behind it (up to `FBOX_RUN`) before the
