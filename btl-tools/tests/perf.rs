@@ -331,6 +331,11 @@ fn ucx_baseline_beside_async_btl() {
         notes.contains("ucx: ") && notes.contains("UCX_TLS=sm,self"),
         "{notes}"
     );
+    // Its bw streams where ours answers each window: the report says so.
+    assert!(
+        notes.contains("ucx: its bw (tag_bw) streams with no answer"),
+        "{notes}"
+    );
     assert!(j["ratios"]
         .as_array()
         .unwrap()

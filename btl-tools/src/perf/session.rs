@@ -345,6 +345,11 @@ async fn measure_ucx(
         ucx::version(s.watchdog).await,
         env.join(" ")
     )];
+    if samples.iter().any(|x| x.wire == name && x.test == Test::Bw) {
+        notes.push(format!(
+            "{name}: its bw (tag_bw) streams with no answer until its end, where async-btl's and Open MPI's bw wait for an answer to each window (a round trip per window); async-btl's msg_rate, answered every 64 windows, is the nearer twin of tag_bw"
+        ));
+    }
     for (test, why) in failed {
         notes.push(format!("{name}: no {test}: {why}"));
     }
