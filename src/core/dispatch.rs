@@ -564,7 +564,7 @@ const INLINE_TURNS: usize = 16;
 /// for at each window's acknowledgement and at the next window's first
 /// message. A wait that outlasts the looks registers and runs progress
 /// turns, and the next look comes a microsecond or so later: with a quarter
-/// as many looks, a stream of 8-byte messages in windows of 64 took 1.1
+/// as many looks, a stream of 8-byte messages in windows of 64 took 1.1-1.2
 /// times as long.
 const DIRECT_LOOKS: u32 = 256;
 

@@ -954,10 +954,8 @@ mod tests {
                     // one-slot message behind a skip.
                     assert!(!one || i == 0 || skip, "message {i} was left");
                     let f = b.peek(&mut r).unwrap().unwrap();
-                    assert_eq!(
-                        (f.tag, f.len, f.rndv),
-                        (tag, len.min(if rndv { 24 } else { len }), rndv)
-                    );
+                    let sent = if rndv { len.min(24) } else { len };
+                    assert_eq!((f.tag, f.len, f.rndv), (tag, sent, rndv));
                     assert_eq!(take(&b, &mut r).unwrap().1, data[..f.len]);
                     left += 1;
                 }
