@@ -56,16 +56,10 @@ impl TxState {
         data: &[u8],
     ) -> Result<Option<bool>> {
         let l = peer.local as usize;
-        let prod = &mut self.prod[l * CHANNELS + USER];
-        // The ring is looked at only when we pushed to it since it was last
-        // seen drained.
-        if !Ring::known_drained(prod) {
-            let ring = peer.seg.inbound(t.seg.local_rank, USER);
-            match ring.drained(prod) {
-                Ok(true) => {}
-                Ok(false) => return Ok(None),
-                Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
-            }
+        match self.user_ring_drained(t, peer) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(_) => return Err(self.corrupt(peer, "its inbound ring is corrupt")),
         }
         // A load and a plain store, no locked instruction (this is the
         // hot path of small sends; the flag is only a hint).
@@ -88,6 +82,22 @@ impl TxState {
             Ok(false) => Ok(Some(false)),
             Err(_) => Err(self.corrupt(peer, "its fast box is corrupt")),
         }
+    }
+
+    /// Whether the peer took every user message we pushed to its ring
+    /// from us. The ring is looked at only when we pushed to it since it
+    /// was last seen drained. `Err`: its indices are impossible.
+    #[inline]
+    pub(super) fn user_ring_drained(
+        &mut self,
+        t: &SmTransport,
+        peer: &SmPeer,
+    ) -> std::result::Result<bool, crate::sys::ring::Corrupt> {
+        let prod = &mut self.prod[peer.local as usize * CHANNELS + USER];
+        if Ring::known_drained(prod) {
+            return Ok(true);
+        }
+        peer.seg.inbound(t.seg.local_rank, USER).drained(prod)
     }
 
     /// Whether the peer took every message we put in its fast box.

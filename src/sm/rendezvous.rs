@@ -27,7 +27,6 @@ use super::tx::{TxState, USER};
 use super::{SmPeer, SmTransport};
 use crate::core::completion::Completion;
 use crate::core::stats::Counters;
-use crate::sys::ring::Ring;
 use crate::Result;
 
 /// Bytes of a rendezvous announcement: handle, address, length.
@@ -139,14 +138,17 @@ impl TxState {
     /// Whether `peer` has taken every user message we sent it: its user
     /// ring from us and our fast box to it are drained.
     pub(super) fn caught_up(&mut self, t: &SmTransport, peer: &SmPeer) -> bool {
-        let prod = &mut self.prod[peer.local as usize * CHANNELS + USER];
-        let ring = Ring::known_drained(prod)
-            || peer
-                .seg
-                .inbound(t.seg.local_rank, USER)
-                .drained(prod)
-                .unwrap_or(false);
-        ring && self.fbox_drained(t, peer).unwrap_or(false)
+        self.user_ring_drained(t, peer).unwrap_or(false)
+            && self.fbox_drained(t, peer).unwrap_or(false)
+    }
+
+    /// Rendezvous `r` to local peer `l` was copied: complete it, and give
+    /// its time to `adapt` if it was timed.
+    fn copied(&mut self, l: usize, r: Rndv) {
+        r.done.complete(Ok(()));
+        if let Some(start) = r.start {
+            self.adapt.single_took(l, r.data.len(), start.elapsed());
+        }
     }
 
     /// The data of our rendezvous `handle` to local peer `local`, if it is
@@ -195,11 +197,7 @@ impl TxState {
         // looked at exactly while one is).
         self.rndv_order[peer.local as usize].retain(|&h| h != handle);
         if copied {
-            r.done.complete(Ok(()));
-            if let Some(start) = r.start {
-                self.adapt
-                    .single_took(peer.local as usize, r.data.len(), start.elapsed());
-            }
+            self.copied(peer.local as usize, r);
             return;
         }
         tracing::info!(
@@ -249,10 +247,7 @@ impl TxState {
                 self.rndv_order[l].pop_front();
                 // (The order holds only this peer's handles still in `rndv`.)
                 if let Some(r) = self.rndv.remove(&h) {
-                    r.done.complete(Ok(()));
-                    if let Some(start) = r.start {
-                        self.adapt.single_took(l, r.data.len(), start.elapsed());
-                    }
+                    self.copied(l, r);
                     n += 1;
                 }
             }
