@@ -677,6 +677,17 @@ impl crate::core::dispatch::Progress for FabricProgress {
     }
 }
 
+/// The allowed transports that this build leaves out, each with why, as
+/// the start of an "unreachable" error: a transport that `BTL_TRANSPORTS`
+/// names but the build lacks (a cargo feature off) is the likeliest cause.
+fn left_out_of_build<'a>(allowed: impl Iterator<Item = (&'a str, Option<&'a str>)>) -> String {
+    allowed
+        .filter_map(|(name, not_built)| {
+            not_built.map(|why| format!("{name} is not in this build: {why}; "))
+        })
+        .collect()
+}
+
 impl Fabric {
     /// The running transport of type `T`, for accessors of one transport's
     /// own (see `udp`'s).
@@ -941,8 +952,14 @@ impl Fabric {
             } else {
                 core.config.transports.join(", ")
             };
+            let left_out = left_out_of_build(
+                registry::entries()
+                    .into_iter()
+                    .filter(|e| core.config.allows(e.name))
+                    .map(|e| (e.name, e.not_built)),
+            );
             return Err(Error::Config(format!(
-                "ranks {unreachable:?} cannot be reached with the allowed transports ({allowed}): sm needs the same node; udp needs an address they can reach (a loopback BTL_UDP_ADDR reaches only this host)"
+                "ranks {unreachable:?} cannot be reached with the allowed transports ({allowed}): {left_out}sm needs the same node; udp needs an address they can reach (a loopback BTL_UDP_ADDR reaches only this host)"
             )));
         }
         // Connect each transport to the peers routed to it; one that
@@ -1515,5 +1532,27 @@ impl crate::core::dispatch::Payload for SliceCopy<'_> {
 
     fn copy_into(self, out: &mut Vec<u8>) {
         out.extend_from_slice(self.bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::left_out_of_build;
+
+    #[test]
+    fn an_unreachable_error_names_the_allowed_transports_the_build_lacks() {
+        let note = left_out_of_build(
+            [
+                ("sm", None),
+                ("rdma", Some("built without the `rdma` cargo feature")),
+                ("udp", None),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(
+            note,
+            "rdma is not in this build: built without the `rdma` cargo feature; "
+        );
+        assert_eq!(left_out_of_build([("sm", None)].into_iter()), "");
     }
 }
