@@ -128,6 +128,9 @@ fn new_ctx() -> Ctx {
     Box::new([0u64; 8])
 }
 
+/// Most contexts kept for reuse (`State::spare`).
+const SPARE_CTXS: usize = 256;
+
 fn ctx_ptr(c: &mut Ctx) -> *mut std::ffi::c_void {
     c.as_mut_ptr().cast()
 }
@@ -614,7 +617,8 @@ struct State {
     /// Peers to declare lost once the lock is released (found where
     /// `lose` cannot run).
     lose_later: Vec<(Rank, String)>,
-    /// Contexts of completed sends, for the next ones.
+    /// Contexts of completed operations, for the next ones
+    /// ([`State::take_ctx`]).
     spare: Vec<Ctx>,
     /// Buffers of completed small frames, for the next ones.
     frames: Vec<Vec<u8>>,
@@ -633,6 +637,20 @@ struct State {
 }
 
 impl State {
+    /// A context for an operation about to be posted: a spare one (whose
+    /// operation's completion was read) or a new one.
+    fn take_ctx(&mut self) -> Ctx {
+        self.spare.pop().unwrap_or_else(new_ctx)
+    }
+
+    /// Keep the context of an operation whose completion was read, for
+    /// the next (a put or send then allocates none).
+    fn give_ctx(&mut self, ctx: Ctx) {
+        if self.spare.len() < SPARE_CTXS {
+            self.spare.push(ctx);
+        }
+    }
+
     /// The state of a transport with `peers` ranks, nothing posted yet.
     fn new(peers: usize) -> State {
         State {
@@ -1073,9 +1091,9 @@ impl RdmaTransport {
         mut frame: Vec<u8>,
         body: Option<Bytes>,
     ) -> std::result::Result<(), (Vec<u8>, Option<Bytes>)> {
+        let mut ctx = st.take_ctx();
         let ps = &mut st.peers[peer.rank as usize];
         Header::set_credits(&mut frame, ps.owed);
-        let mut ctx = st.spare.pop().unwrap_or_else(new_ctx);
         let p = ctx_ptr(&mut ctx);
         // SAFETY: `frame` (a Vec whose heap buffer does not move when the
         // Vec does), `body` (a `Bytes`, whose bytes never move) and the
@@ -1117,6 +1135,8 @@ impl RdmaTransport {
                         ofi::strerror(code)
                     );
                 }
+                // Refused: the provider holds no reference to it.
+                st.give_ctx(ctx);
                 Err((frame, body))
             }
         }
@@ -1741,7 +1761,7 @@ impl RdmaTransport {
                     buf,
                     rts,
                     attempts: 0,
-                    ctx: new_ctx(),
+                    ctx: st.take_ctx(),
                 };
                 if let Err(op) = self.post_fetch(st, op) {
                     st.peers[r].fetch_retry.push_back(op);
@@ -1950,9 +1970,7 @@ impl RdmaTransport {
             } => {
                 let ps = &mut st.peers[peer as usize];
                 ps.in_flight = ps.in_flight.saturating_sub(1);
-                if st.spare.len() < 256 {
-                    st.spare.push(ctx);
-                }
+                st.give_ctx(ctx);
                 if frame.get(1) == Some(&(Type::Bundle as u8)) {
                     if st.bundles.len() < SPARE_BUNDLES {
                         st.bundles.push(frame);
@@ -1972,28 +1990,32 @@ impl RdmaTransport {
                     &self.counters.reads
                 });
                 op.done.complete(Ok(()));
+                st.give_ctx(op.ctx);
                 true
             }
-            Op::Fetch(mut op) => {
-                let ps = &mut st.peers[op.peer as usize];
-                let mut buf = std::mem::take(&mut op.buf);
+            Op::Fetch(op) => {
+                let FetchOp {
+                    peer,
+                    seq,
+                    kind,
+                    tag,
+                    mut buf,
+                    rts,
+                    ctx,
+                    ..
+                } = op;
                 // SAFETY: the read completed successfully: the provider
                 // wrote all `rts.len` bytes into the buffer's first
                 // `rts.len` bytes of capacity (`take` gave at least that
                 // much room, and the read was posted for exactly that).
-                unsafe { buf.set_len(op.rts.len as usize) };
+                unsafe { buf.set_len(rts.len as usize) };
+                st.give_ctx(ctx);
+                let ps = &mut st.peers[peer as usize];
                 let data = self.core.buffers().freeze(buf);
-                ps.arrived
-                    .insert(op.seq, In::Fetched(op.kind, op.tag, data));
-                let fin = wire::control(
-                    Type::Fin,
-                    self.core.rank(),
-                    self.job,
-                    0,
-                    Some(op.rts.cookie),
-                );
+                ps.arrived.insert(seq, In::Fetched(kind, tag, data));
+                let fin = wire::control(Type::Fin, self.core.rank(), self.job, 0, Some(rts.cookie));
                 ps.ctrl.push_back(fin);
-                st.attend(op.peer);
+                st.attend(peer);
                 true
             }
         }
@@ -2352,6 +2374,7 @@ impl Link for RdmaLink {
             h.key
         };
         let done = Completion::new();
+        let mut st = lock(&self.t.st);
         let op = RmaOp {
             write,
             peer: self.peer.rank,
@@ -2362,9 +2385,8 @@ impl Link for RdmaLink {
             rkey,
             done: done.clone(),
             attempts: 0,
-            ctx: new_ctx(),
+            ctx: st.take_ctx(),
         };
-        let mut st = lock(&self.t.st);
         if let Err(op) = self.t.post_rma(&mut st, op) {
             st.peers[self.peer.rank as usize].rma_retry.push_back(op);
             self.t.backlog.store(true, Ordering::Relaxed);
