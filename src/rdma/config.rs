@@ -42,8 +42,11 @@ pub struct RdmaConfig {
     /// `/sys/class/infiniband` or `/sys/class/cxi`, else for a hardware
     /// provider): a frame above rxm's limit would take its segmented or
     /// rendezvous path, the slowest of all, so where rxm's limit is lower,
-    /// frames are kept within it. All ranks must agree on it. Env:
-    /// `BTL_RDMA_EAGER` (bytes).
+    /// frames are kept within it. rxm's shared receive queue then holds
+    /// as many of its buffers as fit in the memory of its defaults (4096
+    /// of 16 KiB: with 64 KiB frames, 1023; `FI_OFI_RXM_MSG_RX_SIZE`,
+    /// unless the user set it or turned the shared queue off). All ranks
+    /// must agree on it. Env: `BTL_RDMA_EAGER` (bytes).
     pub eager: Option<usize>,
     /// Eager buffers each sender may fill at a receiver before the
     /// receiver returns credits (a receiver that does not read holds its

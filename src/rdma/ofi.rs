@@ -309,13 +309,37 @@ impl InfoList {
 const RXM_SIZES: [&str; 2] = ["FI_OFI_RXM_BUFFER_SIZE", "FI_OFI_RXM_EAGER_LIMIT"];
 /// rxm's default of both.
 const RXM_DEFAULT: usize = 16384;
+/// The depth of rxm's shared receive queue: bounce buffers of
+/// `FI_OFI_RXM_BUFFER_SIZE` bytes that every incoming eager frame lands in
+/// before rxm matches it to a posted receive.
+const RXM_SRX_SIZE: &str = "FI_OFI_RXM_MSG_RX_SIZE";
+/// Whether rxm shares one receive queue between its connections (on by
+/// default over `tcp`).
+const RXM_USE_SRX: &str = "FI_OFI_RXM_USE_SRX";
+/// The memory of rxm's default shared receive queue: 4096 buffers of its
+/// default 16 KiB.
+const RXM_SRX_BYTES: usize = 4096 * RXM_DEFAULT;
+
+/// The shared receive queue depth that keeps rxm's bounce buffers of
+/// `frame` bytes within the memory of its defaults ([`RXM_SRX_BYTES`]),
+/// if that is below its default depth: with 64 KiB frames, 1023 buffers
+/// (64 MiB) rather than 4096 (256 MiB in every process, touched at
+/// start). At least 256: deeper than the credit window a sender may fill
+/// (`BTL_RDMA_CREDITS`, 128 by default); a queue that runs dry only holds
+/// the sockets back until rxm reposts, it loses nothing.
+fn srx_depth(frame: usize) -> Option<usize> {
+    let depth = (RXM_SRX_BYTES / frame.max(1)).max(256);
+    (depth < 4096).then_some(depth)
+}
 
 /// Start libfabric with `ofi_rxm` sending frames of up to `frame` bytes
 /// eagerly, and return the largest frame it will send so.
 ///
 /// rxm's default, 16 KiB, is exactly a 16 KiB message, which with the
 /// transport's header would go in two frames (or by rxm's slow path), so
-/// unless the user set them, both of [`RXM_SIZES`] are set to `frame`.
+/// unless the user set them, both of [`RXM_SIZES`] are set to `frame`,
+/// and the depth of rxm's shared receive queue to [`srx_depth`] of the
+/// buffer size.
 /// Providers read their settings when libfabric starts, at the first
 /// `fi_getinfo` of the process: this runs once, before it (every list of
 /// providers comes through [`providers`]); what it returns reflects the
@@ -332,6 +356,26 @@ pub(crate) fn rxm_eager(frame: usize) -> usize {
                 // while it opens a fabric sets both variables itself.
                 std::env::set_var(var, frame.to_string());
             }
+        }
+        // Bounce buffers of the frame size: as many as keep the shared
+        // queue at rxm's default memory (see `srx_depth`), unless the user
+        // chose the depth, or per-connection queues (whose depth the same
+        // variable sets, per peer).
+        let shared = std::env::var(RXM_USE_SRX).map_or(true, |v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "0" | "off" | "false" | "no"
+            )
+        });
+        let buffer = std::env::var(RXM_SIZES[0])
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(RXM_DEFAULT);
+        if let (true, None, Some(depth)) =
+            (shared, std::env::var_os(RXM_SRX_SIZE), srx_depth(buffer))
+        {
+            // As above: once, before libfabric starts.
+            std::env::set_var(RXM_SRX_SIZE, depth.to_string());
         }
         RXM_SIZES
             .iter()
@@ -693,5 +737,24 @@ impl Drop for Mr {
         if ret != 0 {
             tracing::warn!("rdma: closing a memory registration: {}", strerror(ret));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::srx_depth;
+
+    #[test]
+    fn rxm_shared_queue_keeps_the_memory_of_its_defaults() {
+        // rxm's own buffers: its own depth.
+        assert_eq!(srx_depth(16384), None);
+        assert_eq!(srx_depth(0), None);
+        // A 16 KiB message and the header (hardware providers).
+        assert_eq!(srx_depth(16416), Some(4088));
+        // A 64 KiB message and the header (`tcp`): 64 MiB, not 256.
+        assert_eq!(srx_depth(65568), Some(1023));
+        assert!(srx_depth(65568).unwrap() * 65568 <= 4096 * 16384);
+        // Never shallower than a credit window.
+        assert_eq!(srx_depth(1 << 20), Some(256));
     }
 }
