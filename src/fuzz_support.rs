@@ -239,13 +239,13 @@ impl FastBox {
     }
 
     /// The receiver takes the next message as a receive for `tag` into a
-    /// lent buffer does: a one-slot user message on `tag` in one step
-    /// (`take_one`), anything else as [`take`](Self::take) reads it.
+    /// lent buffer does: a user message of up to two slots on `tag` in one
+    /// step (`take_small`), anything else as [`take`](Self::take) reads it.
     pub fn take_direct(&mut self, tag: u64) -> std::result::Result<Option<Taken>, Corrupt> {
         let b = self.fbox();
         let mut st = self.rx;
         let mut out = vec![0xEE; 5];
-        let r = b.take_one(&mut st, tag, &mut out);
+        let r = b.take_small(&mut st, tag, &mut out, true);
         self.rx = st;
         match r {
             fbox::Take::Took(len) => {

@@ -285,3 +285,72 @@ fn a_get_is_served_while_a_ping_pong_takes_its_messages_directly() {
         drop(window);
     });
 }
+
+/// Small messages already waiting in the fast box when `recv_into` looks
+/// (a receiver behind its sender takes several at once, handing out the
+/// rest from its kept buffer): every one comes whole and in order, and
+/// those taken but not yet handed out when the receiver is dropped go to
+/// the next receiver of the tag, ahead of what the box still holds. The
+/// ranks run on threads of their own, the receiver's blocked while the
+/// sender fills the box, so that no progress of the receiver's takes the
+/// messages out of the box first.
+#[test]
+fn small_messages_taken_ahead_survive_a_dropped_receiver_in_order() {
+    // One- and two-slot sizes and their edges (48/49, 104/105), and a
+    // longer one now and then; under the box's 256 slots in all.
+    const SIZES: [usize; 11] = [0, 1, 8, 47, 48, 49, 64, 100, 104, 105, 300];
+    const N: usize = 60;
+    fn msg(i: usize) -> Vec<u8> {
+        (0..SIZES[i % SIZES.len()])
+            .map(|k| (i * 7 + k) as u8)
+            .collect()
+    }
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let ex = LocalExchange::new(2);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let (sent_tx, sent_rx) = std::sync::mpsc::channel::<()>();
+    let ex_a = ex.clone();
+    let sender = std::thread::spawn(move || {
+        runtime().block_on(async {
+            let a = fabric(&ex_a, 0).await;
+            let ep = a.endpoint(1).unwrap();
+            // A first message gets the pair's box started (its first
+            // message always goes the general way).
+            ep.send(5, msg(0)).await.unwrap();
+            ready_rx.recv().unwrap();
+            for i in 1..N {
+                ep.send(5, msg(i)).await.unwrap();
+            }
+            sent_tx.send(()).unwrap();
+            a.close().await.unwrap();
+        })
+    });
+    runtime().block_on(async {
+        let b = fabric(&ex, 1).await;
+        let mut rx = b.receiver(5).unwrap();
+        let mut buf = Vec::new();
+        let first = tokio::time::timeout(Duration::from_secs(20), rx.recv_into(&mut buf));
+        assert_eq!(first.await.unwrap().unwrap(), 0);
+        assert_eq!(buf, msg(0));
+        ready_tx.send(()).unwrap();
+        // Blocks this runtime, and with it this rank's progress.
+        sent_rx.recv().unwrap();
+        // The first take finds more waiting behind it (sizes 1 to 104)
+        // and holds them: dropped with some of them held.
+        for i in 1..4 {
+            assert_eq!(rx.recv_into(&mut buf).await.unwrap(), 0);
+            assert_eq!(buf, msg(i), "message {i}");
+        }
+        drop(rx);
+        let mut rx = b.receiver(5).unwrap();
+        for i in 4..N {
+            let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!((m.src, &m.data[..]), (0, &msg(i)[..]), "message {i}");
+        }
+        b.close().await.unwrap();
+    });
+    sender.join().unwrap();
+}

@@ -341,6 +341,62 @@ fn kept(keep: &[u8], at: u32, len: u32) -> &[u8] {
     keep.get(at..at.saturating_add(len)).unwrap_or(&[])
 }
 
+/// Where a direct take (see [`Progress::take_direct`]) puts the small
+/// messages it finds already waiting behind the one it takes, from the
+/// same sender on the same tag: appended to the receiver's kept buffer as
+/// [`Held::Kept`] items, which its next receives hand out without another
+/// look at the transport. In a stream the receiver falls behind its
+/// sender; this way it catches up at a fraction of a take's cost per
+/// message.
+pub(crate) struct More<'a> {
+    keep: &'a mut Vec<u8>,
+    items: &'a mut VecDeque<Held>,
+    left: usize,
+}
+
+impl<'a> More<'a> {
+    /// Room for up to `left` messages (and no more bytes than
+    /// [`KEEP_MAX`] in `keep`).
+    fn new(keep: &'a mut Vec<u8>, items: &'a mut VecDeque<Held>, left: usize) -> Self {
+        More { keep, items, left }
+    }
+
+    /// How many more messages are wanted (0: none).
+    pub(crate) fn wanted(&self) -> usize {
+        self.left
+    }
+
+    /// Take one more message from `src` of at most `max` bytes: `fill`
+    /// appends its payload to the vector it is given and says whether it
+    /// found one (it must append nothing when it did not). Whether it did.
+    pub(crate) fn take(
+        &mut self,
+        src: Rank,
+        max: usize,
+        fill: impl FnOnce(&mut Vec<u8>) -> bool,
+    ) -> bool {
+        if self.left == 0 || self.keep.len().saturating_add(max) > KEEP_MAX {
+            self.left = 0;
+            return false;
+        }
+        let at = self.keep.len();
+        if !fill(self.keep) {
+            return false;
+        }
+        self.left -= 1;
+        self.items.push_back(Held::Kept {
+            src,
+            at: at as u32,
+            len: (self.keep.len() - at) as u32,
+        });
+        true
+    }
+}
+
+/// Most messages one direct take adds behind the one it takes (see
+/// [`More`]): each delays the first message's return by its copy.
+const MORE_MAX: usize = 15;
+
 /// Bytes of small payloads one registration copies into a receiver's kept
 /// buffer at most (past them, messages get buffers of their own): what the
 /// buffer may keep allocated between registrations.
@@ -361,12 +417,14 @@ pub(crate) trait Progress: Send + Sync {
     /// Take the next message for `tag` into `buf` from a transport that
     /// can hand it over without a progress turn (see
     /// [`Transport::take_direct`](crate::transport::Transport::take_direct));
-    /// its sender. Default: none can.
+    /// its sender; more that wait behind it from the same sender may go
+    /// to `more`. Default: none can.
     fn take_direct(
         &self,
         _tag: Tag,
         _queued: &AtomicUsize,
         _buf: &mut Vec<u8>,
+        _more: &mut More<'_>,
         _looks: u32,
     ) -> Option<Rank> {
         None
@@ -821,6 +879,7 @@ impl Dispatcher {
         tag: Tag,
         queued: &AtomicUsize,
         buf: &mut Vec<u8>,
+        more: &mut More<'_>,
     ) -> Option<Rank> {
         if cache.is_none() {
             *cache = self.poller();
@@ -829,7 +888,9 @@ impl Dispatcher {
             ProgressMode::Interrupt => 1,
             _ => DIRECT_LOOKS,
         };
-        let src = cache.as_deref()?.take_direct(tag, queued, buf, looks)?;
+        let src = cache
+            .as_deref()?
+            .take_direct(tag, queued, buf, more, looks)?;
         self.policy.touch();
         Some(src)
     }
@@ -1865,9 +1926,18 @@ impl Receiver {
         }
         // A small message waiting at the head of a peer's stream goes
         // straight into a lent buffer (see `Transport::take_direct`), with
-        // no registration and no progress turn. (`local` is empty here.)
+        // no registration and no progress turn; those waiting behind it
+        // from the same sender come to `local`, handed over like those of
+        // an inline registration (never charged). (`local` is empty here,
+        // so nothing refers to the kept buffer.)
         if let (Some(buf), Some(queued)) = (lent.as_deref_mut(), me.queued.as_deref()) {
-            if let Some(src) = me.disp.take_direct(&mut me.poller, me.tag, queued, buf) {
+            me.keep.clear();
+            let mut more = More::new(&mut me.keep, &mut me.local, MORE_MAX);
+            let took = me
+                .disp
+                .take_direct(&mut me.poller, me.tag, queued, buf, &mut more);
+            me.free = me.local.len();
+            if let Some(src) = took {
                 return Poll::Ready(Some(Took::Lent(src)));
             }
         }
@@ -2011,6 +2081,37 @@ mod tests {
     use super::*;
     use futures::StreamExt;
 
+    #[test]
+    fn more_takes_up_to_its_count_and_within_the_kept_buffer_bound() {
+        let (mut keep, mut items) = (vec![9u8], VecDeque::new());
+        let mut more = More::new(&mut keep, &mut items, 2);
+        // Nothing found: nothing counted.
+        assert!(!more.take(3, 8, |_| false));
+        assert!(more.take(3, 8, |k| {
+            k.extend_from_slice(b"ab");
+            true
+        }));
+        assert!(more.take(4, 8, |k| {
+            k.extend_from_slice(b"cde");
+            true
+        }));
+        assert_eq!(more.wanted(), 0);
+        assert!(!more.take(4, 8, |_| panic!("asked past its count")));
+        let got: Vec<_> = items
+            .iter()
+            .map(|h| match h {
+                Held::Kept { src, at, len } => (*src, kept(&keep, *at, *len).to_vec()),
+                Held::Item(_) => panic!("a kept message became an item"),
+            })
+            .collect();
+        assert_eq!(got, [(3, b"ab".to_vec()), (4, b"cde".to_vec())]);
+        // A message that might not fit the kept buffer is not looked for.
+        let (mut keep, mut items) = (vec![0u8; KEEP_MAX - 4], VecDeque::new());
+        let mut more = More::new(&mut keep, &mut items, 5);
+        assert!(!more.take(1, 8, |_| panic!("looked past the bound")));
+        assert_eq!((more.wanted(), items.len()), (0, 0));
+    }
+
     fn msg(i: u8, len: usize) -> Message {
         Message::carried(0, 1, Bytes::from(vec![i; len]))
     }
@@ -2102,6 +2203,7 @@ mod tests {
             tag: Tag,
             queued: &AtomicUsize,
             buf: &mut Vec<u8>,
+            _more: &mut More<'_>,
             looks: u32,
         ) -> Option<Rank> {
             assert_eq!((tag, looks), (1, DIRECT_LOOKS));

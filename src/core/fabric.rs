@@ -662,6 +662,7 @@ impl crate::core::dispatch::Progress for FabricProgress {
         tag: Tag,
         queued: &std::sync::atomic::AtomicUsize,
         buf: &mut Vec<u8>,
+        more: &mut crate::core::dispatch::More<'_>,
         looks: u32,
     ) -> Option<Rank> {
         // Several transports: each looks once per round.
@@ -672,7 +673,7 @@ impl crate::core::dispatch::Progress for FabricProgress {
         (0..rounds).find_map(|_| {
             self.direct
                 .iter()
-                .find_map(|t| t.take_direct(tag, queued, buf, each))
+                .find_map(|t| t.take_direct(tag, queued, buf, more, each))
         })
     }
 }

@@ -19,6 +19,7 @@ use super::rx::{RxState, Step};
 use super::segment::CHANNELS;
 use super::tx::{TxState, USER};
 use super::{SmPeer, SmTransport};
+use crate::core::dispatch::More;
 use crate::sys::ring::Ring;
 use crate::Result;
 
@@ -173,6 +174,7 @@ impl RxState {
         tag: u64,
         queued: &AtomicUsize,
         buf: &mut Vec<u8>,
+        more: &mut More<'_>,
         looks: u32,
     ) -> Option<crate::Rank> {
         // Read under `rx`, which orders every delivery of ours: a message
@@ -210,9 +212,17 @@ impl RxState {
                 }
                 let b = t.seg.fbox(p.local);
                 let st = &mut self.fb[l];
-                match b.take_one(st, tag, buf) {
+                match b.take_small(st, tag, buf, true) {
                     fbox::Take::Took(_) => {
                         self.took_direct(t, p, &t.counters.fast_box_recvs);
+                        if round == 0 {
+                            // It was there at the first look: the receiver
+                            // is behind its sender, and more may wait. (A
+                            // receiver that waited for it would only take
+                            // the next slot's line from the sender writing
+                            // it.)
+                            self.take_more(t, p, tag, more);
+                        }
                         return Some(p.rank);
                     }
                     fbox::Take::Empty if round % RING_LOOKS_EVERY != 0 => continue,
@@ -255,6 +265,39 @@ impl RxState {
             }
         }
         None
+    }
+
+    /// After a direct take from `p`'s box: the small messages for `tag`
+    /// already waiting behind it there, into `more`, up to the take that
+    /// looks at the control channel (`CONTROL_LOOK_EVERY`). Under `rx`, as
+    /// the take was: they are delivered in order behind it.
+    fn take_more(&mut self, t: &SmTransport, p: &SmPeer, tag: u64, more: &mut More<'_>) {
+        let room = (CONTROL_LOOK_EVERY - self.direct_run % CONTROL_LOOK_EVERY) % CONTROL_LOOK_EVERY;
+        let room = room.min(u32::try_from(more.wanted()).unwrap_or(u32::MAX));
+        let b = t.seg.fbox(p.local);
+        let st = &mut self.fb[p.local as usize];
+        let mut n = 0;
+        while n < room
+            && more.take(p.rank, fbox::TWO_SLOTS, |k| {
+                matches!(b.take_small(st, tag, k, false), fbox::Take::Took(_))
+            })
+        {
+            n += 1;
+        }
+        if n == 0 {
+            return;
+        }
+        self.direct_run += n;
+        let c = &t.counters.fast_box_recvs;
+        c.store(
+            c.load(Ordering::Relaxed).wrapping_add(u64::from(n)),
+            Ordering::Relaxed,
+        );
+        if t.peer_asleep(p) {
+            t.notify(p);
+        } else {
+            self.owed[p.local as usize] = true;
+        }
     }
 
     /// Whether `p`'s inbound ring of channel `ch` looks empty (a racy

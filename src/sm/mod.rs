@@ -581,6 +581,7 @@ impl Transport for SmTransport {
         tag: u64,
         queued: &std::sync::atomic::AtomicUsize,
         buf: &mut Vec<u8>,
+        more: &mut crate::core::dispatch::More<'_>,
         looks: u32,
     ) -> Option<Rank> {
         // Our own sends wait on progress: look once only.
@@ -589,7 +590,7 @@ impl Transport for SmTransport {
         } else {
             looks
         };
-        try_lock(&self.rx)?.take_direct(self, tag, queued, buf, looks)
+        try_lock(&self.rx)?.take_direct(self, tag, queued, buf, more, looks)
     }
 
     fn progress(&self) -> usize {

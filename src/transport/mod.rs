@@ -495,12 +495,17 @@ pub(crate) trait Transport: Send + Sync {
     /// caller runs [`Transport::progress`] as usual. A transport must
     /// still hand the rest of its work to `progress` now and then although
     /// every look finds a message here (its control traffic, returns).
+    /// Having taken one, it may take the messages for `tag` that already
+    /// wait behind it from the same sender into `more` (in order, as many
+    /// as [`More::wanted`](crate::core::dispatch::More::wanted)), never
+    /// looking or waiting for more to arrive.
     /// Default: `None`.
     fn take_direct(
         &self,
         _tag: u64,
         _queued: &std::sync::atomic::AtomicUsize,
         _buf: &mut Vec<u8>,
+        _more: &mut crate::core::dispatch::More<'_>,
         _looks: u32,
     ) -> Option<Rank> {
         None
