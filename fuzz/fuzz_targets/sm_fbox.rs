@@ -2,7 +2,7 @@
 //! peer scribbling on any word of the box (marks, tags, payload, the
 //! `consumed` counter, the split-copy word). The receiver takes messages
 //! both ways the receive path does (looking first, and a receive's direct
-//! take of a one-slot message on the tag it waits for). Nothing may panic
+//! take of a message of one or two slots on the tag it waits for). Nothing may panic
 //! or read out of bounds. While nobody scribbles, the receiver gets exactly
 //! what was pushed, in order.
 #![no_main]
