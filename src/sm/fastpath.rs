@@ -214,15 +214,16 @@ impl RxState {
                 let st = &mut self.fb[l];
                 match b.take_small(st, tag, buf, true) {
                     fbox::Take::Took(_) => {
-                        self.took_direct(t, p, &t.counters.fast_box_recvs);
-                        if round == 0 {
-                            // It was there at the first look: the receiver
-                            // is behind its sender, and more may wait. (A
-                            // receiver that waited for it would only take
-                            // the next slot's line from the sender writing
-                            // it.)
-                            self.take_more(t, p, tag, more);
-                        }
+                        // Found at the first look: the receiver is behind
+                        // its sender, and more may wait. (A receiver that
+                        // waited for it would only take the next slot's
+                        // line from the sender writing it.)
+                        let extra = if round == 0 {
+                            self.take_more(t, p, tag, more)
+                        } else {
+                            0
+                        };
+                        self.took_direct(t, p, &t.counters.fast_box_recvs, 1 + extra);
                         return Some(p.rank);
                     }
                     fbox::Take::Empty if round % RING_LOOKS_EVERY != 0 => continue,
@@ -250,7 +251,7 @@ impl RxState {
                         // A user message waits in the ring (the box is
                         // empty): taken from there if it is whole and ours.
                         let src = self.ring_direct(t, p, tag, buf)?;
-                        self.took_direct(t, p, &t.counters.direct_ring_recvs);
+                        self.took_direct(t, p, &t.counters.direct_ring_recvs, 1);
                         return Some(src);
                     }
                     _ => return None,
@@ -260,19 +261,21 @@ impl RxState {
                 // After the copy, under `rx` (see the order argument in
                 // `fbox`).
                 b.consume(st, found.len);
-                self.took_direct(t, p, &t.counters.fast_box_recvs);
+                self.took_direct(t, p, &t.counters.fast_box_recvs, 1);
                 return Some(p.rank);
             }
         }
         None
     }
 
-    /// After a direct take from `p`'s box: the small messages for `tag`
-    /// already waiting behind it there, into `more`, up to the take that
-    /// looks at the control channel (`CONTROL_LOOK_EVERY`). Under `rx`, as
-    /// the take was: they are delivered in order behind it.
-    fn take_more(&mut self, t: &SmTransport, p: &SmPeer, tag: u64, more: &mut More<'_>) {
-        let room = (CONTROL_LOOK_EVERY - self.direct_run % CONTROL_LOOK_EVERY) % CONTROL_LOOK_EVERY;
+    /// After a direct take from `p`'s box (not yet counted in
+    /// `direct_run`): the small messages for `tag` already waiting behind
+    /// it there, into `more`, up to the take that looks at the control
+    /// channel (`CONTROL_LOOK_EVERY`); how many. Under `rx`, as the take
+    /// was: they are delivered in order behind it.
+    fn take_more(&mut self, t: &SmTransport, p: &SmPeer, tag: u64, more: &mut More<'_>) -> u32 {
+        let run = self.direct_run + 1;
+        let room = (CONTROL_LOOK_EVERY - run % CONTROL_LOOK_EVERY) % CONTROL_LOOK_EVERY;
         let room = room.min(u32::try_from(more.wanted()).unwrap_or(u32::MAX));
         let b = t.seg.fbox(p.local);
         let st = &mut self.fb[p.local as usize];
@@ -284,20 +287,7 @@ impl RxState {
         {
             n += 1;
         }
-        if n == 0 {
-            return;
-        }
-        self.direct_run += n;
-        let c = &t.counters.fast_box_recvs;
-        c.store(
-            c.load(Ordering::Relaxed).wrapping_add(u64::from(n)),
-            Ordering::Relaxed,
-        );
-        if t.peer_asleep(p) {
-            t.notify(p);
-        } else {
-            self.owed[p.local as usize] = true;
-        }
+        n
     }
 
     /// Whether `p`'s inbound ring of channel `ch` looks empty (a racy
@@ -306,16 +296,22 @@ impl RxState {
         self.cons[p.local as usize * CHANNELS + ch].looks_empty(t.seg.inbound_tail(p.local, ch))
     }
 
-    /// After a direct take from `p` (box or ring): count it in `counter`
+    /// After `n` direct takes from `p` (box or ring): count them in `counter`
     /// (written under `rx` only), note that we heard from `p`, and ring
     /// its doorbell if it sleeps waiting for room. The fenced check that
     /// catches one arming meanwhile (`notify`) is left to the next progress
     /// call, which comes within `DIRECT_RUN` takes (or from the progress
     /// task), so a stream of direct takes pays no fence per message.
-    fn took_direct(&mut self, t: &SmTransport, p: &SmPeer, counter: &std::sync::atomic::AtomicU64) {
-        self.direct_run += 1;
+    fn took_direct(
+        &mut self,
+        t: &SmTransport,
+        p: &SmPeer,
+        counter: &std::sync::atomic::AtomicU64,
+        n: u32,
+    ) {
+        self.direct_run += n;
         counter.store(
-            counter.load(Ordering::Relaxed).wrapping_add(1),
+            counter.load(Ordering::Relaxed).wrapping_add(u64::from(n)),
             Ordering::Relaxed,
         );
         if !p.heard.load(Ordering::Relaxed) {
