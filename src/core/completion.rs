@@ -11,7 +11,7 @@ use std::task::{Context, Poll, Waker};
 
 use std::sync::Arc;
 
-use crate::sys::sync::{lock_model as lock, ModelMutex as Mutex};
+use crate::sys::sync::{lock_model as lock, AtomicU64, ModelMutex as Mutex, Ordering};
 use crate::Result;
 
 enum State {
@@ -133,6 +133,120 @@ impl Completion {
     }
 }
 
+/// The operations to one peer that no future waits on (`put_nbi`,
+/// `get_nbi` a transport carries natively), counted together instead of
+/// given a slot each: starting one is an atomic add, finishing one an
+/// atomic subtract, with no allocation, list or sweep per operation. A
+/// `flush` waits for the count to reach zero and reports the first failure
+/// recorded since the last one it reported. (Transports that count their
+/// operations: `rdma`, and the crate's test double; in a build with
+/// neither, only the core's side of it is used.)
+pub(crate) struct Tally {
+    /// Operations started and not finished.
+    running: AtomicU64,
+    /// The first failure since a flush last took it.
+    failure: Mutex<Option<crate::Error>>,
+    /// A flush waiting for `running` to reach zero.
+    waiter: Mutex<Option<Waker>>,
+}
+
+impl Tally {
+    /// A tally with nothing running.
+    pub(crate) fn new() -> Arc<Tally> {
+        Arc::new(Tally {
+            running: AtomicU64::new(0),
+            failure: Mutex::new(None),
+            waiter: Mutex::new(None),
+        })
+    }
+
+    /// Count one more operation; the token finishes it.
+    #[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+    pub(crate) fn start(self: &Arc<Self>) -> Counted {
+        // Relaxed: the count is read (Acquire) only after the finishing
+        // subtract (AcqRel) of this same operation or a later one.
+        self.running.fetch_add(1, Ordering::Relaxed);
+        Counted(Some(self.clone()))
+    }
+
+    /// Operations started and not finished.
+    pub(crate) fn running(&self) -> u64 {
+        // Acquire: pairs with the finishing subtract, so a flush that sees
+        // zero also sees each operation's effects and recorded failure.
+        self.running.load(Ordering::Acquire)
+    }
+
+    /// The first failure since the last call, if any.
+    pub(crate) fn take_failure(&self) -> Option<crate::Error> {
+        lock(&self.failure).take()
+    }
+
+    /// Have `cx`'s task woken when the count reaches zero. The caller
+    /// looks at [`running`](Self::running) again after this call: a
+    /// finish between its last look and this call found no waker.
+    pub(crate) fn wake_when_idle(&self, cx: &Context<'_>) {
+        register(&mut lock(&self.waiter), cx);
+    }
+
+    #[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+    fn finish(&self, result: Result<()>) {
+        if let Err(e) = result {
+            lock(&self.failure).get_or_insert(e);
+        }
+        // AcqRel: the failure above is seen by whoever reads zero.
+        if self.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            if let Some(w) = lock(&self.waiter).take() {
+                crate::core::progress::wake(w);
+            }
+        }
+    }
+}
+
+/// One running operation of a [`Tally`]. Finished once: by
+/// [`complete`](Self::complete), or, if it is dropped unfinished (the
+/// transport gave the operation up), as failed with `Error::Closed`.
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+pub(crate) struct Counted(Option<Arc<Tally>>);
+
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+impl Counted {
+    /// Record the operation's result and count it finished (later calls
+    /// are ignored, as for [`Completion::complete`]).
+    pub(crate) fn complete(&mut self, result: Result<()>) {
+        if let Some(t) = self.0.take() {
+            t.finish(result);
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.complete(Err(crate::Error::Closed));
+    }
+}
+
+/// Where a transport reports the end of an operation it carries: the
+/// slot its future (or the core's list) waits on, or the peer's tally of
+/// operations without a future.
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+pub(crate) enum Done {
+    /// A slot of its own.
+    Slot(Arc<Completion>),
+    /// Counted in the peer's tally.
+    Count(Counted),
+}
+
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+impl Done {
+    /// Record the result (the first one counts; later calls are ignored).
+    pub(crate) fn complete(&mut self, result: Result<()>) {
+        match self {
+            Done::Slot(c) => c.complete(result),
+            Done::Count(c) => c.complete(result),
+        }
+    }
+}
+
 #[cfg(all(test, btl_loom))]
 mod loom_tests {
     use super::*;
@@ -158,6 +272,41 @@ mod loom_tests {
                     (other.0.is_ready(), other.1.is_ready())
                 ),
             }
+        });
+    }
+
+    #[test]
+    fn a_flush_waiting_on_a_tally_sees_its_last_finish() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        struct Flag(AtomicBool);
+        impl std::task::Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, SeqCst);
+            }
+        }
+        loom::model(|| {
+            let t = Tally::new();
+            let (mut a, mut b) = (t.start(), t.start());
+            let ta = thread::spawn(move || a.complete(Ok(())));
+            let tb = thread::spawn(move || b.complete(Err(crate::Error::Closed)));
+            // The flush: register, then look again (as `Flush::poll`).
+            let woken = Arc::new(Flag(AtomicBool::new(false)));
+            let w = Waker::from(woken.clone());
+            let cx = Context::from_waker(&w);
+            let seen_idle = if t.running() == 0 {
+                true
+            } else {
+                t.wake_when_idle(&cx);
+                t.running() == 0
+            };
+            ta.join().unwrap();
+            tb.join().unwrap();
+            assert!(
+                seen_idle || woken.0.load(SeqCst),
+                "the flush neither saw the tally idle nor was woken"
+            );
+            assert_eq!(t.running(), 0);
+            assert!(matches!(t.take_failure(), Some(crate::Error::Closed)));
         });
     }
 
@@ -199,6 +348,49 @@ mod tests {
             c.poll(&mut cx),
             Poll::Ready(Err(crate::Error::Misuse(_)))
         ));
+    }
+
+    #[test]
+    fn a_tally_counts_its_operations_and_keeps_the_first_failure() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let woken = Arc::new(Count(Default::default()));
+        let w = Waker::from(woken.clone());
+        let cx = Context::from_waker(&w);
+        let t = Tally::new();
+        let mut ops: Vec<Counted> = (0..4).map(|_| t.start()).collect();
+        assert_eq!(t.running(), 4);
+        t.wake_when_idle(&cx);
+        ops[1].complete(Err(crate::Error::Misuse("first".into())));
+        ops[1].complete(Ok(()));
+        assert_eq!(t.running(), 3, "a second completion counts nothing");
+        ops[0].complete(Ok(()));
+        ops[2].complete(Err(crate::Error::Misuse("later".into())));
+        assert_eq!(woken.0.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // One left unfinished and dropped: given up, counted as failed.
+        drop(ops);
+        assert_eq!(t.running(), 0);
+        assert_eq!(
+            woken.0.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "woken once, at zero"
+        );
+        assert!(matches!(t.take_failure(), Some(crate::Error::Misuse(m)) if m == "first"));
+        assert!(t.take_failure().is_none(), "taken once");
+        drop(t.start());
+        assert!(matches!(t.take_failure(), Some(crate::Error::Closed)));
+        // A slot and a count complete alike through `Done`.
+        let slot = Completion::new();
+        let mut d = [Done::Slot(slot.clone()), Done::Count(t.start())];
+        for d in &mut d {
+            d.complete(Ok(()));
+        }
+        assert!(slot.is_done());
+        assert_eq!(t.running(), 0);
     }
 
     #[test]

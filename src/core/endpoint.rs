@@ -400,7 +400,12 @@ impl Endpoint {
         };
         let op = OneSided::put_or_get(put, at, key, offset);
         let (link, rma) = (&*self.0.link, &self.0.core.rma);
-        match self.0.rma.post(op)? {
+        let tally = if implicit {
+            rma.tally(self.0.peer)
+        } else {
+            None
+        };
+        match self.0.rma.post(op, tally)? {
             Native::Done(_) => {
                 c.add(if put {
                     Hot::DirectPuts
@@ -413,6 +418,8 @@ impl Endpoint {
                 rma.track(self.0.peer, done.clone(), implicit);
                 return Ok((!implicit).then_some(done));
             }
+            Native::Counted if tally.is_some() => return Ok(None),
+            Native::Counted => return Err(uncounted()),
             Native::Emulate => {}
         }
         let done = (!implicit).then(Completion::new);
@@ -464,7 +471,7 @@ impl Endpoint {
         };
         let op = OneSided::put_or_get(put, at, key, offset);
         let c = &self.0.core.counters;
-        match gpu.post(op)? {
+        match gpu.post(op, None)? {
             Native::Done(_) => {
                 c.add(if put {
                     Hot::DirectPuts
@@ -479,6 +486,7 @@ impl Endpoint {
                 self.0.core.rma.track(self.0.peer, done.clone(), implicit);
                 Ok((!implicit).then_some(done))
             }
+            Native::Counted => Err(uncounted()),
             Native::Emulate => self.staged_rma(local, start, len, key, offset, put, implicit),
         }
     }
@@ -619,7 +627,11 @@ impl Endpoint {
             return Err(Error::Closed);
         }
         self.check_not_lost()?;
-        match self.0.rma.post(OneSided::Atomic { key, offset, op })? {
+        match self
+            .0
+            .rma
+            .post(OneSided::Atomic { key, offset, op }, None)?
+        {
             Native::Done(old) => {
                 c.add(Hot::NativeAtomics);
                 Ok(Ok(old))
@@ -628,6 +640,7 @@ impl Endpoint {
                 c.add(Hot::NativeAtomics);
                 Ok(Err(Some(done)))
             }
+            Native::Counted => Err(uncounted()),
             Native::Emulate => {
                 c.add(Hot::EmulatedAtomics);
                 Ok(Err(None))
@@ -762,6 +775,12 @@ impl Endpoint {
             asked: false,
         }
     }
+}
+
+/// A transport answered [`Native::Counted`] for an operation it was given
+/// no tally for: a fault of that transport, reported rather than trusted.
+fn uncounted() -> Error {
+    Error::Misuse("a transport counted an operation it was given no tally for".into())
 }
 
 /// Count one unit of tokio's cooperative budget for an operation whose

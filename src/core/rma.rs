@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::core::bufpool::BufPool;
-use crate::core::completion::Completion;
+use crate::core::completion::{Completion, Tally};
 use crate::core::region::{KeyId, RegionInner, RegionTable};
 use crate::core::stats::Counters;
 use crate::sys::mem::{AtomicOp, RawBuf};
@@ -165,6 +165,9 @@ pub(crate) struct Rma {
     native_swept: std::sync::atomic::AtomicUsize,
     /// Per peer rank: implicit puts sent and covered by a flush.
     implicit: Vec<Implicit>,
+    /// Per peer rank: the implicit operations a transport carries
+    /// natively and counts instead of giving each a slot in `native`.
+    tallies: Vec<Arc<Tally>>,
     /// Initiator side: the first failure of an implicit operation to each
     /// peer, until a `flush` reports it.
     failed: Mutex<HashMap<Rank, Error>>,
@@ -335,6 +338,7 @@ impl Rma {
             native: Mutex::new(Vec::new()),
             native_swept: std::sync::atomic::AtomicUsize::new(0),
             implicit: (0..size).map(|_| Implicit::default()).collect(),
+            tallies: (0..size).map(|_| Tally::new()).collect(),
             failed: Mutex::new(HashMap::new()),
             refused: Mutex::new(HashMap::new()),
             part_failed: Mutex::new(HashMap::new()),
@@ -618,7 +622,19 @@ impl Rma {
     /// The first failure of an implicit operation to `peer` not yet
     /// reported (taken: one flush reports it).
     pub(crate) fn take_failure(&self, peer: Rank) -> Option<Error> {
-        lock(&self.failed).remove(&peer)
+        let counted = self.tally(peer).and_then(|t| t.take_failure());
+        lock(&self.failed).remove(&peer).or(counted)
+    }
+
+    /// The tally of `peer`'s natively carried implicit operations (`None`
+    /// for a rank outside the job: such operations take a slot each).
+    pub(crate) fn tally(&self, peer: Rank) -> Option<&Arc<Tally>> {
+        self.tallies.get(peer as usize)
+    }
+
+    /// Counted implicit operations on `peer` still running.
+    fn counted_running(&self, peer: Rank) -> u64 {
+        self.tally(peer).map_or(0, |t| t.running())
     }
 
     /// Start an emulated get of `len` bytes from the peer's region into `dst`.
@@ -755,9 +771,13 @@ impl Rma {
     }
 
     /// Have `cx`'s task woken when the oldest implicit operation still
-    /// running that a transport posted natively to `peer` finishes (a
-    /// flush waiting without spinning), if there is one.
+    /// running that a transport posted natively to `peer` finishes, and
+    /// when the last of those it counts does (a flush waiting without
+    /// spinning), if there is one. The caller looks again after this call.
     pub(crate) fn wake_on_native(&self, peer: Rank, cx: &mut std::task::Context<'_>) {
+        if let Some(t) = self.tally(peer).filter(|t| t.running() > 0) {
+            t.wake_when_idle(cx);
+        }
         let native = lock(&self.native);
         if let Some((_, c, _)) = native
             .iter()
@@ -782,6 +802,9 @@ impl Rma {
     /// whole window at every poll (a lock per operation each time, which
     /// took a tenth of the initiator's time in a stream of 16 KiB gets).
     pub(crate) fn idle(&self, peer: Rank) -> bool {
+        if self.counted_running(peer) > 0 {
+            return false;
+        }
         if self.sweep(&mut lock(&self.native), Some(peer), true) > 0 {
             return false;
         }
@@ -796,7 +819,8 @@ impl Rma {
         let ops = lock(&self.ops);
         // Acquire: pairs with `Settling`'s release.
         let settling = self.settling_of(peer).load(Ordering::Acquire) as usize;
-        ops.values().filter(|o| o.peer == peer).count() + settling + native
+        let counted = self.counted_running(peer) as usize;
+        ops.values().filter(|o| o.peer == peer).count() + settling + native + counted
     }
 
     fn settling_of(&self, peer: Rank) -> &AtomicU64 {

@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 use super::config::RdmaConfig;
 use super::ofi::{self, Cqe, Ep, Mr, PostError, Read};
 use super::wire::{self, decode_addr, Body, Handle, Header, RdmaAddr, Type};
-use crate::core::completion::Completion;
+use crate::core::completion::{Completion, Done, Tally};
 use crate::core::fabric::Core;
 use crate::core::region::{KeyHandle, KeyId, NicReg, RegionInner};
 use crate::sys::mem::RawBuf;
@@ -193,7 +193,7 @@ struct RmaOp {
     len: usize,
     raddr: u64,
     rkey: u64,
-    done: Arc<Completion>,
+    done: Done,
     attempts: u32,
     ctx: Ctx,
 }
@@ -1983,7 +1983,7 @@ impl RdmaTransport {
                 recycle(frames, headers, frame);
                 false
             }
-            Op::Rma(op) => {
+            Op::Rma(mut op) => {
                 bump(if op.write {
                     &self.counters.writes
                 } else {
@@ -2164,7 +2164,7 @@ impl RdmaTransport {
             ps.ahead = 0;
             // Posted puts and gets keep their memory until the provider
             // completes them; their futures fail now.
-            for op in st.ops.values() {
+            for op in st.ops.values_mut() {
                 if let Op::Rma(o) = op {
                     if o.peer == rank {
                         o.done.complete(Err(err()));
@@ -2181,7 +2181,7 @@ impl RdmaTransport {
         for l in lent {
             l.done.complete(Err(err()));
         }
-        for o in rma {
+        for mut o in rma {
             o.done.complete(Err(err()));
         }
     }
@@ -2340,7 +2340,7 @@ impl Link for RdmaLink {
         self.t.send_message(&self.peer, kind, tag, data)
     }
 
-    fn post(&self, op: OneSided<'_>) -> Result<Native> {
+    fn post(&self, op: OneSided<'_>, tally: Option<&Arc<Tally>>) -> Result<Native> {
         let (write, local, key, offset) = match op {
             OneSided::Put { src, key, offset } => (true, src, key, offset),
             OneSided::Get { dst, key, offset } => (false, dst, key, offset),
@@ -2373,7 +2373,15 @@ impl Link for RdmaLink {
         } else {
             h.key
         };
-        let done = Completion::new();
+        // An operation without a future is counted in the peer's tally:
+        // no slot to allocate, track and sweep for each.
+        let (done, answer) = match tally {
+            Some(t) => (Done::Count(t.start()), Native::Counted),
+            None => {
+                let c = Completion::new();
+                (Done::Slot(c.clone()), Native::Posted(c))
+            }
+        };
         let mut st = lock(&self.t.st);
         let op = RmaOp {
             write,
@@ -2383,7 +2391,7 @@ impl Link for RdmaLink {
             len,
             raddr: h.base.wrapping_add(offset),
             rkey,
-            done: done.clone(),
+            done,
             attempts: 0,
             ctx: st.take_ctx(),
         };
@@ -2394,7 +2402,7 @@ impl Link for RdmaLink {
                 self.t.kick.notify_one();
             }
         }
-        Ok(Native::Posted(done))
+        Ok(answer)
     }
 
     fn has_queued(&self) -> bool {

@@ -78,7 +78,11 @@ impl Link for SmLink {
         vec![self.t.seg.raw(), self.peer.seg.raw()]
     }
 
-    fn post(&self, op: crate::transport::OneSided<'_>) -> Result<crate::transport::Native> {
+    fn post(
+        &self,
+        op: crate::transport::OneSided<'_>,
+        _tally: Option<&std::sync::Arc<crate::core::completion::Tally>>,
+    ) -> Result<crate::transport::Native> {
         use crate::transport::{Native, OneSided};
         let key = op.key();
         if !key.is_shared() {

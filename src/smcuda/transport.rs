@@ -720,7 +720,11 @@ impl Link for SmcudaLink {
     ) -> Result<Option<Arc<Completion>>> {
         Err(Error::Misuse("smcuda carries no messages".into()))
     }
-    fn post(&self, op: OneSided<'_>) -> Result<Native> {
+    fn post(
+        &self,
+        op: OneSided<'_>,
+        _tally: Option<&Arc<crate::core::completion::Tally>>,
+    ) -> Result<Native> {
         self.t.post_copy(self.peer, op)
     }
     fn has_queued(&self) -> bool {

@@ -20,7 +20,7 @@ use bytes::Bytes;
 
 use super::registry::{Entry, Job};
 use super::{Kind, Link, Local, Native, OneSided, Peer, Transport};
-use crate::core::completion::Completion;
+use crate::core::completion::{Completion, Done, Tally};
 use crate::core::fabric::Core;
 use crate::core::region::{KeyId, RegionInner};
 use crate::sys::mem::AtomicOp;
@@ -69,7 +69,7 @@ struct Posted {
     what: What,
     key: KeyId,
     offset: u64,
-    done: Arc<Completion>,
+    done: Done,
 }
 
 enum What {
@@ -98,7 +98,7 @@ impl Double {
     }
 
     /// Carry out one posted operation at its target.
-    fn carry(&self, p: Posted) {
+    fn carry(&self, mut p: Posted) {
         let Some(core) = self.target(p.target) else {
             return p.done.complete(Err(Error::PeerLost {
                 rank: p.target,
@@ -120,7 +120,10 @@ impl Double {
             What::Atomic(op) => match remote.atomic(p.offset, op) {
                 Ok(old) => {
                     self.carried.fetch_add(1, Ordering::Relaxed);
-                    return p.done.complete_value(old);
+                    return match &mut p.done {
+                        Done::Slot(c) => c.complete_value(old),
+                        counted => counted.complete(Ok(())),
+                    };
                 }
                 Err(e) => Err(e),
             },
@@ -147,7 +150,7 @@ impl Link for DoubleLink {
         Err(Error::Misuse("the test double carries no messages".into()))
     }
 
-    fn post(&self, op: OneSided<'_>) -> Result<Native> {
+    fn post(&self, op: OneSided<'_>, tally: Option<&Arc<Tally>>) -> Result<Native> {
         let local = |l: Local<'_>| (l.region.clone(), l.offset, l.raw.len());
         let (what, key, offset) = match op {
             OneSided::Put { src, key, offset } => {
@@ -160,15 +163,23 @@ impl Link for DoubleLink {
             }
             OneSided::Atomic { key, offset, op } => (What::Atomic(op), key, offset),
         };
-        let done = Completion::new();
+        // Implicit puts and gets counted in the peer's tally, as `rdma`
+        // counts them.
+        let (done, answer) = match tally {
+            Some(t) => (Done::Count(t.start()), Native::Counted),
+            None => {
+                let c = Completion::new();
+                (Done::Slot(c.clone()), Native::Posted(c))
+            }
+        };
         lock(&self.t.queue).push_back(Posted {
             target: self.peer,
             what,
             key: key.id,
             offset,
-            done: done.clone(),
+            done,
         });
-        Ok(Native::Posted(done))
+        Ok(answer)
     }
 
     fn has_queued(&self) -> bool {
@@ -235,7 +246,7 @@ impl Transport for Double {
     }
 
     fn shutdown(&self) {
-        for p in lock(&self.queue).drain(..) {
+        for mut p in lock(&self.queue).drain(..) {
             p.done.complete(Err(Error::Closed));
         }
         if let (Some(m), Some(_)) = (lock(&FABRICS).as_mut(), self.core.upgrade()) {
@@ -289,6 +300,23 @@ mod tests {
         let mut w = [0u8; 8];
         target.read(2048, &mut w).unwrap();
         assert_eq!(u64::from_le_bytes(w), 10);
+        // Implicit gets, counted in the peer's tally, are in by the flush.
+        let back2 = a.register(vec![0u8; 1000]);
+        for at in (0..1000).step_by(100) {
+            ep.get_nbi(&back2, at..at + 100, &key, 100 + at as u64)
+                .unwrap();
+        }
+        ep.flush().await.unwrap();
+        assert_eq!(back2.to_vec(), src.to_vec());
+        // A forged key's implicit put: refused by the target's table,
+        // reported by the next flush, once.
+        let mut bad = key.to_bytes();
+        bad[5] ^= 0x55;
+        let forged = crate::RemoteKey::from_bytes(&bad).unwrap();
+        ep.put_nbi(&src, 0..8, &forged, 0).unwrap();
+        let e = ep.flush().await.unwrap_err();
+        assert!(matches!(e, Error::Access(_)), "{e}");
+        ep.flush().await.unwrap();
         // Refused by the target's table, memory untouched.
         let e = ep.put(&src, 0..8, &key, 4092).await.unwrap_err();
         assert!(matches!(e, Error::Access(_)), "{e}");
@@ -301,7 +329,11 @@ mod tests {
             .iter()
             .find_map(|t| t.as_any().downcast_ref::<Double>())
             .map(|d| d.carried.load(Ordering::Relaxed));
-        assert_eq!(carried, Some(6), "put, get, two atomics, two implicit");
+        assert_eq!(
+            carried,
+            Some(16),
+            "put, get, two atomics, two implicit, ten implicit gets"
+        );
         assert_eq!(a.stats().direct_puts, 0);
         tokio::try_join!(a.close(), b.close()).unwrap();
     }

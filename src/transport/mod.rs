@@ -18,7 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::core::completion::Completion;
+use crate::core::completion::{Completion, Tally};
 use crate::core::region::{RegionInner, RemoteKey};
 use crate::sys::mem::{AtomicOp, RawBuf};
 use crate::{Rank, Result};
@@ -265,6 +265,11 @@ pub(crate) enum Native {
     /// with the error that stopped it, a lost peer's included), from its
     /// progress; for an atomic, with [`Completion::complete_value`].
     Posted(Arc<Completion>),
+    /// Started and counted in the tally given to
+    /// [`Link::post`]: the transport finishes its token at remote
+    /// completion, as it would complete a slot.
+    #[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+    Counted,
     /// Not offered for this operation: the core emulates it.
     Emulate,
 }
@@ -381,7 +386,12 @@ pub(crate) trait Link: Send + Sync {
     /// key's owner and its stated bounds before this call; a transport
     /// checks what only it can see (the real size of what it maps, a
     /// revocation).
-    fn post(&self, _op: OneSided<'_>) -> Result<Native> {
+    ///
+    /// `tally`: the operation has no future of its own (`put_nbi`,
+    /// `get_nbi`); a transport may count it there
+    /// ([`Tally::start`](crate::core::completion::Tally::start)) instead of
+    /// giving it a slot, and answer [`Native::Counted`].
+    fn post(&self, _op: OneSided<'_>, _tally: Option<&Arc<Tally>>) -> Result<Native> {
         Ok(Native::Emulate)
     }
 
