@@ -350,16 +350,21 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn a_tally_counts_its_operations_and_keeps_the_first_failure() {
-        struct Count(std::sync::atomic::AtomicUsize);
+    /// A waker that counts its wakes.
+    fn counting_waker() -> (Arc<std::sync::atomic::AtomicUsize>, Waker) {
+        struct Count(Arc<std::sync::atomic::AtomicUsize>);
         impl std::task::Wake for Count {
             fn wake(self: Arc<Self>) {
                 self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        let woken = Arc::new(Count(Default::default()));
-        let w = Waker::from(woken.clone());
+        let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        (n.clone(), Waker::from(Arc::new(Count(n))))
+    }
+
+    #[test]
+    fn a_tally_counts_its_operations_and_keeps_the_first_failure() {
+        let (woken, w) = counting_waker();
         let cx = Context::from_waker(&w);
         let t = Tally::new();
         let mut ops: Vec<Counted> = (0..4).map(|_| t.start()).collect();
@@ -370,12 +375,12 @@ mod tests {
         assert_eq!(t.running(), 3, "a second completion counts nothing");
         ops[0].complete(Ok(()));
         ops[2].complete(Err(crate::Error::Misuse("later".into())));
-        assert_eq!(woken.0.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(woken.load(std::sync::atomic::Ordering::Relaxed), 0);
         // One left unfinished and dropped: given up, counted as failed.
         drop(ops);
         assert_eq!(t.running(), 0);
         assert_eq!(
-            woken.0.load(std::sync::atomic::Ordering::Relaxed),
+            woken.load(std::sync::atomic::Ordering::Relaxed),
             1,
             "woken once, at zero"
         );
@@ -395,20 +400,13 @@ mod tests {
 
     #[test]
     fn a_watcher_is_woken_and_the_result_left_for_its_owner() {
-        struct Count(std::sync::atomic::AtomicUsize);
-        impl std::task::Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        let woken = Arc::new(Count(Default::default()));
-        let w = Waker::from(woken.clone());
+        let (woken, w) = counting_waker();
         let mut cx = Context::from_waker(&w);
         let c = Completion::new();
         assert!(c.wake_when_done(&mut cx));
         assert!(c.wake_when_done(&mut cx), "the same waker again");
         c.complete(Err(crate::Error::Closed));
-        assert_eq!(woken.0.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(woken.load(std::sync::atomic::Ordering::Relaxed), 1);
         assert!(!c.wake_when_done(&mut cx), "done: nothing to wait for");
         assert!(matches!(c.take_done(), Some(Err(crate::Error::Closed))));
     }

@@ -361,12 +361,8 @@ pub(crate) fn rxm_eager(frame: usize) -> usize {
         // queue at rxm's default memory (see `srx_depth`), unless the user
         // chose the depth, or per-connection queues (whose depth the same
         // variable sets, per peer).
-        let shared = std::env::var(RXM_USE_SRX).map_or(true, |v| {
-            !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "0" | "off" | "false" | "no"
-            )
-        });
+        let shared =
+            std::env::var(RXM_USE_SRX).map_or(true, |v| crate::sys::env::switch(&v) != Some(false));
         let buffer = std::env::var(RXM_SIZES[0])
             .ok()
             .and_then(|s| s.trim().parse().ok())
